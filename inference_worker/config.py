@@ -1,0 +1,71 @@
+"""Worker configuration: CLI flags, WORKER_* environment variables, optional YAML (--config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inference_worker.settings_loader import load_settings
+
+
+class WorkerConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WORKER_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="python -m inference_worker",
+        extra="forbid",
+    )
+
+    config: str | None = Field(None, description="optional YAML file with any of these fields")
+
+    # Model and backend
+    backend: Literal["torch", "sim"] = Field("torch", description="real model forward, or the sim latency model")
+    model: str = Field("smollm2", description="alias 'smollm2' or a local Hugging Face model directory")
+    served_model_name: str | None = Field(None, description="model name in the API (default: --model)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    # Engine limits
+    max_model_len: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    block_size: int = Field(16, ge=1, le=1024)
+    num_kv_blocks: int | None = Field(None, ge=2, description="size of the KV pool in blocks")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="size of the KV pool in bytes")
+    enable_prefix_caching: bool = True
+
+    # Observability
+    log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
+    hide_legacy_metrics: bool = Field(False, description="hide the vLLM v0 compatibility aliases")
+
+    # Server
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=1, le=65535)
+
+    # Registration with a scheduler (see scheduler issue)
+    register_with: str | None = Field(None, description="scheduler URL to self-register with")
+    registration_token: str | None = None
+    advertise_url: str | None = Field(None, description="URL the scheduler should use (default http://host:port)")
+
+    # Sim backend
+    sim_profile: str = Field("tiny", description="profile name or path to a profile YAML")
+    time_scale: float = Field(1.0, gt=0, description="stretch every simulated duration by this factor")
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def load_worker_config(argv: list[str] | None = None) -> WorkerConfig:
+    return load_settings(WorkerConfig, argv)

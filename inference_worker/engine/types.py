@@ -1,0 +1,126 @@
+"""Types shared by the engine, its model runners and the API server.
+
+This is the contract between the parts of the worker:
+- the server builds a `SamplingParams` and calls `AsyncEngine.generate(...)`;
+- the engine yields `RequestOutput`s (text already detokenized, stop strings applied);
+- a `ModelRunner` (the real transformer, or the sim latency model) executes one
+  `StepBatch` per engine step and returns one sampled token per sequence that needs one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(enum.StrEnum):
+    """Values of vLLM's `finished_reason` label and of OpenAI's `finish_reason`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    # The request's own max_tokens (None when the client left it unset), for
+    # vllm:request_params_max_tokens, which is observed only when set.
+    max_tokens_param: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One streamed update for a request.
+
+    `text` and `token_ids` are the *delta* since the previous output of this
+    request. The last output has `finished=True` and a `finish_reason`.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative, for usage
+    num_cached_tokens: int = 0
+    matched_stop: str | int | None = None
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of an engine step, as a model runner sees it.
+
+    `token_ids` are all tokens of the sequence known so far (prompt + output).
+    The step computes positions [num_computed_tokens, num_computed_tokens + num_new_tokens).
+    `block_table` maps logical KV blocks to physical block ids in the KV pool.
+    `needs_sample` is false for a non-final prefill chunk.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: Sequence[int]
+    sampling: SamplingParams
+    needs_sample: bool
+    # True while the step still computes prompt tokens (a prefill or a prefill chunk).
+    is_prefill: bool = False
+    # Tokens generated so far (for seeded sampling streams to stay reproducible).
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepBatch:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences if s.is_prefill)
+
+    @property
+    def num_decode_sequences(self) -> int:
+        return sum(1 for s in self.sequences if not s.is_prefill)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(s.num_computed_tokens + s.num_new_tokens for s in self.sequences)
+
+
+class ModelRunner(Protocol):
+    """Runs one batched forward (or its simulation) over a step's sequences."""
+
+    block_size: int
+    num_kv_blocks: int
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        """Return one sampled token id per sequence (None where needs_sample is false)."""
+        ...
+
+
+class WorkerTokenizer(Protocol):
+    """What the server and the engine need of a tokenizer (HF, or the sim's fake one)."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...

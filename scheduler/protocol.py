@@ -1,0 +1,71 @@
+"""Wire types between the gateway and the scheduler (JSON over HTTP).
+
+`router` imports these and `scheduler.client`; nothing here imports the router.
+
+POST /v1/schedule   ScheduleRequest  -> 200 ScheduleDecision
+                                      -> 503 ScheduleWait   (every eligible worker saturated)
+                                      -> 404 OpenAI error   (no worker serves the model)
+POST /v1/release    LeaseRelease     -> 204
+GET  /v1/workers    -> {"workers": [WorkerView, ...]}
+POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>)
+DELETE /v1/workers/{worker_id}
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ScheduleRequest(BaseModel):
+    model: str
+    prompt_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    # Fingerprints of successive fixed-size prefix chunks of the prompt, first chunk first.
+    prefix_hashes: list[int] = Field(default_factory=list)
+    lora: str | None = None
+    # Worker ids that already failed this request (retries).
+    exclude: list[str] = Field(default_factory=list)
+    # Hold the call up to this long when every worker is saturated.
+    wait_ms: int = Field(0, ge=0, le=60_000)
+
+
+class ScheduleDecision(BaseModel):
+    worker_id: str
+    url: str
+    lease_id: str
+    policy: str
+    reason: dict = Field(default_factory=dict)
+
+
+class ScheduleWait(BaseModel):
+    wait: bool = True
+    retry_after_ms: int
+
+
+class LeaseRelease(BaseModel):
+    lease_id: str
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    # Set when the gateway saw the worker fail: "connect", "timeout", "http_5xx", ...
+    error: str | None = None
+
+
+class WorkerRegistration(BaseModel):
+    url: str
+    models: list[str] = Field(default_factory=list)
+    engine: str | None = None  # "vllm", "sglang", "tgi", "triton", ... (else detected)
+    worker_id: str | None = None
+
+
+class WorkerView(BaseModel):
+    worker_id: str
+    url: str
+    healthy: bool
+    dialect: str | None = None
+    models: list[str] = Field(default_factory=list)
+    snapshot: dict | None = None
+    data_age_ms: float | None = None
+    in_flight_leases: int = 0
+    score: float | None = None
