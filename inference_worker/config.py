@@ -22,7 +22,7 @@ class WorkerConfig(BaseSettings):
     config: str | None = Field(None, description="optional YAML file with any of these fields")
 
     # Model and backend
-    backend: Literal["torch", "sim"] = Field("torch", description="real model forward, or the sim latency model")
+    backend: Literal["torch", "sim"] = Field("torch", description="real model, or the sim latency model")
     model: str = Field("smollm2", description="alias 'smollm2' or a local Hugging Face model directory")
     served_model_name: str | None = Field(None, description="model name in the API (default: --model)")
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -10,7 +10,7 @@ This is the contract between the parts of the worker:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -124,3 +124,32 @@ class WorkerTokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+
+class AsyncEngineClient(Protocol):
+    """What the API server uses of the engine (implemented in engine/async_engine.py).
+
+    The engine's step loop runs off the event loop (a thread); `generate` streams
+    outputs as the steps produce them. Closing the `generate` iterator early (client
+    disconnect, stop string seen by the server) aborts the request in the engine and
+    frees its KV blocks at the next step; it is then counted as finished_reason=abort.
+    All engine timestamps come from the engine's own clock (for the sim backend:
+    monotonic seconds divided by --time-scale, so metrics report simulated seconds).
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: WorkerTokenizer
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    @property
+    def is_healthy(self) -> bool: ...
