@@ -1,0 +1,255 @@
+"""Client the gateway uses to talk to the scheduler (imported by `router`).
+
+The scheduler is on every request's path, so this client keeps one aiohttp
+session with persistent keep-alive connections (TCP_NODELAY, no per-request
+connection set-up) and encodes/decodes the wire types by hand with the stdlib
+json module: pydantic validation of a response we produced ourselves costs
+more than the rest of the call (see benchmarks/scheduler_bench.py).
+
+Errors:
+- `UnknownModelError`: no known worker serves the model (HTTP 404).
+- `SchedulerUnavailableError`: connection failure, timeout, or a 5xx that is not
+  the scheduler's "wait" answer. The gateway falls back to round robin on it.
+- `SchedulerRequestError`: the scheduler rejected the request (other 4xx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from typing import Any
+
+import aiohttp
+
+from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerView
+
+log = logging.getLogger(__name__)
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_loads = json.loads
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class SchedulerError(Exception):
+    """Base class of every error the client raises."""
+
+
+class UnknownModelError(SchedulerError):
+    """No worker known to the scheduler serves the requested model (404)."""
+
+
+class SchedulerUnavailableError(SchedulerError):
+    """The scheduler could not be reached or failed (connection error, timeout, 5xx)."""
+
+
+class SchedulerRequestError(SchedulerError):
+    """The scheduler rejected the request as invalid (4xx other than 404)."""
+
+
+def encode_schedule_request(req: ScheduleRequest | dict[str, Any]) -> bytes:
+    """Compact JSON; empty optional fields are left out."""
+    if isinstance(req, dict):
+        return _dumps(req).encode()
+    body: dict[str, Any] = {"model": req.model, "prompt_tokens": req.prompt_tokens}
+    if req.max_tokens is not None:
+        body["max_tokens"] = req.max_tokens
+    if req.prefix_hashes:
+        body["prefix_hashes"] = req.prefix_hashes
+    if req.lora:
+        body["lora"] = req.lora
+    if req.exclude:
+        body["exclude"] = req.exclude
+    if req.wait_ms:
+        body["wait_ms"] = req.wait_ms
+    return _dumps(body).encode()
+
+
+def encode_release(rel: LeaseRelease | dict[str, Any]) -> bytes:
+    if isinstance(rel, dict):
+        return _dumps(rel).encode()
+    body: dict[str, Any] = {
+        "lease_id": rel.lease_id,
+        "ok": rel.ok,
+        "prompt_tokens": rel.prompt_tokens,
+        "output_tokens": rel.output_tokens,
+    }
+    if rel.ttft_ms is not None:
+        body["ttft_ms"] = rel.ttft_ms
+    if rel.error is not None:
+        body["error"] = rel.error
+    return _dumps(body).encode()
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        return str(_loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")
+
+
+class SchedulerClient:
+    """One per gateway process; safe to share between concurrent requests."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 2.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = session
+        self._owns_session = session is None
+        self._background: set[asyncio.Task] = set()
+        self._schedule_url = f"{self.base_url}/v1/schedule"
+        self._release_url = f"{self.base_url}/v1/release"
+        self._workers_url = f"{self.base_url}/v1/workers"
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # The connector applies TCP_NODELAY to every connection it opens; keep-alive is
+            # aiohttp's default. No limit per host: the gateway may have many calls in flight.
+            connector = aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=60, socket_factory=_nodelay_socket_factory
+            )
+            self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
+            self._owns_session = True
+        return self._session
+
+    async def _post(self, url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        session = self._get_session()
+        try:
+            async with session.post(
+                url, data=body, headers=_JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise SchedulerUnavailableError(f"scheduler {url}: {type(exc).__name__}: {exc}") from exc
+
+    async def schedule_raw(self, body: dict[str, Any] | bytes, wait_ms: int = 0) -> tuple[int, dict]:
+        """Lowest-cost call: a dict (or pre-encoded bytes) in, (status, decoded JSON) out."""
+        data = body if isinstance(body, bytes) else _dumps(body).encode()
+        status, raw = await self._post(self._schedule_url, data, self.timeout_s + wait_ms / 1000.0)
+        if status == 200:
+            return status, _loads(raw)
+        if status == 503:
+            try:
+                payload = _loads(raw)
+            except ValueError:
+                payload = None
+            if isinstance(payload, dict) and payload.get("wait"):
+                return status, payload
+            raise SchedulerUnavailableError(f"scheduler answered 503: {_error_message(raw)}")
+        if status == 404:
+            raise UnknownModelError(_error_message(raw))
+        if 400 <= status < 500:
+            raise SchedulerRequestError(f"scheduler answered {status}: {_error_message(raw)}")
+        raise SchedulerUnavailableError(f"scheduler answered {status}: {_error_message(raw)}")
+
+    async def schedule(self, req: ScheduleRequest | dict[str, Any]) -> ScheduleDecision | ScheduleWait:
+        """Ask for a worker. Returns a decision (with a lease to release) or a wait answer."""
+        wait_ms = req.get("wait_ms", 0) if isinstance(req, dict) else req.wait_ms
+        status, payload = await self.schedule_raw(encode_schedule_request(req), int(wait_ms or 0))
+        try:
+            if status == 200:
+                # model_construct: the scheduler produced this JSON, skip re-validation.
+                return ScheduleDecision.model_construct(
+                    worker_id=payload["worker_id"],
+                    url=payload["url"],
+                    lease_id=payload["lease_id"],
+                    policy=payload.get("policy", ""),
+                    reason=payload.get("reason") or {},
+                )
+            retry_after_ms = int(payload.get("retry_after_ms", 0))
+            return ScheduleWait.model_construct(wait=True, retry_after_ms=retry_after_ms)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchedulerUnavailableError(f"malformed scheduler answer: {payload!r}") from exc
+
+    async def release(self, rel: LeaseRelease | dict[str, Any]) -> None:
+        """Close a lease. Never raises (safe to fire and forget); failures are logged,
+        and the scheduler's lease expiry covers a release that was lost."""
+        try:
+            status, raw = await self._post(self._release_url, encode_release(rel), self.timeout_s)
+            if status >= 400 and status != 404:  # 404: lease already expired or released
+                log.warning("scheduler release answered %s: %s", status, _error_message(raw))
+        except SchedulerUnavailableError as exc:
+            log.debug("lease release lost: %s", exc)
+
+    def release_nowait(self, rel: LeaseRelease | dict[str, Any]) -> None:
+        """Schedule `release` in the background (keeps a reference so the task is not GC'd)."""
+        self._spawn(self.release(rel))
+
+    async def report_failure(self, worker_id: str, error: str) -> None:
+        """The gateway saw a connection-level failure: the worker leaves rotation at once.
+        Never raises."""
+        url = f"{self._workers_url}/{worker_id}/failure"
+        try:
+            status, raw = await self._post(url, _dumps({"error": error}).encode(), self.timeout_s)
+            if status >= 400 and status != 404:
+                log.warning("scheduler failure report answered %s: %s", status, _error_message(raw))
+        except SchedulerUnavailableError as exc:
+            log.debug("failure report lost: %s", exc)
+
+    def report_failure_nowait(self, worker_id: str, error: str) -> None:
+        self._spawn(self.report_failure(worker_id, error))
+
+    async def workers(self) -> list[WorkerView]:
+        """Every worker the scheduler knows (healthy or not). Raises SchedulerUnavailableError."""
+        session = self._get_session()
+        try:
+            async with session.get(
+                self._workers_url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise SchedulerUnavailableError(f"scheduler {self._workers_url}: {exc!r}") from exc
+        if status != 200:
+            raise SchedulerUnavailableError(f"scheduler answered {status}: {_error_message(raw)}")
+        try:
+            return [WorkerView.model_validate(w) for w in _loads(raw)["workers"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SchedulerUnavailableError(f"malformed /v1/workers answer: {exc}") from exc
+
+    async def health(self) -> bool:
+        """True when the scheduler answers GET /health with 200."""
+        session = self._get_session()
+        try:
+            async with session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Wait briefly for background releases, then close the session if we own it."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.timeout_s)
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> SchedulerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _nodelay_socket_factory(addr_info) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setblocking(False)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
