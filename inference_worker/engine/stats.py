@@ -82,6 +82,9 @@ class IterationStats:
 
     iteration_timestamp: float
     num_prompt_tokens: int = 0  # full prompt length credited when a request emits its first token
+    # The part of num_prompt_tokens served from the prefix cache (same requests, same moment);
+    # feeds vllm:prompt_tokens_by_source{source="local_cache_hit"|"local_compute"}.
+    num_cached_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preempted_reqs: int = 0
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
