@@ -1,0 +1,214 @@
+"""Process orchestration for routing experiments: sim/real workers, the scheduler and the gateway.
+
+Every process runs in its own session (process group) on 127.0.0.1 with a free port, its output
+goes to a log file, start-up waits are bounded, and stopping escalates SIGTERM -> SIGKILL on
+the whole group, so nothing outlives an experiment even when it fails half way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port the OS considers free right now (bind to 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class ManagedProcess:
+    """One child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(self.env or {})}
+        log = self.log_path.open("ab")  # the child keeps its own copy of the descriptor
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=env
+            )
+        finally:
+            log.close()
+
+    def log_tail(self, n_chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is None or self.proc.returncode is not None
+
+    async def wait_ready(self, url: str, timeout_s: float, session: aiohttp.ClientSession) -> None:
+        """Poll `url` until it answers 200; fail early if the process dies, late past the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.exited:
+                raise StartupError(f"{self.name} exited during start-up:\n{self.log_tail()}")
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+        raise StartupError(f"{self.name} not ready at {url} after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the group, wait up to grace_s, then SIGKILL the group."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        pgid = self.proc.pid  # start_new_session makes the child its group's leader
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), wait_s)
+                return
+
+
+@dataclass
+class ClusterSpec:
+    """What to start for one policy run."""
+
+    profiles: list[str]  # one sim profile per worker (ignored by the torch backend)
+    policy: str | None  # None: no scheduler, no gateway (the "baseline" run)
+    model: str = "llama2"
+    backend: str = "sim"
+    time_scale: float = 1.0
+    worker_args: list[list[str]] = field(default_factory=list)  # per worker; one entry applies to all
+    scheduler_config: str | None = None
+    scrape_interval_ms: int = 100
+    gateway_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    log_dir: Path = Path("/tmp/routing-logs")
+    startup_timeout_s: float = 120.0
+
+
+class Cluster:
+    """`async with Cluster(spec) as c:` gives c.worker_urls and c.gateway_url (None for baseline)."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.workers: list[ManagedProcess] = []
+        self.worker_urls: list[str] = []
+        self.scheduler: ManagedProcess | None = None
+        self.scheduler_url: str | None = None
+        self.gateway: ManagedProcess | None = None
+        self.gateway_url: str | None = None
+
+    def _extra_worker_args(self, index: int) -> list[str]:
+        args = self.spec.worker_args
+        if not args:
+            return []
+        return args[index] if len(args) > 1 else args[0]
+
+    def _worker_argv(self, index: int, port: int) -> list[str]:
+        spec = self.spec
+        argv = [sys.executable, "-m", "inference_worker", "--backend", spec.backend,
+                "--served-model-name", spec.model, "--host", HOST, "--port", str(port)]
+        if spec.backend == "sim":
+            argv += ["--sim-profile", spec.profiles[index], "--time-scale", str(spec.time_scale)]
+        return argv + self._extra_worker_args(index)
+
+    async def __aenter__(self) -> Cluster:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _start(self) -> None:
+        spec = self.spec
+        tag = spec.policy or "baseline"
+        log_dir = spec.log_dir / tag.replace(":", "_")
+        async with aiohttp.ClientSession() as session:
+            for i in range(len(spec.profiles)):
+                port = free_port()
+                self.worker_urls.append(f"http://{HOST}:{port}")
+                self.workers.append(ManagedProcess(f"worker{i}", self._worker_argv(i, port),
+                                                   log_dir / f"worker{i}.log"))
+            for w in self.workers:
+                await w.start()
+            await asyncio.gather(*(w.wait_ready(f"{u}/health", spec.startup_timeout_s, session)
+                                   for w, u in zip(self.workers, self.worker_urls, strict=True)))
+            if spec.policy is None:
+                return
+            if spec.policy.startswith("peer:"):
+                from benchmarks.peers import peer_argv  # optional Rust routers, same role as the gateway
+
+                port = free_port()
+                self.gateway_url = f"http://{HOST}:{port}"
+                argv, ready_path = peer_argv(spec.policy, port, self.worker_urls)
+                self.gateway = ManagedProcess(tag, argv, log_dir / "peer.log")
+                await self.gateway.start()
+                await self.gateway.wait_ready(self.gateway_url + ready_path, spec.startup_timeout_s, session)
+                return
+            sport = free_port()
+            self.scheduler_url = f"http://{HOST}:{sport}"
+            sargv = [sys.executable, "-m", "scheduler", "--host", HOST, "--port", str(sport),
+                     "--workers", ",".join(self.worker_urls), "--policy", spec.policy,
+                     "--scrape-interval-ms", str(spec.scrape_interval_ms)]
+            if spec.scheduler_config:
+                sargv += ["--config", spec.scheduler_config]
+            self.scheduler = ManagedProcess("scheduler", sargv + spec.scheduler_args,
+                                            log_dir / "scheduler.log")
+            await self.scheduler.start()
+            await self.scheduler.wait_ready(self.scheduler_url + "/health", spec.startup_timeout_s, session)
+            gport = free_port()
+            self.gateway_url = f"http://{HOST}:{gport}"
+            gargv = [sys.executable, "-m", "router", "--host", HOST, "--port", str(gport),
+                     "--scheduler", self.scheduler_url, "--workers", ",".join(self.worker_urls)]
+            self.gateway = ManagedProcess("gateway", gargv + spec.gateway_args, log_dir / "gateway.log")
+            await self.gateway.start()
+            await self.gateway.wait_ready(self.gateway_url + "/health", spec.startup_timeout_s, session)
+            await self._wait_scheduler_sees_workers(session)
+
+    async def _wait_scheduler_sees_workers(self, session: aiohttp.ClientSession) -> None:
+        """The first request must not race the first scrape: wait until every worker is healthy."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with session.get(f"{self.scheduler_url}/v1/workers",
+                                       timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    body = await resp.json()
+                    views = body.get("workers", [])
+                    if len(views) == len(self.worker_urls) and all(v.get("healthy") for v in views):
+                        return
+            await asyncio.sleep(0.2)
+        raise StartupError("scheduler did not report every worker healthy within 30s:\n"
+                           + (self.scheduler.log_tail() if self.scheduler else ""))
+
+    async def stop(self) -> None:
+        # Front to back, so no process sees its upstream vanish while it still takes traffic.
+        for proc in (self.gateway, self.scheduler):
+            if proc is not None:
+                await proc.stop()
+        await asyncio.gather(*(w.stop() for w in self.workers))

@@ -1,0 +1,175 @@
+"""Routing-quality experiment: every policy, in front of the same fresh workers, same prompts.
+
+    python -m benchmarks.routing --profile llama2-7b-a10 --workers 5 --concurrency 160 \
+        --num-prompts 2000 \
+        --policies baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity \
+        --output benchmarks/results/routing-homogeneous.json
+
+For each policy: start fresh workers, the scheduler and the gateway (baseline: workers only, the
+client spreads requests round robin straight to them), run the benchmark client, sample every
+worker's load gauges, stop everything. Then print the reference table per policy, write the JSON
+and draw the PNGs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.cluster import Cluster, ClusterSpec
+from benchmarks.routing_client import run_client, slim_result
+from benchmarks.routing_plots import plot_cdfs, plot_timelines
+from benchmarks.routing_report import goal_check, policy_table, summary_table
+from benchmarks.routing_sampler import LoadSampler
+
+ALL_POLICIES = "baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity"
+QUICK = {"profile": "tiny", "workers": 2, "concurrency": 8, "num_prompts": 24, "time_scale": 1.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="llama2-7b-a10", help="sim profile of every worker")
+    p.add_argument("--profiles", default=None,
+                   help="comma list, one sim profile per worker (heterogeneous); "
+                   "overrides --profile/--workers")
+    p.add_argument("--workers", type=int, default=5)
+    p.add_argument("--backend", choices=("sim", "torch"), default="sim")
+    p.add_argument("--worker-args", action="append", default=[],
+                   help="extra worker flags; give once for all workers or once per worker, in order")
+    p.add_argument("--model", default="llama2", help="served model name")
+    p.add_argument("--concurrency", type=int, default=160)
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--dataset", choices=("sharegpt", "sharegpt-multiturn"), default="sharegpt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=ALL_POLICIES)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--scheduler-config", default=None, help="scheduler YAML (policy weights/thresholds)")
+    p.add_argument("--scrape-interval-ms", type=int, default=100)
+    p.add_argument("--gateway-args", default="", help="extra gateway flags, one shell-quoted string")
+    p.add_argument("--client-args", default="", help="extra benchmark-client options as JSON object")
+    p.add_argument("--sample-interval", type=float, default=0.5, help="wall seconds between load samples")
+    p.add_argument("--output", default="benchmarks/results/routing-homogeneous.json")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--timeline-policies", default="baseline,llm_aware")
+    p.add_argument("--log-dir", default=None, help="process logs (default: <output stem>-logs in /tmp)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: tiny profile, 2 workers, 24 prompts, concurrency 8 (< 3 min)")
+    p.add_argument("--replot", action="store_true", help="only redraw tables and PNGs from --output")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    return args
+
+
+def worker_profiles(args: argparse.Namespace) -> list[str]:
+    if args.profiles:
+        return [s.strip() for s in args.profiles.split(",") if s.strip()]
+    return [args.profile] * args.workers
+
+
+def scenario_of(args: argparse.Namespace) -> dict:
+    config_text = Path(args.scheduler_config).read_text() if args.scheduler_config else None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    return {
+        "command": "python -m benchmarks.routing " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "profiles": worker_profiles(args), "backend": args.backend, "worker_args": args.worker_args,
+        "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency, "seed": args.seed, "time_scale": args.time_scale,
+        "scrape_interval_ms": args.scrape_interval_ms, "scheduler_config": args.scheduler_config,
+        "scheduler_config_text": config_text, "gateway_args": args.gateway_args,
+        "policies": [s for s in args.policies.split(",") if s],
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (shared)", "git_commit": commit,
+        "quick": args.quick,
+    }
+
+
+async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path) -> tuple[dict, list[dict], float]:
+    spec = ClusterSpec(
+        profiles=worker_profiles(args), policy=None if policy == "baseline" else policy, model=args.model,
+        backend=args.backend, time_scale=args.time_scale,
+        worker_args=[shlex.split(a) for a in args.worker_args], scheduler_config=args.scheduler_config,
+        scrape_interval_ms=args.scrape_interval_ms, gateway_args=shlex.split(args.gateway_args),
+        log_dir=log_dir,
+    )
+    t0 = time.monotonic()
+    async with Cluster(spec) as cluster:
+        targets = cluster.worker_urls if policy == "baseline" else [cluster.gateway_url]
+        async with LoadSampler(cluster.worker_urls, args.sample_interval, args.time_scale) as sampler:
+            result = await run_client(
+                base_urls=targets, model=args.model, dataset=args.dataset, num_prompts=args.num_prompts,
+                concurrency=args.concurrency, seed=args.seed, time_scale=args.time_scale,
+                extra=json.loads(args.client_args) if args.client_args else {},
+            )
+    return result, sampler.samples, time.monotonic() - t0
+
+
+def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> None:
+    results = doc["policies"]
+    if "baseline" in results:
+        for name, result in results.items():
+            if name != "baseline":
+                print(f"\n### {name} vs baseline\n\n{policy_table(name, results['baseline'], result)}")
+    print(f"\n### all policies\n\n{summary_table(results)}\n")
+    homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
+    for line in goal_check(results, reference=homogeneous):
+        print(line)
+    if not draw:
+        return
+    stem = out.with_suffix("")
+    sc = doc["scenario"]
+    label = f"{out.stem}: {sc['num_prompts']} prompts, concurrency {sc['concurrency']}"
+    paths = [plot_cdfs(results, "ttft", Path(f"{stem}-ttft-cdf.png"), f"TTFT CDF ({label})"),
+             plot_cdfs(results, "tpot", Path(f"{stem}-tpot-cdf.png"), f"TPOT CDF ({label})")]
+    timelines = {n: doc.get("timelines", {}).get(n, []) for n in timeline_policies}
+    if any(timelines.values()):
+        labels = [f"w{i} {p}" for i, p in enumerate(sc["profiles"])]
+        paths.append(plot_timelines(timelines, Path(f"{stem}-load.png"), f"worker load over time ({label})",
+                                    worker_labels=labels))
+    print("figures: " + ", ".join(str(p) for p in paths))
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    policies = [s for s in args.policies.split(",") if s]
+    log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
+    doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "wall_s": {}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for policy in policies:
+        print(f"[routing] {policy}: starting {len(worker_profiles(args))} workers ...",
+              file=sys.stderr, flush=True)
+        result, samples, wall = await run_policy(policy, args, log_dir)
+        doc["policies"][policy] = slim_result(result)
+        doc["timelines"][policy] = samples
+        doc["wall_s"][policy] = round(wall, 1)
+        print(f"[routing] {policy}: done in {wall:.0f}s wall, {result.get('completed')} ok, "
+              f"{result.get('failed', 0)} failed, mean TTFT {result.get('mean_ttft_ms', 0):.1f} ms",
+              file=sys.stderr, flush=True)
+        # Written after every policy, so a crash later still leaves what finished.
+        await asyncio.to_thread(out.write_text, json.dumps(doc, indent=1))
+    report(doc, out, not args.no_plots, args.timeline_policies.split(","))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        out = Path(args.output)
+        report(json.loads(out.read_text()), out, not args.no_plots, args.timeline_policies.split(","))
+        return 0
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

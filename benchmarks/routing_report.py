@@ -1,0 +1,130 @@
+"""Tables for the routing experiment: each policy against the no-router baseline.
+
+Rows, units and order follow the reference product's table (issue 6); values come from the
+benchmark client's result object (vLLM --save-result keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    unit: str
+    key: str  # result key, or a derived name handled in row_value
+    lower_is_better: bool
+
+
+ROWS: tuple[Row, ...] = (
+    Row("benchmark duration", "s", "duration", True),
+    Row("input token throughput", "tok/s", "input_throughput", False),
+    Row("output token throughput", "tok/s", "output_throughput", False),
+    Row("mean TTFT", "ms", "mean_ttft_ms", True),
+    Row("median TTFT", "ms", "median_ttft_ms", True),
+    Row("P99 TTFT", "ms", "p99_ttft_ms", True),
+    Row("mean TPOT", "ms", "mean_tpot_ms", True),
+    Row("P99 TPOT", "ms", "p99_tpot_ms", True),
+)
+
+# The reference product's changes against round robin (issue 6). Homogeneous goal: at least these.
+REFERENCE_CHANGE_PCT = {
+    "output_throughput": 7.5,
+    "mean_ttft_ms": -84.0,
+    "p99_ttft_ms": -81.0,
+    "mean_tpot_ms": -42.0,
+    "p99_tpot_ms": -69.0,
+}
+
+
+def row_value(result: dict, key: str) -> float | None:
+    if key == "input_throughput":  # not a vLLM key: total prompt tokens over the run's duration
+        if "input_throughput" in result:
+            return float(result["input_throughput"])
+        duration = result.get("duration")
+        tokens = result.get("total_input_tokens")
+        if not duration or tokens is None:
+            return None
+        return tokens / duration
+    value = result.get(key)
+    return None if value is None else float(value)
+
+
+def change_pct(base: float | None, value: float | None) -> float | None:
+    if base is None or value is None or base == 0:
+        return None
+    return (value - base) / base * 100.0
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.1f} {unit}" if unit == "s" else f"{value:.2f} {unit}"
+
+
+def _fmt_change(pct: float | None, row: Row) -> str:
+    if pct is None:
+        return "n/a"
+    better = (pct < 0) if row.lower_is_better else (pct > 0)
+    mark = "better" if better and abs(pct) >= 0.05 else ("worse" if abs(pct) >= 0.05 else "same")
+    return f"{pct:+.1f}% ({mark})"
+
+
+def policy_table(name: str, baseline: dict, result: dict) -> str:
+    """The issue's table (markdown) for one policy against the baseline."""
+    lines = [
+        f"| metric | without router (baseline) | with router ({name}) | change |",
+        "|---|---|---|---|",
+    ]
+    for row in ROWS:
+        b, v = row_value(baseline, row.key), row_value(result, row.key)
+        lines.append(f"| {row.label} | {_fmt(b, row.unit)} | {_fmt(v, row.unit)} | "
+                     f"{_fmt_change(change_pct(b, v), row)} |")
+    lines.append(f"| failed requests | {baseline.get('failed', 'n/a')} | {result.get('failed', 'n/a')} | |")
+    return "\n".join(lines)
+
+
+def summary_table(results: dict[str, dict], baseline_name: str = "baseline") -> str:
+    """Every policy side by side (markdown), change vs baseline in parentheses."""
+    names = list(results)
+    base = results.get(baseline_name)
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for row in ROWS:
+        cells = []
+        for n in names:
+            v = row_value(results[n], row.key)
+            cell = "n/a" if v is None else f"{v:.1f}"
+            pct = change_pct(row_value(base, row.key), v) if base is not None and n != baseline_name else None
+            cells.append(cell if pct is None else f"{cell} ({pct:+.0f}%)")
+        lines.append(f"| {row.label} ({row.unit}) | " + " | ".join(cells) + " |")
+    failed = " | ".join(str(results[n].get("failed", "n/a")) for n in names)
+    lines.append(f"| failed requests | {failed} |")
+    return "\n".join(lines)
+
+
+def goal_check(results: dict[str, dict], candidate: str = "llm_aware", baseline_name: str = "baseline",
+               reference: bool = True) -> list[str]:
+    """Plain-language verdicts: reference changes met (homogeneous), best TTFT, throughput kept."""
+    if candidate not in results or baseline_name not in results:
+        return [f"goal check skipped: needs both {candidate!r} and {baseline_name!r}"]
+    base, cand = results[baseline_name], results[candidate]
+    verdicts = []
+    if reference:
+        for key, goal in REFERENCE_CHANGE_PCT.items():
+            pct = change_pct(row_value(base, key), row_value(cand, key))
+            met = pct is not None and (pct >= goal if goal > 0 else pct <= goal)
+            shown = "n/a" if pct is None else f"{pct:+.1f}%"
+            verdicts.append(f"{'MET ' if met else 'MISS'} {key}: {shown} (reference {goal:+.1f}%)")
+    for key in ("mean_ttft_ms", "p99_ttft_ms"):
+        values = {n: row_value(r, key) for n, r in results.items() if row_value(r, key) is not None}
+        best = min(values, key=values.__getitem__) if values else None
+        ok = best == candidate
+        best_ms, cand_ms = values.get(best, float("nan")), values.get(candidate, float("nan"))
+        verdicts.append(f"{'MET ' if ok else 'MISS'} best {key}: {best} ({best_ms:.1f} ms; "
+                        f"{candidate} {cand_ms:.1f} ms)")
+    pct = change_pct(row_value(base, "output_throughput"), row_value(cand, "output_throughput"))
+    ok = pct is not None and pct >= -1.0  # within run-to-run noise of 1%
+    verdicts.append(f"{'MET ' if ok else 'MISS'} throughput kept vs baseline: "
+                    f"{'n/a' if pct is None else f'{pct:+.1f}%'} (allowing -1% noise)")
+    return verdicts
