@@ -1,0 +1,178 @@
+"""The whole stack on one machine: `python -m deploy.local` (what `make run` starts).
+
+N workers, the scheduler and the gateway run as child processes on 127.0.0.1;
+the launcher waits for each /health, prints how to call the gateway, forwards
+the children's logs, and stops everything it started on Ctrl-C / SIGTERM or
+as soon as any child dies (then it exits non-zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free, print_line
+
+HOST = "127.0.0.1"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m deploy.local",
+        description="Start N inference workers, the scheduler and the gateway on 127.0.0.1.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, default=2, help="number of inference workers")
+    p.add_argument("--backend", choices=["torch", "sim"], default="torch",
+                   help="torch: the real model on CPU/GPU; sim: calibrated GPU latency model")
+    p.add_argument("--sim-profile", default=None, help="sim backend profile (e.g. tiny, llama2-7b-a10)")
+    p.add_argument("--model", default="smollm2", help="worker model: alias or local HF directory")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    p.add_argument("--gateway-port", type=int, default=8000)
+    p.add_argument("--scheduler-port", type=int, default=8090)
+    p.add_argument("--base-worker-port", type=int, default=8001, help="worker i listens on this + i")
+    p.add_argument("--policy", default="llm_aware", help="scheduler policy name")
+    p.add_argument("--time-scale", type=float, default=None, help="sim backend: stretch simulated time")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds each stage may take to answer /health")
+    p.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping a child")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    if (args.sim_profile or args.time_scale) and args.backend != "sim":
+        p.error("--sim-profile and --time-scale need --backend sim")
+    if args.time_scale is not None and args.time_scale <= 0:
+        p.error("--time-scale must be > 0")
+    args.served_model_name = args.served_model_name or args.model
+    return args
+
+
+def worker_urls(args: argparse.Namespace) -> list[str]:
+    return [f"http://{HOST}:{args.base_worker_port + i}" for i in range(args.workers)]
+
+
+def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpec, ServiceSpec]:
+    """The command lines of every child: (workers, scheduler, gateway)."""
+    py = sys.executable
+    workers = []
+    for i, url in enumerate(worker_urls(args)):
+        argv = [py, "-m", "inference_worker", "--backend", args.backend, "--model", args.model,
+                "--served-model-name", args.served_model_name,
+                "--host", HOST, "--port", str(args.base_worker_port + i)]
+        if args.sim_profile:
+            argv += ["--sim-profile", args.sim_profile]
+        if args.time_scale is not None:
+            argv += ["--time-scale", str(args.time_scale)]
+        workers.append(ServiceSpec(f"worker-{i}", argv, f"{url}/health", {"HF_HUB_OFFLINE": "1"}))
+    scheduler_url = f"http://{HOST}:{args.scheduler_port}"
+    scheduler = ServiceSpec(
+        "scheduler",
+        [py, "-m", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
+         "--workers", ",".join(worker_urls(args)), "--policy", args.policy],
+        f"{scheduler_url}/health",
+    )
+    gateway = ServiceSpec(
+        "gateway",
+        [py, "-m", "router", "--host", HOST, "--port", str(args.gateway_port),
+         "--scheduler", scheduler_url, "--workers", ",".join(worker_urls(args))],
+        f"http://{HOST}:{args.gateway_port}/health",
+        {"HF_HUB_OFFLINE": "1"},
+    )
+    return workers, scheduler, gateway
+
+
+def busy_ports(args: argparse.Namespace) -> list[str]:
+    named = [(args.gateway_port, "gateway"), (args.scheduler_port, "scheduler")]
+    named += [(args.base_worker_port + i, f"worker-{i}") for i in range(args.workers)]
+    ports = [port for port, _ in named]
+    dupes = sorted({port for port in ports if ports.count(port) > 1})
+    problems = [f"port {port} is given to more than one service" for port in dupes]
+    problems += [f"port {port} ({name}) is already in use" for port, name in named if not port_is_free(port)]
+    return problems
+
+
+def banner(args: argparse.Namespace) -> str:
+    base = f"http://{HOST}:{args.gateway_port}/v1"
+    body = json.dumps({"model": args.served_model_name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Say hello in one sentence."}]})
+    workers = ", ".join(f"{url}/metrics" for url in worker_urls(args))
+    return f"""
+================================================================================
+LLM router ready: {base}
+  model "{args.served_model_name}", {args.workers} {args.backend} worker(s), policy {args.policy}
+
+curl:
+  curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
+    -d '{body}'
+
+openai (Python):
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}", api_key="unused")
+  reply = client.chat.completions.create(model="{args.served_model_name}", max_tokens=32,
+      messages=[{{"role": "user", "content": "Say hello in one sentence."}}])
+  print(reply.choices[0].message.content)
+
+metrics: gateway http://{HOST}:{args.gateway_port}/metrics,
+         scheduler http://{HOST}:{args.scheduler_port}/metrics (workers: /v1/workers),
+         workers {workers}
+Press Ctrl-C to stop everything.
+================================================================================""".lstrip("\n")
+
+
+async def run(args: argparse.Namespace) -> int:
+    problems = busy_ports(args)
+    if problems:
+        for problem in problems:
+            print_line(f"[launcher] error: {problem}")
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(grace_s=args.grace_period)
+    workers, scheduler, gateway = build_specs(args)
+
+    async def start_all() -> None:
+        for stage in ([*workers], [scheduler], [gateway]):
+            await supervisor.start_stage(stage, args.startup_timeout)
+
+    try:
+        startup = asyncio.create_task(start_all())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([startup, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not startup.done():
+            print_line("[launcher] interrupted during start-up")
+            startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await startup
+            return 0
+        stopper.cancel()
+        try:
+            startup.result()
+        except StartupError as exc:
+            print_line(f"[launcher] error: {exc}")
+            return 1
+        print_line(banner(args))
+        dead = await supervisor.watch(stop)
+        if dead is not None:
+            print_line(f"[launcher] error: {dead.name} exited with code {dead.proc.returncode}; "
+                       "stopping the rest")
+            return 1
+        print_line("[launcher] stopping")
+        return 0
+    finally:
+        await supervisor.stop_all()
+        print_line("[launcher] all processes stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
