@@ -1,0 +1,176 @@
+"""A zero-delay OpenAI-compatible worker: a stand-in for "any OpenAI-compatible server".
+
+Used by the gateway overhead benchmark (so that every millisecond measured is the
+gateway's, not a model's) and by the gateway's unit-level tests. It speaks:
+POST /v1/completions and /v1/chat/completions (stream and not, stream_options.include_usage),
+GET /v1/models, /health, /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
+An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
+spaces them out. `python -m benchmarks.echo_worker --port 8101 --model m`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from aiohttp import WSMsgType, web
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class EchoWorker:
+    def __init__(self, model: str, token_delay_s: float, worker_name: str) -> None:
+        self.model = model
+        self.token_delay_s = token_delay_s
+        self.name = worker_name
+        self.running = 0
+        self.served = 0
+
+    async def _parse(self, request: web.Request) -> dict | web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return _error(400, "invalid JSON")
+        if not isinstance(body, dict) or body.get("model") != self.model:
+            return _error(404, f"model {body.get('model') if isinstance(body, dict) else None!r} not found")
+        return body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._parse(request)
+        if isinstance(body, web.Response):
+            return body
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        prompt_tokens = len(_dumps(body.get("messages") or body.get("prompt") or "")) // 4
+        self.running += 1
+        self.served += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, n, prompt_tokens, chat)
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * n)
+            text = " tok" * n
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            return web.Response(
+                body=_dumps({
+                    "id": "cmpl-echo", "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()), "model": self.model, "choices": [choice],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                              "total_tokens": prompt_tokens + n},
+                }).encode(),
+                content_type="application/json",
+                headers={"x-echo-worker": self.name},
+            )
+        finally:
+            self.running -= 1
+
+    async def _stream(self, request: web.Request, body: dict, n: int, prompt_tokens: int, chat: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-echo-worker": self.name})
+        await resp.prepare(request)
+        usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i in range(n):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            last = i == n - 1
+            if chat:
+                fin = "length" if last else None
+                choice = {"index": 0, "delta": {"content": " tok"}, "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
+            chunk = {"id": "cmpl-echo", "object": obj, "created": created, "model": self.model,
+                     "choices": [choice]}
+            await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+        if usage:
+            chunk = {"id": "cmpl-echo", "object": obj, "created": created, "model": self.model, "choices": [],
+                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                               "total_tokens": prompt_tokens + n}}
+            await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def ws(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type != WSMsgType.TEXT:
+                break
+            try:
+                body = json.loads(msg.data)
+                n = int(body.get("max_tokens") or 16)
+            except (ValueError, TypeError, AttributeError):
+                await ws.send_str(_dumps({"type": "error", "error": {"message": "invalid JSON"}}))
+                continue
+            for i in range(n):
+                await ws.send_str(_dumps({"type": "chunk", "index": i, "text": " tok", "worker": self.name}))
+            await ws.send_str(_dumps({"type": "end", "usage": {"completion_tokens": n}}))
+        return ws
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        lbl = f'{{engine="0",model_name="{self.model}"}}'
+        text = (
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lbl} {self.running}\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lbl} 0\n"
+            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lbl} 0.0\n"
+            f"# TYPE vllm:request_success counter\nvllm:request_success_total{lbl} {self.served}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}},
+        status=status,
+    )
+
+
+def build_app(model: str, token_delay_s: float = 0.0, name: str = "echo") -> web.Application:
+    w = EchoWorker(model, token_delay_s, name)
+    app = web.Application()
+    app.router.add_post("/v1/completions", w.completions)
+    app.router.add_post("/v1/chat/completions", w.chat)
+    app.router.add_get("/v1/models", w.models)
+    app.router.add_get("/v1/ws", w.ws)
+    app.router.add_get("/health", w.health)
+    app.router.add_get("/metrics", w.metrics)
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8101)
+    ap.add_argument("--model", default="m")
+    ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    app = build_app(args.model, args.token_delay_ms / 1000, f"echo-{args.port}")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

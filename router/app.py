@@ -1,0 +1,241 @@
+"""The gateway's aiohttp application: routes, shared clients, background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+
+import aiohttp
+from aiohttp import web
+
+from router.access_log import Stats, stats_loop
+from router.auth import KeyChecker, load_api_keys
+from router.config import RouterConfig
+from router.errors import error_response
+from router.fallback import FallbackRouter
+from router.metrics import RouterMetrics
+from router.proxy import Proxy
+from router.queue import AdmissionQueue
+from router.scheduling import Scheduling
+from router.ws_proxy import handle_ws
+from scheduler.client import SchedulerClient
+
+log = logging.getLogger("router")
+
+PROXY_KEY = web.AppKey("proxy", Proxy)
+
+
+def _nodelay_socket_factory(addr_info) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setblocking(False)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class Gateway:
+    """Everything one gateway process holds; built in `start()` inside the running loop."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.stats = Stats()
+        self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
+        self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
+        self.queue = AdmissionQueue(cfg.max_queue_size)
+        self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
+        self.session: aiohttp.ClientSession | None = None
+        self.client: SchedulerClient | None = None
+        self.sched: Scheduling | None = None
+        self.proxy: Proxy | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._models_cache: tuple[float, bytes] | None = None
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        cfg = self.cfg
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=30, socket_factory=_nodelay_socket_factory
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        if cfg.scheduler:
+            self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
+        self.sched = Scheduling(
+            self.client,
+            self.fallback,
+            self.queue,
+            self.metrics,
+            wait_schedule_timeout_s=cfg.wait_schedule_timeout_ms / 1000,
+            try_period_s=cfg.wait_schedule_try_period_ms / 1000,
+            probe_period_s=cfg.scheduler_probe_ms / 1000,
+            schedule_wait_ms=cfg.schedule_wait_ms,
+            workers_refresh_s=cfg.workers_refresh_ms / 1000,
+        )
+        self.sched.start()
+        self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
+        self._tasks.append(
+            asyncio.get_running_loop().create_task(
+                stats_loop(self.stats, self._gauges, cfg.log_stats_interval)
+            )
+        )
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.sched is not None:
+            await self.sched.stop()
+        if self.client is not None:
+            await self.client.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def _gauges(self) -> tuple[int, int, bool]:
+        in_flight = int(self.metrics.in_flight._value.get())
+        return in_flight, self.queue.size, bool(self.sched and self.sched.fallback_active)
+
+    # ---- handlers ------------------------------------------------------------------------
+    async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.handle(request)
+
+    async def handle_ws(self, request: web.Request) -> web.StreamResponse:
+        return await handle_ws(self.proxy, request)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        if not self.keys.allows(request.headers.get("Authorization")):
+            return error_response(
+                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
+        now = time.monotonic()
+        if self._models_cache is None or now - self._models_cache[0] > self.cfg.models_cache_ms / 1000:
+            models = await self.sched.models(self.cfg.models_cache_ms / 1000)
+            created = int(time.time())
+            body = json.dumps(
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": m, "object": "model", "created": created, "owned_by": "llm-router"}
+                        for m in models
+                    ],
+                }
+            ).encode()
+            self._models_cache = (now, body)
+        model_id = request.match_info.get("model_id")
+        if model_id is not None:
+            for m in json.loads(self._models_cache[1])["data"]:
+                if m["id"] == model_id:
+                    return web.json_response(m)
+            return error_response(
+                404, f"model {model_id!r} is not served here", code="model_not_found", param="model"
+            )
+        return web.Response(body=self._models_cache[1], content_type="application/json")
+
+    def _admin_ok(self, request: web.Request) -> bool:
+        if self.admin_token is None:
+            return True
+        import hmac
+
+        from router.auth import bearer_token
+
+        token = bearer_token(request.headers.get("Authorization"))
+        return token is not None and hmac.compare_digest(token, self.admin_token)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return error_response(401, "invalid or missing admin token", "authentication_error")
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "mode": "fallback" if self.sched.fallback_active else "scheduled"}
+        )
+
+    async def handle_state(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return error_response(401, "invalid or missing admin token", "authentication_error")
+        s = self.sched
+        return web.json_response(
+            {
+                "mode": "fallback" if s.fallback_active else "scheduled",
+                "scheduler": self.cfg.scheduler,
+                "scheduler_down_for_s": (time.monotonic() - s.down_since)
+                if s.down_since is not None
+                else None,
+                "last_switch_s": s.last_switch_s,
+                "queued": self.queue.size,
+                "in_flight": self._gauges()[0],
+                "fallback_workers": [
+                    {
+                        "worker_id": w.worker_id,
+                        "url": w.url,
+                        "models": sorted(w.models) if w.models else None,
+                        "resting_s": max(0.0, w.down_until - time.monotonic()),
+                    }
+                    for w in self.fallback.workers
+                ],
+            }
+        )
+
+
+def build_app(gw: Gateway) -> web.Application:
+    cfg = gw.cfg
+    app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+    app.on_startup.append(gw.start)
+    app.on_cleanup.append(gw.stop)
+    prefixes = [""] + ([cfg.base_path] if cfg.base_path else [])
+    for p in prefixes:
+        app.router.add_get(p + "/v1/models", gw.handle_models)
+        app.router.add_get(p + "/v1/models/{model_id}", gw.handle_models)
+        app.router.add_get(p + "/v1/ws", gw.handle_ws)
+        app.router.add_route("*", p + "/v1/{tail:.+}", gw.handle_proxy)
+        app.router.add_get(p + "/health", gw.handle_health)
+    app.router.add_get("/admin/state", gw.handle_state)
+    if cfg.allow_metrics and cfg.metrics_port is None:
+        app.router.add_get("/metrics", gw.handle_metrics)
+    return app
+
+
+def build_metrics_app(gw: Gateway) -> web.Application:
+    app = web.Application()
+    app.router.add_get("/metrics", gw.handle_metrics)
+    return app
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
+    """Run until cancelled."""
+    gw = Gateway(cfg)
+    app = build_app(gw)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
+    await site.start()
+    runners = [runner]
+    if cfg.allow_metrics and cfg.metrics_port is not None:
+        mrunner = web.AppRunner(build_metrics_app(gw), access_log=None)
+        await mrunner.setup()
+        await web.TCPSite(mrunner, cfg.host, cfg.metrics_port).start()
+        runners.append(mrunner)
+    log.info(
+        "gateway listening on http://%s:%d%s (scheduler %s, %d static workers)",
+        cfg.host,
+        cfg.port,
+        cfg.base_path,
+        cfg.scheduler or "none",
+        len(cfg.worker_urls),
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()

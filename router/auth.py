@@ -1,0 +1,53 @@
+"""API keys for client traffic and a separate token for /metrics and /admin/*.
+
+Keys are compared with hmac.compare_digest against every configured key (no early
+exit on the first match), so the time taken does not reveal which key or how many
+leading characters matched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+
+def load_api_keys(path: str | None, inline: str = "") -> list[bytes]:
+    keys: list[str] = [k.strip() for k in inline.split(",") if k.strip()]
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read api-key-file {path}: {exc}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return [k.encode() for k in keys]
+
+
+def bearer_token(header: str | None) -> bytes | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
+
+
+class KeyChecker:
+    """Accepts a request when no keys are configured, or its Bearer token is one of them."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        if not self.keys:
+            return True
+        token = bearer_token(authorization)
+        if token is None:
+            return False
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok

@@ -1,0 +1,93 @@
+"""Gateway configuration: CLI flags, ROUTER_* environment variables, optional YAML (--config).
+
+Defaults are the reference product's (max_queue_size 128, retry_count 2,
+wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ROUTER_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="python -m router",
+        extra="forbid",
+    )
+
+    config: str | None = Field(None, description="optional YAML file with any of these fields")
+
+    # Listening
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    base_path: str = Field(
+        "", description="extra URL prefix also served, e.g. /api/predict/{group}.{service}_llm_gateway"
+    )
+
+    # Scheduler and workers
+    scheduler: str | None = Field(None, description="scheduler base URL, e.g. http://127.0.0.1:8090")
+    workers: str = Field("", description="comma-separated worker URLs always usable in fallback mode")
+    scheduler_timeout_ms: int = Field(2000, ge=10, description="timeout of one scheduler call")
+    scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
+    workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")
+    models_cache_ms: int = Field(1000, ge=0, description="how long GET /v1/models answers are cached")
+
+    # Queue, retries, fallback (reference product names)
+    max_queue_size: int = Field(128, ge=0)
+    queue_timeout_ms: int = Field(60_000, ge=1)
+    schedule_wait_ms: int = Field(
+        1000, ge=1, le=60_000, description="long-poll length of one queued call"
+    )
+    retry_count: int = Field(2, ge=0, le=10)
+    wait_schedule_timeout_ms: int = Field(5000, ge=0)
+    wait_schedule_try_period_ms: int = Field(500, ge=10)
+    fallback_cooldown_ms: int = Field(
+        2000, ge=10, description="passive health: how long a failed worker rests"
+    )
+
+    # Upstream timeouts
+    connect_timeout_ms: int = Field(2000, ge=1)
+    first_byte_timeout_ms: int = Field(60_000, ge=1)
+    idle_stream_timeout_ms: int = Field(60_000, ge=1, description="max gap between two upstream chunks")
+
+    # Security
+    api_key_file: str | None = Field(None, description="file with one accepted API key per line")
+    api_keys: str = Field("", description="comma-separated accepted API keys (prefer --api-key-file)")
+    forward_api_key: bool = Field(False, description="pass the client's Authorization header upstream")
+    upstream_api_key: str | None = Field(None, description="Bearer key the gateway sends to workers")
+    admin_token: str | None = Field(None, description="Bearer token required for /metrics and /admin/*")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+    # Observability
+    debug_headers: bool = Field(False, description="add the scheduling decision to response headers")
+    allow_metrics: bool = Field(True, description="serve Prometheus /metrics")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on its own port")
+    access_log: bool = True
+    log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        if not self.scheduler and not self.worker_urls:
+            raise ValueError("give --scheduler or --workers (or both)")
+        if self.base_path and not self.base_path.startswith("/"):
+            raise ValueError("base_path must start with '/'")
+        self.base_path = self.base_path.rstrip("/")
+        for url in self.worker_urls + ([self.scheduler] if self.scheduler else []):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"not an http(s) URL: {url!r}")
+        return self
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.workers.split(",") if u.strip()]
+
+
+def load_router_config(argv: list[str] | None = None) -> RouterConfig:
+    from scheduler.settings_loader import load_settings
+
+    return load_settings(RouterConfig, argv)

@@ -1,0 +1,37 @@
+"""OpenAI-shaped error responses: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+def error_body(
+    message: str, type_: str, code: int | str | None = None, param: str | None = None
+) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode()
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    *,
+    param: str | None = None,
+    code: int | str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(message, type_, code if code is not None else status, param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(message: str, type_: str = "upstream_error", code: int | str = 502) -> bytes:
+    """An error event and a clean end for a stream that already started."""
+    return b"data: " + error_body(message, type_, code) + b"\n\ndata: [DONE]\n\n"

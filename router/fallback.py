@@ -1,0 +1,95 @@
+"""Round-robin routing used while the scheduler is unreachable, with passive health.
+
+The worker list is the last healthy set the scheduler reported (refreshed while
+it is up) plus the static --workers. A worker that fails a request rests for a
+cooldown and then gets traffic again (the next failure sends it back to rest).
+Static workers whose models are unknown are assumed to serve any model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class NoWorkerError(Exception):
+    """No usable worker for the model."""
+
+
+@dataclass
+class KnownWorker:
+    worker_id: str
+    url: str
+    models: frozenset[str] | None  # None: unknown, assume any
+    down_until: float = 0.0
+    failures: int = field(default=0)
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+class FallbackRouter:
+    def __init__(self, static_urls: list[str], cooldown_s: float) -> None:
+        self.cooldown_s = cooldown_s
+        self._static = [KnownWorker(url, url, None) for url in static_urls]
+        self._from_scheduler: list[KnownWorker] = []
+        self._by_url: dict[str, KnownWorker] = {w.url: w for w in self._static}
+        self._all: list[KnownWorker] = list(self._static)
+        self._next = 0
+
+    @property
+    def workers(self) -> list[KnownWorker]:
+        return self._all
+
+    def update_from_scheduler(self, views: list[tuple[str, str, list[str]]]) -> None:
+        """views: (worker_id, url, models) of the workers the scheduler calls healthy."""
+        fresh: list[KnownWorker] = []
+        for worker_id, url, models in views:
+            url = url.rstrip("/")
+            old = self._by_url.get(url)
+            w = KnownWorker(worker_id, url, frozenset(models))
+            if old is not None:
+                w.down_until, w.failures = old.down_until, old.failures
+            fresh.append(w)
+        self._from_scheduler = fresh
+        urls = {w.url for w in fresh}
+        self._all = fresh + [w for w in self._static if w.url not in urls]
+        self._by_url = {w.url: w for w in self._all}
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for w in self._all:
+            if w.models:
+                out |= w.models
+        return out
+
+    def pick(self, model: str, exclude: list[str]) -> KnownWorker:
+        ws = self._all
+        n = len(ws)
+        now = time.monotonic()
+        resting: KnownWorker | None = None
+        for i in range(n):
+            w = ws[(self._next + i) % n]
+            if w.worker_id in exclude or w.url in exclude or not w.serves(model):
+                continue
+            if w.down_until > now:
+                if resting is None or w.down_until < resting.down_until:
+                    resting = w
+                continue
+            self._next = (self._next + i + 1) % n
+            return w
+        if resting is not None:  # everyone is resting: try the one resting longest rather than fail
+            return resting
+        raise NoWorkerError(f"no known worker serves model {model!r}")
+
+    def mark_failed(self, url: str) -> None:
+        w = self._by_url.get(url.rstrip("/"))
+        if w is not None:
+            w.failures += 1
+            w.down_until = time.monotonic() + self.cooldown_s
+
+    def mark_ok(self, url: str) -> None:
+        w = self._by_url.get(url)
+        if w is not None and w.failures:
+            w.failures = 0
+            w.down_until = 0.0

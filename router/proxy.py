@@ -1,0 +1,477 @@
+"""Forwarding one OpenAI request: place it, send it, stream the answer back, retry
+before the first byte, release the lease with what happened.
+
+Hot path rules: the body is parsed once with json.loads and only a few fields are
+read; it is forwarded as the client's original bytes (or with stream_options
+spliced in); answers are written through chunk by chunk; no pydantic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from itertools import count
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.access_log import RequestRecord, Stats, log_request
+from router.auth import KeyChecker
+from router.config import RouterConfig
+from router.errors import error_response, sse_error_event
+from router.fallback import NoWorkerError
+from router.metrics import RouterMetrics
+from router.queue import QueueFull, QueueTimeout
+from router.scheduling import Route, Scheduling
+from router.sse import StreamTap, usage_of_body
+from router.tokens import estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+from scheduler.client import SchedulerRequestError, UnknownModelError
+
+log = logging.getLogger("router.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+        "cookie",
+        "accept-encoding",
+    }
+)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+_STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
+_INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+class _Retry(Exception):
+    """The worker failed before any byte reached the client; another may serve."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    return "connection"
+
+
+class Proxy:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        sched: Scheduling,
+        metrics: RouterMetrics,
+        stats: Stats,
+        keys: KeyChecker,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.cfg = cfg
+        self.sched = sched
+        self.metrics = metrics
+        self.stats = stats
+        self.keys = keys
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.connect_timeout_ms / 1000,
+            sock_connect=cfg.connect_timeout_ms / 1000,
+            sock_read=cfg.first_byte_timeout_ms / 1000,
+        )
+        self.idle_s = cfg.idle_stream_timeout_ms / 1000
+        self._ids = count(1)
+        self._id_prefix = f"{int(time.time()) & 0xFFFFFF:06x}"
+        self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
+
+    # ---- entry points ------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.match_info.get("tail")
+        path = "/v1/" + path if path is not None else request.path
+        rec = RequestRecord(f"{self._id_prefix}-{next(self._ids)}", request.method, path)
+        self.metrics.in_flight.inc()
+        try:
+            resp = await self._handle(request, rec, path)
+            rec.status = resp.status if rec.status == 0 else rec.status
+            return resp
+        except asyncio.CancelledError:
+            rec.status = rec.status or 499  # client went away
+            rec.error = rec.error or "client_disconnected"
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self._finish(rec)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        m = self.metrics
+        m.request_done(rec.model, rec.status, rec.worker)
+        if rec.model != "-" and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):
+            prompt_c, gen_c, ttft_h, tpot_h, e2e_h = m.per_model(rec.model)
+            e2e = time.perf_counter() - rec.start
+            prompt_c.inc(rec.prompt_tokens)
+            gen_c.inc(rec.output_tokens)
+            e2e_h.observe(e2e)
+            if rec.ttft_ms is not None:
+                ttft_h.observe(rec.ttft_ms / 1000)
+                if rec.output_tokens > 1:
+                    tpot_h.observe((e2e - rec.ttft_ms / 1000) / (rec.output_tokens - 1))
+        self.stats.add(rec)
+        if self.cfg.access_log:
+            log_request(rec)
+
+    # ---- one request ---------------------------------------------------------------------
+    async def _handle(self, request: web.Request, rec: RequestRecord, path: str) -> web.StreamResponse:
+        if not self.keys.allows(request.headers.get("Authorization")):
+            return error_response(
+                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
+        max_body = self.cfg.max_body_bytes
+        if (request.content_length or 0) > max_body:
+            return error_response(
+                413, f"request body larger than {max_body} bytes", code="body_too_large"
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                413, f"request body larger than {max_body} bytes", code="body_too_large"
+            )
+
+        body: dict[str, Any] = {}
+        if raw:
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                return error_response(400, f"request body is not valid JSON: {exc}")
+            if not isinstance(body, dict):
+                return error_response(400, "request body must be a JSON object")
+        elif request.method == "POST":
+            return error_response(400, "request body is required")
+        model = body.get("model", request.query.get("model"))
+        if not isinstance(model, str) or not model:
+            return error_response(
+                400, "'model' is required and must be a non-empty string", param="model"
+            )
+        rec.model = model
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            return error_response(400, "'stream' must be a boolean", param="stream")
+        stream = bool(stream) and path in _STREAMABLE
+        rec.stream = stream
+
+        strip_usage = False
+        if stream:
+            opts = body.get("stream_options")
+            if opts is not None and not isinstance(opts, dict):
+                return error_response(400, "'stream_options' must be an object", param="stream_options")
+            if not (opts and opts.get("include_usage") is True):
+                strip_usage = True  # ask the worker for usage; hide it from the client
+                raw = self._with_usage(raw, body)
+
+        text, id_tokens = render_prompt(body)
+        est = estimate_tokens(text, id_tokens)
+        rec.prompt_tokens = est
+        sched_body: dict[str, Any] = {"model": model, "prompt_tokens": est}
+        mt = max_tokens_of(body)
+        if mt is not None:
+            sched_body["max_tokens"] = mt
+        hashes = prefix_hashes(text)
+        if hashes:
+            sched_body["prefix_hashes"] = hashes
+
+        headers = self._upstream_headers(request, rec.id, path)
+        deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
+        exclude: list[str] = []
+        last_failure = ""
+        for attempt in range(self.cfg.retry_count + 1):
+            t_wait = time.perf_counter()
+            try:
+                route = await self.sched.acquire(sched_body, exclude, deadline)
+            except QueueFull:
+                self.metrics.rejected.labels("queue_full").inc()
+                return error_response(
+                    429,
+                    "too many requests waiting: the queue is full, retry later",
+                    "rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+            except QueueTimeout:
+                self.metrics.rejected.labels("queue_timeout").inc()
+                return error_response(
+                    429,
+                    "no worker became free within the queue timeout",
+                    "rate_limit_error",
+                    code="queue_timeout",
+                    headers={"Retry-After": "1"},
+                )
+            except UnknownModelError as exc:
+                return error_response(
+                    404,
+                    f"model {model!r} is not served here ({exc})",
+                    code="model_not_found",
+                    param="model",
+                )
+            except NoWorkerError as exc:
+                self.metrics.rejected.labels("no_worker").inc()
+                return error_response(
+                    503, str(exc), "service_unavailable", code="no_worker", headers={"Retry-After": "1"}
+                )
+            except SchedulerRequestError as exc:
+                return error_response(400, str(exc))
+            waited = time.perf_counter() - t_wait
+            rec.queue_ms += waited * 1000
+            self.metrics.queue_wait.observe(waited)
+            rec.worker = route.worker_id
+            try:
+                if stream:
+                    return await self._forward_stream(
+                        request, rec, route, path, raw, headers, strip_usage
+                    )
+                return await self._forward(request, rec, route, path, raw, headers)
+            except _Retry as r:
+                last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
+                self._failed(route, r.reason, rec)
+                exclude.append(route.worker_id)
+                if attempt < self.cfg.retry_count:
+                    rec.retries += 1
+                    self.metrics.retries.labels(r.reason).inc()
+                    log.info(
+                        "id=%s worker %s failed before the first byte (%s); retrying",
+                        rec.id,
+                        route.worker_id,
+                        last_failure,
+                    )
+        rec.error = last_failure
+        return error_response(
+            502, f"every attempt failed; last: {last_failure}", "upstream_error", code="upstream_failed"
+        )
+
+    @staticmethod
+    def _with_usage(raw: bytes, body: dict) -> bytes:
+        """Ask the worker for usage. Splicing bytes avoids re-encoding the body."""
+        if "stream_options" not in body:
+            end = raw.rstrip()
+            if end.endswith(b"}"):
+                inner = end[:-1].rstrip()
+                if inner.endswith(b"{"):  # "{}" cannot happen (model is set) but stay correct
+                    return inner + _INJECT_USAGE[1:]
+                return inner + _INJECT_USAGE
+        new = dict(body)
+        new["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return json.dumps(new).encode()
+
+    def _upstream_headers(self, request: web.Request, req_id: str, path: str) -> dict[str, str]:
+        if path in _STREAMABLE:
+            headers = {"Content-Type": "application/json"}
+        else:
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Request-Id"] = req_id
+        if self.cfg.forward_api_key and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        elif self.upstream_auth:
+            headers["Authorization"] = self.upstream_auth
+        return headers
+
+    def _response_headers(self, route: Route, rec: RequestRecord) -> dict[str, str]:
+        h = {"x-router-worker": route.worker_id, "x-request-id": rec.id}
+        if self.cfg.debug_headers:
+            reason = route.reason
+            h["x-router-policy"] = route.policy
+            if "score" in reason:
+                h["x-router-score"] = str(reason["score"])
+            age = reason.get("data_age_ms")
+            if age is not None:
+                h["x-router-data-age-ms"] = str(age)
+            h["x-router-queue-ms"] = f"{rec.queue_ms:.2f}"
+            if reason:
+                h["x-router-reason"] = json.dumps(reason, separators=(",", ":"))[:2000]
+        return h
+
+    def _failed(self, route: Route, reason: str, rec: RequestRecord) -> None:
+        self.sched.fallback.mark_failed(route.url)
+        client = self.sched.client
+        if client is not None and not route.fallback:
+            client.report_failure_nowait(route.worker_id, reason)
+        self._release(route, rec, ok=False, error=reason)
+
+    def _release(self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None) -> None:
+        if route.lease_id is None or self.sched.client is None:
+            return
+        rel: dict[str, Any] = {
+            "lease_id": route.lease_id,
+            "ok": ok,
+            "prompt_tokens": rec.prompt_tokens,
+            "output_tokens": rec.output_tokens,
+        }
+        if rec.ttft_ms is not None:
+            rel["ttft_ms"] = round(rec.ttft_ms, 3)
+        if error:
+            rel["error"] = error
+        self.sched.client.release_nowait(rel)
+
+    # ---- non-stream -----------------------------------------------------------------------
+    async def _forward(
+        self,
+        request: web.Request,
+        rec: RequestRecord,
+        route: Route,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+    ) -> web.Response:
+        url = route.url + path
+        if request.query_string:
+            url += "?" + request.query_string
+        try:
+            async with self.session.request(
+                request.method, url, data=raw or None, headers=headers, timeout=self.timeout
+            ) as up:
+                data = await up.read()
+                status = up.status
+                ctype = up.headers.get("Content-Type", "application/json")
+        except _UPSTREAM_ERRORS as exc:
+            raise _Retry(_failure_kind(exc), repr(exc)) from None
+        if status >= 500:
+            raise _Retry(f"http_{status}", data[:200].decode(errors="replace"))
+        p, c = usage_of_body(data) if status == 200 else (None, None)
+        if p is not None:
+            rec.prompt_tokens = p
+        rec.output_tokens = c or 0
+        rec.status = status
+        self._release(route, rec, ok=status < 400)
+        if route.fallback:
+            self.sched.fallback.mark_ok(route.url)
+        headers_out = self._response_headers(route, rec)
+        headers_out["Content-Type"] = ctype
+        return web.Response(status=status, body=data, headers=headers_out)
+
+    # ---- stream ---------------------------------------------------------------------------
+    async def _forward_stream(
+        self,
+        request: web.Request,
+        rec: RequestRecord,
+        route: Route,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        strip_usage: bool,
+    ) -> web.StreamResponse:
+        try:
+            up = await self.session.request(
+                "POST", route.url + path, data=raw, headers=headers, timeout=self.timeout
+            )
+        except _UPSTREAM_ERRORS as exc:
+            raise _Retry(_failure_kind(exc), repr(exc)) from None
+        complete = False
+        resp: web.StreamResponse | None = None
+        try:
+            if up.status >= 500:
+                detail = await self._read_some(up)
+                raise _Retry(f"http_{up.status}", detail)
+            if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
+                "text/event-stream"
+            ):
+                # An error (4xx) or a worker that answered without streaming: pass it through.
+                data = await up.read()
+                rec.status = up.status
+                self._release(route, rec, ok=up.status < 400)
+                h = self._response_headers(route, rec)
+                h["Content-Type"] = up.headers.get("Content-Type", "application/json")
+                complete = True
+                return web.Response(status=up.status, body=data, headers=h)
+            try:
+                first = await up.content.readany()
+            except _UPSTREAM_ERRORS as exc:
+                raise _Retry(_failure_kind(exc), repr(exc)) from None
+            if not first:
+                raise _Retry("empty_stream")
+            rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
+            tap = StreamTap(strip_usage)
+            resp = web.StreamResponse(status=200, headers=self._response_headers(route, rec))
+            resp.content_type = "text/event-stream"
+            resp.headers["Cache-Control"] = "no-cache"
+            await resp.prepare(request)
+            rec.status = 200
+            upstream_error = await self._pump(up, resp, tap, first)
+            rest = tap.flush()
+            if upstream_error is None:
+                if rest:
+                    await resp.write(rest)
+                complete = True
+            else:
+                rec.error = upstream_error
+                await resp.write(sse_error_event(f"the worker failed mid-stream ({upstream_error})"))
+            if tap.prompt_tokens is not None:
+                rec.prompt_tokens = tap.prompt_tokens
+            rec.output_tokens = (
+                tap.completion_tokens if tap.completion_tokens is not None else tap.content_events
+            )
+            if upstream_error is not None:
+                self._failed(route, upstream_error, rec)
+            else:
+                self._release(route, rec, ok=True)
+                if route.fallback:
+                    self.sched.fallback.mark_ok(route.url)
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            # The client went away mid-stream: closing `up` below aborts the worker's request.
+            rec.error = "client_disconnected"
+            rec.status = 499
+            self._release(route, rec, ok=True, error=None)
+            return resp if resp is not None else web.Response(status=499)
+        finally:
+            if complete:
+                up.release()
+            else:
+                up.close()
+
+    async def _pump(
+        self, up: aiohttp.ClientResponse, resp: web.StreamResponse, tap: StreamTap, first: bytes
+    ) -> str | None:
+        """Write through until the worker ends the stream. Returns an error kind if the
+        worker failed (the client's own failures raise ConnectionResetError)."""
+        out = tap.feed(first)
+        if out:
+            await resp.write(out)
+        read = up.content.readany
+        loop = asyncio.get_running_loop()
+        idle = self.idle_s
+        try:
+            async with asyncio.timeout_at(loop.time() + idle) as guard:
+                while True:
+                    try:
+                        piece = await read()
+                    except _UPSTREAM_ERRORS as exc:
+                        return _failure_kind(exc)
+                    if not piece:
+                        return None if up.content.is_eof() else "connection"
+                    guard.reschedule(loop.time() + idle)
+                    out = tap.feed(piece)
+                    if out:
+                        await resp.write(out)
+        except TimeoutError:
+            return "idle_timeout"
+
+    @staticmethod
+    async def _read_some(up: aiohttp.ClientResponse) -> str:
+        try:
+            return (await up.content.read(200)).decode(errors="replace")
+        except _UPSTREAM_ERRORS:
+            return ""

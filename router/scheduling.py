@@ -1,0 +1,251 @@
+"""Getting a worker for a request: ask the scheduler, queue when it says wait, and
+fall back to round robin while it is unreachable.
+
+Scheduler availability is one shared state per gateway process:
+- The first failed call starts the clock and a background probe.
+- Requests keep retrying the scheduler every try period until
+  --wait-schedule-timeout-ms has passed since the first failure; then the gateway
+  switches to fallback mode (round robin over last-known healthy workers).
+- The probe (GET /health every --scheduler-probe-ms) switches back the moment the
+  scheduler answers. Both switch durations are logged and exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from router.fallback import FallbackRouter, NoWorkerError
+from router.metrics import RouterMetrics
+from router.queue import AdmissionQueue, QueueTimeout
+from scheduler.client import SchedulerClient, SchedulerUnavailableError
+
+log = logging.getLogger("router.scheduling")
+
+
+@dataclass(slots=True)
+class Route:
+    worker_id: str
+    url: str
+    lease_id: str | None
+    policy: str
+    reason: dict
+    fallback: bool = False
+
+
+class Scheduling:
+    def __init__(
+        self,
+        client: SchedulerClient | None,
+        fallback: FallbackRouter,
+        queue: AdmissionQueue,
+        metrics: RouterMetrics,
+        *,
+        wait_schedule_timeout_s: float,
+        try_period_s: float,
+        probe_period_s: float,
+        schedule_wait_ms: int,
+        workers_refresh_s: float,
+    ) -> None:
+        self.client = client
+        self.fallback = fallback
+        self.queue = queue
+        self.metrics = metrics
+        self.wait_timeout_s = wait_schedule_timeout_s
+        self.try_period_s = try_period_s
+        self.probe_period_s = probe_period_s
+        self.schedule_wait_ms = schedule_wait_ms
+        self.workers_refresh_s = workers_refresh_s
+        # No scheduler configured: round robin over --workers from the start.
+        self.fallback_active = client is None
+        self.down_since: float | None = None
+        self.last_switch_s: dict[str, float] = {}
+        self._probe: asyncio.Task | None = None
+        self._refresher: asyncio.Task | None = None
+        self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
+        self.worker_views_at = 0.0
+        metrics.fallback_mode.set(1 if self.fallback_active else 0)
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        if self.client is not None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def stop(self) -> None:
+        for t in (self._probe, self._refresher):
+            if t is not None:
+                t.cancel()
+        for t in (self._probe, self._refresher):
+            if t is not None:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    # ---- the per-request path --------------------------------------------------------
+    async def acquire(self, body: dict[str, Any], exclude: list[str], deadline: float) -> Route:
+        """Place a request. body: the ScheduleRequest fields (model, prompt_tokens, ...).
+        Raises QueueFull, QueueTimeout, UnknownModelError, NoWorkerError."""
+        model = body["model"]
+        if exclude:
+            body["exclude"] = exclude
+        if not self.fallback_active and not self.queue.has_waiters(model):
+            route = await self._try_schedule(body, 0)
+            if route is not None:
+                return route
+        if self.fallback_active:
+            return self._fallback_pick(model, exclude)
+        async with self.queue.place(model):
+            self.metrics.queued.inc()
+            try:
+                while True:
+                    if self.fallback_active:
+                        return self._fallback_pick(model, exclude)
+                    remaining_ms = int((deadline - time.monotonic()) * 1000)
+                    if remaining_ms <= 0:
+                        raise QueueTimeout
+                    route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
+                    if route is not None:
+                        return route
+            finally:
+                self.metrics.queued.dec()
+
+    async def _try_schedule(self, body: dict[str, Any], wait_ms: int) -> Route | None:
+        """One scheduler call. None: wait (the scheduler said so, or it is down and the
+        fallback timeout has not passed yet; the caller loops)."""
+        if wait_ms:
+            body["wait_ms"] = wait_ms
+        elif "wait_ms" in body:
+            del body["wait_ms"]
+        t0 = time.perf_counter()
+        try:
+            status, payload = await self.client.schedule_raw(body, wait_ms)
+        except SchedulerUnavailableError as exc:
+            self.metrics.scheduler_errors.labels("schedule").inc()
+            await self._scheduler_failed(exc)
+            return None
+        self.metrics.observe_scheduler("wait" if wait_ms else "schedule", time.perf_counter() - t0)
+        if self.down_since is not None:
+            self._scheduler_back()
+        if status == 200:
+            return Route(
+                payload["worker_id"],
+                payload["url"].rstrip("/"),
+                payload["lease_id"],
+                payload.get("policy", ""),
+                payload.get("reason") or {},
+            )
+        if not wait_ms:
+            return None
+        # A long poll that ended without capacity: go round again (no sleep: the next
+        # call is itself a wait). A scheduler answering a wait early must not spin.
+        if time.perf_counter() - t0 < 0.005:
+            await asyncio.sleep(min(payload.get("retry_after_ms", 50), 250) / 1000)
+        return None
+
+    def _fallback_pick(self, model: str, exclude: list[str]) -> Route:
+        w = self.fallback.pick(model, exclude)
+        self.metrics.fallback_requests.inc()
+        return Route(w.worker_id, w.url, None, "fallback_round_robin", {}, fallback=True)
+
+    # ---- scheduler availability --------------------------------------------------------
+    async def _scheduler_failed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning(
+                "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
+                exc,
+                self.try_period_s * 1000,
+                self.wait_timeout_s * 1000,
+            )
+            self._start_probe()
+        elapsed = now - self.down_since
+        if elapsed >= self.wait_timeout_s:
+            self._enter_fallback(elapsed)
+            return
+        await asyncio.sleep(min(self.try_period_s, self.wait_timeout_s - elapsed))
+        if self.down_since is not None and time.monotonic() - self.down_since >= self.wait_timeout_s:
+            self._enter_fallback(time.monotonic() - self.down_since)
+
+    def _enter_fallback(self, elapsed: float) -> None:
+        if self.fallback_active:
+            return
+        self.fallback_active = True
+        self.last_switch_s["fallback"] = elapsed
+        self.metrics.fallback_mode.set(1)
+        self.metrics.mode_switches.labels("fallback").inc()
+        self.metrics.mode_switch_seconds.labels("fallback").set(elapsed)
+        log.warning(
+            "fallback mode ON: round robin over %d known workers (%.0f ms after the first failure)",
+            len(self.fallback.workers),
+            elapsed * 1000,
+        )
+
+    def _scheduler_back(self, probe_started: float | None = None) -> None:
+        was_fallback = self.fallback_active
+        down_for = time.monotonic() - (self.down_since or time.monotonic())
+        self.down_since = None
+        self.fallback_active = False
+        if was_fallback:
+            # How late we noticed: at most one probe period after the scheduler came back.
+            self.metrics.fallback_mode.set(0)
+            self.metrics.mode_switches.labels("scheduled").inc()
+            lag = time.monotonic() - probe_started if probe_started is not None else 0.0
+            self.last_switch_s["scheduled"] = lag
+            self.metrics.mode_switch_seconds.labels("scheduled").set(lag)
+            log.warning("fallback mode OFF: scheduler answers again (down %.1f s)", down_for)
+        else:
+            log.info("scheduler reachable again after %.0f ms", down_for * 1000)
+
+    def _start_probe(self) -> None:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while self.down_since is not None:
+            t0 = time.monotonic()
+            if await self.client.health():
+                if self.down_since is not None:
+                    self._scheduler_back(probe_started=t0)
+                await self._refresh_workers()
+                return
+            await asyncio.sleep(max(0.0, self.probe_period_s - (time.monotonic() - t0)))
+
+    # ---- cached worker list -------------------------------------------------------------
+    async def _refresh_loop(self) -> None:
+        while True:
+            if self.down_since is None:
+                await self._refresh_workers()
+            await asyncio.sleep(self.workers_refresh_s)
+
+    async def _refresh_workers(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            views = await self.client.workers()
+        except SchedulerUnavailableError as exc:
+            self.metrics.scheduler_errors.labels("workers").inc()
+            log.debug("worker list refresh failed: %s", exc)
+            return False
+        self.metrics.observe_scheduler("workers", time.perf_counter() - t0)
+        healthy = [v for v in views if v.healthy]
+        self.worker_views = [v.model_dump() for v in views]
+        self.worker_views_at = time.monotonic()
+        self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy])
+        return True
+
+    async def models(self, max_age_s: float) -> list[str]:
+        """Union of models of healthy workers (scheduler's view, cached; fallback's when down)."""
+        if (
+            not self.fallback_active
+            and self.client is not None
+            and time.monotonic() - self.worker_views_at > max_age_s
+        ):
+            await self._refresh_workers()
+        return sorted(self.fallback.models())
+
+
+__all__ = ["NoWorkerError", "Route", "Scheduling"]

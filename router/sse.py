@@ -1,0 +1,109 @@
+"""Watching a worker's SSE stream on its way through, at minimal cost.
+
+The stream is forwarded event-complete: each piece read from the worker is cut at
+its last blank line and only an unfinished trailing event is held back until its
+end arrives (the client could not use half an event anyway; a worker that writes
+whole events per write, as every OpenAI server does, sees zero delay).
+Only events that carry a usage object are JSON-parsed. When the gateway itself
+asked the worker for usage (the client did not), the usage-only final chunk
+(`"choices": []`) is dropped so the client sees what it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_MAX_CARRY = 1 << 20
+
+
+class StreamTap:
+    __slots__ = ("carry", "completion_tokens", "events", "passthrough", "prompt_tokens", "strip_usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.carry = b""
+        self.events = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.passthrough = False
+
+    def feed(self, piece: bytes) -> bytes:
+        """Bytes to send to the client now (possibly empty)."""
+        if self.passthrough:
+            self.events += piece.count(b"data:")
+            if _USAGE.search(piece):
+                self._scan_usage_bytes(piece)
+            return piece
+        if self.carry:
+            piece = self.carry + piece
+            self.carry = b""
+        cut = piece.rfind(b"\n\n")
+        if cut < 0:
+            if b"\r\n" in piece or len(piece) > _MAX_CARRY:
+                # CRLF framing or a giant event: stop cutting, forward as is.
+                self.passthrough = True
+                return self.feed(piece)
+            self.carry = piece
+            return b""
+        cut += 2
+        if cut < len(piece):
+            self.carry = piece[cut:]
+            piece = piece[:cut]
+        self.events += piece.count(b"data:")
+        if _USAGE.search(piece) is not None:
+            piece = self._take_usage(piece)
+        return piece
+
+    def flush(self) -> bytes:
+        rest, self.carry = self.carry, b""
+        return rest
+
+    @property
+    def content_events(self) -> int:
+        """Events other than the final [DONE] (a stand-in for tokens when there is no usage)."""
+        return max(self.events - 1, 0)
+
+    def _take_usage(self, piece: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in piece.split(b"\n\n"):
+            if not event:
+                continue
+            if _USAGE.search(event) is not None:
+                payload = event[event.find(b"data:") + 5 :] if b"data:" in event else b""
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                    usage = obj["usage"]
+                    if isinstance(usage.get("prompt_tokens"), int):
+                        self.prompt_tokens = usage["prompt_tokens"]
+                    if isinstance(usage.get("completion_tokens"), int):
+                        self.completion_tokens = usage["completion_tokens"]
+                    if self.strip_usage and not obj.get("choices"):
+                        self.events -= 1
+                        continue
+            out.append(event)
+            out.append(b"\n\n")
+        return b"".join(out)
+
+    def _scan_usage_bytes(self, piece: bytes) -> None:
+        p, c = _PROMPT.search(piece), _COMPLETION.search(piece)
+        if p:
+            self.prompt_tokens = int(p.group(1))
+        if c:
+            self.completion_tokens = int(c.group(1))
+
+
+def usage_of_body(data: bytes) -> tuple[int | None, int | None]:
+    """prompt/completion tokens of a non-stream answer, without parsing all of it."""
+    i = data.rfind(b'"usage"')
+    if i < 0:
+        return None, None
+    tail = data[i:]
+    p, c = _PROMPT.search(tail), _COMPLETION.search(tail)
+    return (int(p.group(1)) if p else None), (int(c.group(1)) if c else None)

@@ -1,0 +1,86 @@
+"""Cheap per-request facts for the scheduler: a prompt-token estimate and prefix fingerprints.
+
+Both run on every request, so they avoid a tokenizer: ~4 characters per token is
+the usual English average for BPE vocabularies, which is all a load estimate needs.
+
+Prefix fingerprints: the rendered prompt is cut into fixed-size character chunks
+and fingerprint i covers chunks 0..i (a chained CRC-32, i.e. the CRC of the whole
+prefix so far, plus the chunk index in the high bits). Two requests that share a
+long prefix share their first fingerprints, which is what a prefix-aware policy
+needs. zlib.crc32 is stable across processes (unlike hash()), so two gateway
+replicas fingerprint the same prompt identically.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+PREFIX_CHUNK_CHARS = 256
+MAX_PREFIX_CHUNKS = 64
+
+
+def render_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    """The request's prompt as one string, plus tokens given directly as ids."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            parts.append(str(m.get("role", "")))
+            parts.append("\x1f")
+            content = m.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                for p in content:
+                    if isinstance(p, dict) and isinstance(p.get("text"), str):
+                        parts.append(p["text"])
+            parts.append("\x1e")
+        return "".join(parts), 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, 0
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return "\x1e".join(prompt), 0
+        if isinstance(prompt[0], int):  # token ids
+            return "", len(prompt)
+        if isinstance(prompt[0], list):  # batch of token-id lists
+            return "", sum(len(p) for p in prompt if isinstance(p, list))
+    return "", 0
+
+
+def estimate_tokens(text: str, id_tokens: int = 0) -> int:
+    return id_tokens + (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+def prefix_hashes(
+    text: str, chunk: int = PREFIX_CHUNK_CHARS, limit: int = MAX_PREFIX_CHUNKS
+) -> list[int]:
+    """Chained fingerprints of the complete chunks of `text` (a partial last chunk is left out:
+    it is not a prefix another request can share block-for-block)."""
+    n = min(len(text) // chunk, limit)
+    if n == 0:
+        return []
+    data = text[: n * chunk].encode("utf-8", "surrogatepass")
+    # Encode once, then cut by character positions mapped to bytes only when the text is ASCII;
+    # otherwise cut the str (rarely needed, slower).
+    out: list[int] = []
+    crc = 0
+    if len(data) == n * chunk:
+        for i in range(n):
+            crc = zlib.crc32(data[i * chunk : (i + 1) * chunk], crc)
+            out.append((i << 32) | crc)
+    else:
+        for i in range(n):
+            crc = zlib.crc32(text[i * chunk : (i + 1) * chunk].encode("utf-8", "surrogatepass"), crc)
+            out.append((i << 32) | crc)
+    return out
+
+
+def max_tokens_of(body: dict[str, Any]) -> int | None:
+    v = body.get("max_completion_tokens", body.get("max_tokens"))
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -1,0 +1,132 @@
+"""WebSocket proxy: GET /v1/ws on the gateway <-> GET /v1/ws on one worker.
+
+The worker's protocol: each client text message is a completions or chat body; the
+worker answers with chunk objects and a final end message. The gateway places the
+connection when the first message arrives (it names the model), connects to that
+worker, and from then on copies messages both ways untouched. The connection holds
+one lease until it closes. A worker that cannot be connected to is excluded and
+the placement retried, like an HTTP request before its first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from router.access_log import RequestRecord
+from router.errors import error_response
+from router.proxy import Proxy
+from router.queue import QueueFull, QueueTimeout
+from router.scheduling import NoWorkerError
+from router.tokens import estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+from scheduler.client import SchedulerError
+
+log = logging.getLogger("router.ws")
+
+
+def _ws_error(message: str, code: int | str) -> str:
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    )
+
+
+async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    if not proxy.keys.allows(request.headers.get("Authorization")):
+        return error_response(
+            401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+        )
+    client = web.WebSocketResponse(max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30)
+    await client.prepare(request)
+    rec = RequestRecord(f"{proxy._id_prefix}-ws{next(proxy._ids)}", "WS", "/v1/ws")
+    proxy.metrics.in_flight.inc()
+    upstream: aiohttp.ClientWebSocketResponse | None = None
+    route = None
+    try:
+        first = await client.receive()
+        if first.type != aiohttp.WSMsgType.TEXT:
+            return client
+        try:
+            body = json.loads(first.data)
+            model = body["model"]
+            if not isinstance(model, str) or not model:
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            await client.send_str(_ws_error("first message must be a JSON body with a 'model'", 400))
+            rec.status = 400
+            return client
+        rec.model = model
+        text, ids = render_prompt(body)
+        sched_body = {"model": model, "prompt_tokens": estimate_tokens(text, ids)}
+        if (mt := max_tokens_of(body)) is not None:
+            sched_body["max_tokens"] = mt
+        if hashes := prefix_hashes(text):
+            sched_body["prefix_hashes"] = hashes
+        exclude: list[str] = []
+        deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
+        for _ in range(proxy.cfg.retry_count + 1):
+            try:
+                route = await proxy.sched.acquire(sched_body, exclude, deadline)
+            except (QueueFull, QueueTimeout):
+                await client.send_str(_ws_error("no worker available, retry later", 429))
+                rec.status = 429
+                return client
+            except (SchedulerError, NoWorkerError) as exc:
+                await client.send_str(_ws_error(str(exc), 404))
+                rec.status = 404
+                return client
+            try:
+                upstream = await proxy.session.ws_connect(
+                    route.url + "/v1/ws",
+                    headers=proxy._upstream_headers(request, rec.id, "/v1/ws"),
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
+                    max_msg_size=0,
+                )
+                break
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                proxy._failed(route, "connect", rec)
+                exclude.append(route.worker_id)
+                log.info("ws id=%s worker %s unreachable (%r); retrying", rec.id, route.worker_id, exc)
+                route = None
+        if upstream is None or route is None:
+            await client.send_str(_ws_error("every worker attempt failed", 502))
+            rec.status = 502
+            return client
+        rec.worker = route.worker_id
+        rec.status = 101
+        await upstream.send_str(first.data)
+        await _pump_both(client, upstream)
+        return client
+    finally:
+        if upstream is not None:
+            await upstream.close()
+        if route is not None and upstream is not None:
+            proxy._release(route, rec, ok=True)
+        if not client.closed:
+            await client.close()
+        proxy.metrics.in_flight.dec()
+        proxy._finish(rec)
+
+
+async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
+    async def copy(src, dst) -> None:
+        async for msg in src:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                await dst.send_str(msg.data)
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                await dst.send_bytes(msg.data)
+            else:
+                break
+
+    down = asyncio.ensure_future(copy(upstream, client))
+    up = asyncio.ensure_future(copy(client, upstream))
+    try:
+        await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (down, up):
+            t.cancel()
+        await asyncio.gather(down, up, return_exceptions=True)

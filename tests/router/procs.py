@@ -1,0 +1,112 @@
+"""Start real processes on 127.0.0.1 for the gateway tests and stop them reliably."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process with its output in a temp file (read it when a test fails)."""
+
+    def __init__(self, args: list[str], name: str, env: dict | None = None) -> None:
+        self.name = name
+        self.args = args
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.p = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.output()[-3000:]}")
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code < 500:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    out = proc.output()[-3000:] if proc else ""
+    raise TimeoutError(f"{url} not ready after {timeout_s}s ({last!r})\n{out}")
+
+
+def start_echo_worker(model: str = "m", token_delay_ms: float = 0.0) -> tuple[Proc, str]:
+    port = free_port()
+    p = Proc(["-m", "benchmarks.echo_worker", "--port", str(port), "--model", model,
+              "--token-delay-ms", str(token_delay_ms)], f"echo-{port}")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", p)
+    return p, url
+
+
+def start_gateway(*args: str, env: dict | None = None) -> tuple[Proc, str]:
+    port = free_port()
+    p = Proc(["-m", "router", "--port", str(port), "--log-stats-interval", "5", *args], f"gateway-{port}",
+             env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", p)
+    return p, url
+
+
+def start_sim_worker(model: str = "m", *extra: str) -> tuple[Proc, str]:
+    port = free_port()
+    p = Proc(["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny", "--served-model-name",
+              model, "--port", str(port), *extra], f"sim-{port}")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", p, timeout_s=120)
+    return p, url
+
+
+def start_scheduler(workers: list[str], *extra: str, port: int | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    p = Proc(["-m", "scheduler", "--port", str(port), "--workers", ",".join(workers), *extra],
+             f"scheduler-{port}")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", p)
+    return p, url
