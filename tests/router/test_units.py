@@ -1,0 +1,136 @@
+"""Unit tests of the gateway's pure pieces: token estimate, prefix fingerprints, SSE tap,
+admission queue, round-robin fallback, API-key checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router.auth import KeyChecker, bearer_token
+from router.fallback import FallbackRouter, NoWorkerError
+from router.queue import AdmissionQueue, QueueFull
+from router.sse import StreamTap, usage_of_body
+from router.tokens import PREFIX_CHUNK_CHARS, estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+
+
+def test_render_and_estimate_chat_and_completion():
+    text, ids = render_prompt({"messages": [{"role": "user", "content": "hello world"},
+                                            {"role": "user", "content": [{"type": "text", "text": "abc"}]}]})
+    assert "hello world" in text and "abc" in text and ids == 0
+    assert estimate_tokens("a" * 40) == 10
+    assert render_prompt({"prompt": [1, 2, 3]}) == ("", 3)
+    assert render_prompt({"prompt": [[1, 2], [3]]}) == ("", 3)
+    assert estimate_tokens(*render_prompt({"prompt": [1, 2, 3]})) == 3
+    assert max_tokens_of({"max_tokens": 5}) == 5
+    assert max_tokens_of({"max_completion_tokens": 7, "max_tokens": 5}) == 7
+    assert max_tokens_of({"max_tokens": "x"}) is None and max_tokens_of({"max_tokens": True}) is None
+
+
+def test_prefix_hashes_share_prefix_and_are_stable():
+    base = "x" * PREFIX_CHUNK_CHARS * 3
+    a = prefix_hashes(base + "A" * PREFIX_CHUNK_CHARS)
+    b = prefix_hashes(base + "B" * PREFIX_CHUNK_CHARS)
+    assert len(a) == len(b) == 4
+    assert a[:3] == b[:3] and a[3] != b[3]
+    assert prefix_hashes("short") == []
+    # Non-ASCII text is cut by characters, and the value does not depend on the process.
+    u = prefix_hashes("é" * PREFIX_CHUNK_CHARS * 2)
+    assert len(u) == 2 and u == prefix_hashes("é" * PREFIX_CHUNK_CHARS * 2)
+    # chained: a different first chunk changes every later fingerprint
+    c = prefix_hashes("y" + base[1:] + "A" * PREFIX_CHUNK_CHARS)
+    assert all(x != y for x, y in zip(a, c, strict=True))
+
+
+def _ev(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_stream_tap_strips_injected_usage_and_counts():
+    tap = StreamTap(strip_usage=True)
+    chunks = [_ev({"choices": [{"text": "a"}]}), _ev({"choices": [{"text": "b"}]})]
+    usage = _ev({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}})
+    out = tap.feed(chunks[0]) + tap.feed(chunks[1] + usage + b"data: [DONE]\n\n") + tap.flush()
+    assert out == chunks[0] + chunks[1] + b"data: [DONE]\n\n"
+    assert (tap.prompt_tokens, tap.completion_tokens) == (7, 2)
+
+
+def test_stream_tap_keeps_usage_the_client_asked_for_and_joins_split_events():
+    tap = StreamTap(strip_usage=False)
+    usage = _ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    whole = _ev({"choices": [{"text": "a"}]}) + usage + b"data: [DONE]\n\n"
+    out = b""
+    for i in range(0, len(whole), 7):  # worst case: the worker's writes split events anywhere
+        out += tap.feed(whole[i : i + 7])
+    out += tap.flush()
+    assert out == whole
+    assert tap.completion_tokens == 1 and tap.content_events == 2
+
+
+def test_usage_of_body():
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 4}}).encode()
+    assert usage_of_body(body) == (11, 4)
+    assert usage_of_body(b'{"choices": []}') == (None, None)
+
+
+async def test_queue_is_fifo_bounded_and_cancellation_frees_the_place():
+    q = AdmissionQueue(max_size=3)
+    order: list[int] = []
+    release = asyncio.Event()
+
+    async def waiter(i: int) -> None:
+        async with q.place("m"):
+            order.append(i)
+            await release.wait()
+
+    tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert q.size == 3 and order == [0]
+    with pytest.raises(QueueFull):
+        async with q.place("m"):
+            pass
+    tasks[1].cancel()  # a queued client goes away
+    await asyncio.sleep(0.01)
+    assert q.size == 2
+    release.set()
+    await asyncio.gather(tasks[0], tasks[2])
+    assert order == [0, 2] and q.size == 0 and not q.has_waiters("m")
+
+
+async def test_queue_lines_are_per_model():
+    q = AdmissionQueue(max_size=10)
+    hold = asyncio.Event()
+
+    async def hold_head() -> None:
+        async with q.place("a"):
+            await hold.wait()
+
+    t = asyncio.create_task(hold_head())
+    await asyncio.sleep(0.01)
+    async with q.place("b"):  # not behind model a's head
+        pass
+    hold.set()
+    await t
+
+
+def test_fallback_round_robin_passive_health_and_models():
+    fb = FallbackRouter(["http://s1"], cooldown_s=60)
+    fb.update_from_scheduler([("w1", "http://a", ["m"]), ("w2", "http://b", ["m", "n"])])
+    picks = [fb.pick("m", []).worker_id for _ in range(6)]
+    assert set(picks) == {"w1", "w2", "http://s1"} and picks[:3] != picks[1:4]
+    assert {fb.pick("n", []).worker_id for _ in range(4)} == {"w2", "http://s1"}
+    fb.mark_failed("http://a")
+    assert "w1" not in {fb.pick("m", []).worker_id for _ in range(6)}
+    assert fb.pick("m", ["w2", "http://s1"]).worker_id == "w1"  # everyone else excluded: try the resting one
+    assert fb.models() == {"m", "n"}
+    with pytest.raises(NoWorkerError):
+        FallbackRouter([], 1).pick("m", [])
+
+
+def test_api_keys():
+    kc = KeyChecker([b"k1", b"k2"])
+    assert kc.allows("Bearer k2") and kc.allows("bearer k1")
+    assert not kc.allows("Bearer k3") and not kc.allows(None) and not kc.allows("Basic k1")
+    assert KeyChecker([]).allows(None)
+    assert bearer_token("Bearer  abc ") == b"abc"
