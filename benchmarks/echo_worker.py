@@ -34,7 +34,9 @@ class EchoWorker:
         except ValueError:
             return _error(400, "invalid JSON")
         if not isinstance(body, dict) or body.get("model") != self.model:
-            return _error(404, f"model {body.get('model') if isinstance(body, dict) else None!r} not found")
+            return _error(
+                404, f"model {body.get('model') if isinstance(body, dict) else None!r} not found"
+            )
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -58,17 +60,29 @@ class EchoWorker:
                 await asyncio.sleep(self.token_delay_s * n)
             text = " tok" * n
             choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
                 if chat
                 else {"index": 0, "text": text, "finish_reason": "length"}
             )
             return web.Response(
-                body=_dumps({
-                    "id": "cmpl-echo", "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()), "model": self.model, "choices": [choice],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                              "total_tokens": prompt_tokens + n},
-                }).encode(),
+                body=_dumps(
+                    {
+                        "id": "cmpl-echo",
+                        "object": "chat.completion" if chat else "text_completion",
+                        "created": int(time.time()),
+                        "model": self.model,
+                        "choices": [choice],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": n,
+                            "total_tokens": prompt_tokens + n,
+                        },
+                    }
+                ).encode(),
                 content_type="application/json",
                 headers={"x-echo-worker": self.name},
             )
@@ -76,9 +90,13 @@ class EchoWorker:
             self.running -= 1
 
     async def _stream(self, request: web.Request, body: dict, n: int, prompt_tokens: int, chat: bool):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-echo-worker": self.name})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "x-echo-worker": self.name}
+        )
         await resp.prepare(request)
-        usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
+            "include_usage"
+        )
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         for i in range(n):
@@ -90,13 +108,27 @@ class EchoWorker:
                 choice = {"index": 0, "delta": {"content": " tok"}, "finish_reason": fin}
             else:
                 choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
-            chunk = {"id": "cmpl-echo", "object": obj, "created": created, "model": self.model,
-                     "choices": [choice]}
+            chunk = {
+                "id": "cmpl-echo",
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [choice],
+            }
             await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
         if usage:
-            chunk = {"id": "cmpl-echo", "object": obj, "created": created, "model": self.model, "choices": [],
-                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                               "total_tokens": prompt_tokens + n}}
+            chunk = {
+                "id": "cmpl-echo",
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                },
+            }
             await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -112,11 +144,24 @@ class EchoWorker:
                 body = json.loads(msg.data)
                 n = int(body.get("max_tokens") or 16)
             except (ValueError, TypeError, AttributeError):
-                await ws.send_str(_dumps({"type": "error", "error": {"message": "invalid JSON"}}))
+                await ws.send_str(
+                    _dumps({"error": {"message": "invalid JSON", "type": "invalid_request_error"}})
+                )
                 continue
             for i in range(n):
-                await ws.send_str(_dumps({"type": "chunk", "index": i, "text": " tok", "worker": self.name}))
-            await ws.send_str(_dumps({"type": "end", "usage": {"completion_tokens": n}}))
+                choice = {"index": 0, "text": " tok", "finish_reason": "length" if i == n - 1 else None}
+                await ws.send_str(
+                    _dumps(
+                        {
+                            "id": "cmpl-echo",
+                            "object": "text_completion",
+                            "model": self.model,
+                            "choices": [choice],
+                            "worker": self.name,
+                        }
+                    )
+                )
+            await ws.send_str(_dumps({"type": "done", "id": "cmpl-echo"}))
         return ws
 
     async def models(self, _request: web.Request) -> web.Response:

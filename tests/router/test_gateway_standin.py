@@ -1,0 +1,162 @@
+"""The gateway in front of stand-in workers (benchmarks/echo_worker.py: "any OpenAI-compatible
+worker"), without a scheduler: round robin over --workers. Covers the HTTP surface that does
+not depend on the scheduler: the openai client, base path, auth, body limits, bad input,
+retries on a dead worker, metrics and the WebSocket proxy."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.router.procs import free_port, start_echo_worker, start_gateway
+
+BASE = "/api/predict/grp.svc_llm_gateway"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    w1, u1 = start_echo_worker()
+    w2, u2 = start_echo_worker()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here: connection refused
+    g, gu = start_gateway(
+        "--workers",
+        f"{dead},{u1},{u2}",
+        "--base-path",
+        BASE,
+        "--max-body-bytes",
+        "4096",
+        "--retry-count",
+        "2",
+        "--debug-headers",
+    )
+    ga, gau = start_gateway("--workers", u1, "--api-keys", "sekret", "--admin-token", "adm")
+    yield {"gw": gu, "gw_auth": gau, "workers": [u1, u2], "procs": [g, ga, w1, w2]}
+    for p in (g, ga, w1, w2):
+        p.stop()
+
+
+def test_openai_client_chat_and_completions_stream_and_not(stack):
+    c = openai.OpenAI(base_url=stack["gw"] + "/v1", api_key="unused", max_retries=0)
+    r = c.completions.create(model="m", prompt="hello", max_tokens=5)
+    assert r.choices[0].text == " tok" * 5 and r.usage.completion_tokens == 5
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.choices[0].message.content == " tok" * 4
+    chunks = list(
+        c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " tok" * 6
+    assert all(ch.usage is None for ch in chunks)  # the usage the gateway asked for is not shown
+    chunks = list(
+        c.completions.create(
+            model="m", prompt="x", max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].choices == []
+
+
+def test_base_path_and_worker_header(stack):
+    r = httpx.post(
+        stack["gw"] + BASE + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 1}
+    )
+    assert r.status_code == 200
+    assert r.headers["x-router-worker"] in stack["workers"]
+    assert r.headers["x-router-policy"] == "fallback_round_robin"
+
+
+def test_dead_worker_is_retried_before_first_byte(stack):
+    for _ in range(6):  # the dead worker is first in the rotation: every request must still succeed
+        r = httpx.post(
+            stack["gw"] + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 1}
+        )
+        assert r.status_code == 200
+    m = httpx.get(stack["gw"] + "/metrics").text
+    assert 'router_retries_total{reason="connect"}' in m
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"prompt": "no model"}', 400),
+        (b'{"model": 5, "prompt": "x"}', 400),
+        (b'{"model": "m", "prompt": "x", "stream": "yes"}', 400),
+        (b'{"model": "m", "prompt": "x", "stream": true, "stream_options": 3}', 400),
+        (b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413),
+        (b"\xff\xfe", 400),
+    ],
+)
+def test_bad_input_gets_openai_shaped_4xx(stack, content, status):
+    r = httpx.post(
+        stack["gw"] + "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_4xx_from_worker(stack):
+    r = httpx.post(stack["gw"] + "/v1/completions", json={"model": "nope", "prompt": "p"})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_auth_on(stack):
+    url = stack["gw_auth"]
+    body = {"model": "m", "prompt": "p", "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    assert (
+        httpx.post(
+            url + "/v1/completions", json=body, headers={"Authorization": "Bearer bad"}
+        ).status_code
+        == 401
+    )
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 401
+    m = httpx.get(url + "/metrics", headers={"Authorization": "Bearer adm"})
+    assert m.status_code == 200 and "router_requests_total" in m.text
+    assert httpx.get(url + "/v1/models").status_code == 401
+
+
+def test_metrics_names(stack):
+    httpx.post(
+        stack["gw"] + "/v1/completions",
+        json={"model": "m", "prompt": "p", "max_tokens": 2, "stream": True},
+    )
+    m = httpx.get(stack["gw"] + "/metrics").text
+    for name in (
+        "router_requests_total",
+        "router_requests_in_flight",
+        "router_requests_queued",
+        "router_prompt_tokens_total",
+        "router_generation_tokens_total",
+        "router_time_to_first_token_seconds_bucket",
+        "router_time_per_output_token_seconds_bucket",
+        "router_e2e_request_latency_seconds_bucket",
+        "router_queue_wait_seconds_bucket",
+        "router_fallback_mode",
+        "router_fallback_requests_total",
+    ):
+        assert name in m, name
+    assert "router_fallback_mode 1.0" in m  # no scheduler configured: round robin
+
+
+async def test_websocket_round_trip(stack):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(stack["gw"] + "/v1/ws") as ws:
+        for _ in range(2):  # two requests on one socket
+            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}))
+            msgs = []
+            while True:
+                msg = json.loads((await ws.receive(timeout=10)).data)
+                msgs.append(msg)
+                if msg.get("type") in ("done", "end") or "error" in msg:
+                    break
+            assert len(msgs) == 4 and msgs[-1]["type"] in ("done", "end")
