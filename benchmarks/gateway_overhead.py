@@ -1,0 +1,297 @@
+"""What the gateway (and the scheduler behind it) adds to a request.
+
+The same bounded load is sent, in one run, straight to zero-delay workers
+(benchmarks/echo_worker.py, round robin done by the load client) and through the
+gateway: scheduled (scheduler + gateway) and, for reference, the gateway alone in
+round-robin mode (no scheduler). Two shapes: non-stream requests and 16-chunk SSE
+streams, at concurrency 32, plus a concurrency-1 probe for time to first chunk.
+CPU per request comes from /proc/<pid>/stat (utime+stime) deltas of each process.
+
+    .venv/bin/python -m benchmarks.gateway_overhead --requests 2000 --streams 1000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited")
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status < 500:
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+@dataclass
+class Result:
+    target: str
+    shape: str
+    n: int
+    wall_s: float
+    latencies: list[float]
+    ttfts: list[float]
+    errors: int
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+
+    def row(self) -> dict:
+        lat = sorted(self.latencies)
+        tt = sorted(self.ttfts)
+
+        def pct(xs: list[float], p: float) -> float:
+            return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000 if xs else float("nan")
+
+        return {
+            "target": self.target,
+            "shape": self.shape,
+            "n": self.n,
+            "errors": self.errors,
+            "req_s": round(self.n / self.wall_s, 1),
+            "p50_ms": round(pct(lat, 0.5), 2),
+            "p99_ms": round(pct(lat, 0.99), 2),
+            "ttft_p50_ms": round(pct(tt, 0.5), 3),
+            "ttft_p99_ms": round(pct(tt, 0.99), 3),
+            **{f"cpu_ms_per_req_{k}": round(v, 3) for k, v in self.cpu_ms.items()},
+        }
+
+
+async def one(session: aiohttp.ClientSession, url: str, stream: bool, lat: list, ttft: list) -> bool:
+    body = {"model": "m", "prompt": "Say something short please.", "max_tokens": 16}
+    if stream:
+        body["stream"] = True
+    t0 = time.perf_counter()
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            await r.read()
+            return False
+        if stream:
+            first = True
+            async for _ in r.content.iter_any():
+                if first:
+                    ttft.append(time.perf_counter() - t0)
+                    first = False
+        else:
+            await r.read()
+            ttft.append(time.perf_counter() - t0)
+    lat.append(time.perf_counter() - t0)
+    return True
+
+
+async def run_load(
+    urls: list[str], n: int, conc: int, stream: bool, pids: dict[str, int], target: str
+) -> Result:
+    conn = aiohttp.TCPConnector(limit=conc, keepalive_timeout=60)
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors = 0
+    async with aiohttp.ClientSession(connector=conn) as s:
+        # warm up connections and caches
+        await asyncio.gather(*(one(s, urls[i % len(urls)], stream, [], []) for i in range(conc)))
+        cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+        t0 = time.perf_counter()
+        counter = iter(range(n))
+
+        async def client() -> None:
+            nonlocal errors
+            for i in counter:
+                try:
+                    ok = await one(s, urls[i % len(urls)], stream, lat, ttft)
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                errors += not ok
+
+        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(conc))), timeout=600)
+        wall = time.perf_counter() - t0
+        cpu = {k: (cpu_s(p) - cpu0[k]) * 1000 / n for k, p in pids.items()}
+    return Result(target, "stream16" if stream else "non-stream", n, wall, lat, ttft, errors, cpu)
+
+
+async def main_async(args) -> list[dict]:
+    logs = Path(args.log_dir)
+    procs: list[subprocess.Popen] = []
+    try:
+        workers = []
+        for i in range(args.workers):
+            port = free_port()
+            p = spawn(
+                ["-m", "benchmarks.echo_worker", "--port", str(port), "--model", "m"],
+                logs / f"echo{i}.log",
+            )
+            procs.append(p)
+            workers.append((f"http://127.0.0.1:{port}", p))
+        for u, p in workers:
+            await wait_ready(u + "/health", p)
+        wurls = [u for u, _ in workers]
+        wpids = {f"worker{i}": p.pid for i, (_, p) in enumerate(workers)}
+
+        sport = free_port()
+        sched = None
+        if args.skip_scheduler:
+            return await _run_targets(args, wurls, wpids, None, None, logs, procs)
+        sched = spawn(
+            [
+                "-m",
+                "scheduler",
+                "--port",
+                str(sport),
+                "--workers",
+                ",".join(wurls),
+                "--scrape-interval-ms",
+                str(args.scrape_interval_ms),
+            ],
+            logs / "scheduler.log",
+        )
+        procs.append(sched)
+        surl = f"http://127.0.0.1:{sport}"
+        await wait_ready(surl + "/health", sched)
+        return await _run_targets(args, wurls, wpids, sched, surl, logs, procs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dict]:
+    gport, rport = free_port(), free_port()
+    common = ["--no-access-log", "--log-stats-interval", "60"]
+    gw = None
+    if sched is not None:
+        gw = spawn(
+            ["-m", "router", "--port", str(gport), "--scheduler", surl, *common], logs / "gateway.log"
+        )
+        procs.append(gw)
+    rr = spawn(
+        ["-m", "router", "--port", str(rport), "--workers", ",".join(wurls), *common],
+        logs / "gateway_rr.log",
+    )
+    procs.append(rr)
+    if gw is not None:
+        await wait_ready(f"http://127.0.0.1:{gport}/health", gw)
+    await wait_ready(f"http://127.0.0.1:{rport}/health", rr)
+    await asyncio.sleep(1.0)  # first scrapes
+
+    targets = [("direct", [u + "/v1/completions" for u in wurls], {})]
+    if gw is not None:
+        targets.append(
+            (
+                "gateway+scheduler",
+                [f"http://127.0.0.1:{gport}/v1/completions"],
+                {"gateway": gw.pid, "scheduler": sched.pid},
+            )
+        )
+    targets.append(
+        (
+            "gateway (round robin, no scheduler)",
+            [f"http://127.0.0.1:{rport}/v1/completions"],
+            {"gateway": rr.pid},
+        )
+    )
+    rows = []
+    for stream, n in ((False, args.requests), (True, args.streams)):
+        for name, urls, pids in targets:
+            res = await run_load(urls, n, args.concurrency, stream, {**pids, **wpids}, name)
+            rows.append(res.row())
+            print(json.dumps(rows[-1]), flush=True)
+    # concurrency-1 probe: time to first chunk without queueing in the client or the servers
+    for name, urls, pids in targets:
+        res = await run_load(urls, args.probe, 1, True, pids, name)
+        row = res.row()
+        row["shape"] = "stream16 c=1"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [
+        "target",
+        "shape",
+        "n",
+        "errors",
+        "req_s",
+        "p50_ms",
+        "p99_ms",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "cpu_ms_per_req_gateway",
+        "cpu_ms_per_req_scheduler",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--streams", type=int, default=1000)
+    ap.add_argument("--probe", type=int, default=300, help="concurrency-1 streams per target")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--scrape-interval-ms", type=int, default=100)
+    ap.add_argument("--log-dir", default="/tmp/gateway_overhead")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-scheduler", action="store_true", help="only direct and round-robin gateway")
+    args = ap.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        import uvloop
+
+        rows = uvloop.run(main_async(args))
+    except ImportError:  # pragma: no cover
+        rows = asyncio.run(main_async(args))
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
