@@ -1,0 +1,51 @@
+"""The worker's aiohttp application: OpenAI API, WebSocket, health, metrics, tokenize.
+
+`build_app(engine, model_name, registry)` wires the routes; the caller owns the
+engine's lifetime (see `inference_worker.__main__`). Run it with
+`handler_cancellation=True` (as `serve()` does) so that a client disconnect cancels
+its handler and the engine aborts the request at once.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from inference_worker.engine.types import AsyncEngineClient
+from inference_worker.server import openai_api
+from inference_worker.server.errors import APIError, error_middleware, json_error
+from inference_worker.server.generation import GenerationFactory
+from inference_worker.server.state import ENGINE, FACTORY, REGISTRY
+from inference_worker.server.websocket import websocket_handler
+
+# Long prompts as JSON token-id lists get large; aiohttp's 1 MiB default is too small.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[ENGINE].is_healthy:
+        return web.Response(status=200)
+    return json_error(APIError(503, "The engine is not healthy.", code="engine_unhealthy"))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(
+    engine: AsyncEngineClient, model_name: str, registry: CollectorRegistry | None = None
+) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[FACTORY] = GenerationFactory(engine, model_name)
+    app[REGISTRY] = registry if registry is not None else CollectorRegistry()
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_post("/tokenize", openai_api.tokenize)
+    app.router.add_post("/detokenize", openai_api.detokenize)
+    app.router.add_get("/v1/ws", websocket_handler)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,127 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+`error_middleware` turns every exception a handler raises into the right status,
+so a client never sees a traceback or an HTML error page:
+
+- `APIError` (raised by our own checks): its status, type, param and code;
+- pydantic `ValidationError` (bad JSON, wrong types, out-of-range values): 400 with `param`;
+- `ValueError` (the engine's `EngineRequestError`s, e.g. a prompt too long): 400;
+- `EngineDeadError`: 503;
+- aiohttp's own HTTP errors (unknown route 404, wrong method 405, body too large 413): same status;
+- anything else: 500 with the exception's class and message, logged with its traceback here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from inference_worker.engine.errors import EngineDeadError
+
+logger = logging.getLogger("inference_worker.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error the API answers with an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 whose `param` is the field's dotted path."""
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return invalid_request(f"Invalid JSON body: {err['msg']}", code="invalid_json")
+    loc = [str(part) for part in err["loc"]]
+    param = ".".join(loc) or None
+    message = err["msg"]
+    if message.startswith(("Value error, ", "Assertion failed, ")):
+        message = message.split(", ", 1)[1]
+    if param:
+        message = f"{param}: {message}"
+    return invalid_request(message, param=param, code="invalid_value" if param else None)
+
+
+def exception_to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the error the client gets (also used mid-stream and on the WebSocket)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, json.JSONDecodeError):
+        return invalid_request(f"Invalid JSON body: {exc.msg}", code="invalid_json")
+    if isinstance(exc, ValueError):  # the engine's EngineRequestError family and our own checks
+        return invalid_request(str(exc) or type(exc).__name__)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error ({type(exc).__name__}: {exc})", type="server_error")
+
+
+def json_error(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        if exc.status == 404:
+            message = f"Not found: {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"Method {request.method} not allowed on {request.path}"
+        return json_error(APIError(exc.status, message))
+    except Exception as exc:
+        return json_error(exception_to_api_error(exc))

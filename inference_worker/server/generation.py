@@ -1,0 +1,114 @@
+"""From a request body to engine outputs: shared by the HTTP handlers and the WebSocket.
+
+`prepare_*` validates a body, checks the model name, tokenizes and builds the engine's
+`SamplingParams`; every problem raises an `APIError`/`ValidationError` before the
+engine sees the request. `Generation.start()` then starts the request in the engine
+and waits for its first output, so errors the engine raises on admission (a
+`ValueError` subclass) still reach the client as a 4xx before any byte of a stream
+was sent. `Generation.close()` aborts the request in the engine when the consumer
+stops early (client disconnect, WebSocket cancel); it is a no-op once finished.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from inference_worker.engine.types import AsyncEngineClient, RequestOutput, SamplingParams
+from inference_worker.server.chunks import ChatChunks, CompletionChunks
+from inference_worker.server.errors import invalid_request, model_not_found
+from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request on its way through the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    chunks: CompletionChunks | ChatChunks
+    stream: bool
+    include_usage: bool
+    _outputs: AsyncIterator[RequestOutput] | None = field(default=None, repr=False)
+
+    async def start(self, engine: AsyncEngineClient) -> RequestOutput:
+        """Submit to the engine and return the first output (raises the engine's admission errors)."""
+        self._outputs = engine.generate(self.request_id, self.prompt_token_ids, self.params)
+        try:
+            return await anext(self._outputs)
+        except BaseException:
+            await self.close()
+            raise
+
+    def rest(self) -> AsyncIterator[RequestOutput]:
+        assert self._outputs is not None, "start() first"
+        return self._outputs
+
+    async def close(self) -> None:
+        outputs, self._outputs = self._outputs, None
+        if outputs is not None:
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class GenerationFactory:
+    """Validates bodies for one served model and turns them into `Generation`s."""
+
+    def __init__(self, engine: AsyncEngineClient, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def completion(self, body: bytes | str) -> Generation:
+        request = CompletionRequest.model_validate_json(body)
+        return self.completion_from(request)
+
+    def completion_from(self, request: CompletionRequest) -> Generation:
+        self.check_model(request.model)
+        prompt = request.prompt_text_or_ids()
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            # An id outside the vocabulary would crash the model's embedding lookup.
+            vocab_size = getattr(tokenizer, "vocab_size", None)
+            if vocab_size is not None and max(prompt_ids) >= vocab_size:
+                raise invalid_request(
+                    f"prompt holds token id {max(prompt_ids)}, outside the vocabulary (size {vocab_size})",
+                    param="prompt",
+                )
+        params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return Generation(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            chunks=CompletionChunks(request_id, self.model_name),
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )
+
+    def chat(self, body: bytes | str) -> Generation:
+        request = ChatCompletionRequest.model_validate_json(body)
+        return self.chat_from(request)
+
+    def chat_from(self, request: ChatCompletionRequest) -> Generation:
+        self.check_model(request.model)
+        prompt_ids = self.engine.tokenizer.apply_chat_template(request.template_messages())
+        params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return Generation(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_ids),
+            params=params,
+            chunks=ChatChunks(request_id, self.model_name),
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )

@@ -1,0 +1,151 @@
+"""HTTP handlers of the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
+and vLLM's /tokenize and /detokenize.
+
+Streaming is SSE: one `data: {chunk}` event per engine output, then `data: [DONE]`.
+The response headers go out with the first token: the request is started in the
+engine first, so admission errors are still a clean 4xx. An error after the stream
+started is sent as a `data: {"error": ...}` event followed by `data: [DONE]`
+(vLLM does the same). A client that disconnects cancels the handler (the app runs
+with `handler_cancellation=True`) or fails the next write; either way the engine
+request is aborted and its KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from inference_worker.engine.types import AsyncEngineClient, FinishReason, RequestOutput
+from inference_worker.server.errors import APIError, exception_to_api_error
+from inference_worker.server.generation import Generation, GenerationFactory
+from inference_worker.server.protocol import DetokenizeRequest, TokenizeRequest
+from inference_worker.server.state import ENGINE, FACTORY
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies (nginx) must not buffer the stream
+}
+_DONE = "data: [DONE]\n\n"
+
+
+def engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, f"The engine failed while generating request {out.request_id}.", type="server_error")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    factory: GenerationFactory = request.app[FACTORY]
+    return await serve(request, factory.completion(await request.read()))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    factory: GenerationFactory = request.app[FACTORY]
+    return await serve(request, factory.chat(await request.read()))
+
+
+async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
+    engine: AsyncEngineClient = request.app[ENGINE]
+    first = await gen.start(engine)  # admission errors propagate to the middleware as 4xx
+    try:
+        if gen.stream:
+            return await _stream(request, gen, first)
+        return await _collect(gen, first)
+    finally:
+        await gen.close()  # aborts in the engine unless the request already finished
+
+
+async def _collect(gen: Generation, out: RequestOutput) -> web.Response:
+    texts = [out.text]
+    rest = gen.rest()
+    while not out.finished:
+        out = await anext(rest)
+        texts.append(out.text)
+    if out.finish_reason is FinishReason.ERROR:
+        raise engine_error(out)
+    return web.json_response(gen.chunks.full("".join(texts), out))
+
+
+async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await response.prepare(request)
+    chunks = gen.chunks
+    rest = gen.rest()
+    opening = chunks.first()
+    events = [f"data: {opening}\n\n"] if opening else []
+    try:
+        while True:
+            if out.finished:
+                if out.finish_reason is FinishReason.ERROR:
+                    events.append(f"data: {json.dumps(engine_error(out).body())}\n\n")
+                else:
+                    events.append(f"data: {chunks.delta(out.text, out.finish_reason)}\n\n")
+                    if gen.include_usage:
+                        events.append(f"data: {chunks.usage(out)}\n\n")
+                events.append(_DONE)
+                await response.write("".join(events).encode())
+                break
+            if out.text:  # a step can yield no text (an incomplete UTF-8 sequence is held back)
+                events.append(f"data: {chunks.delta(out.text, None)}\n\n")
+            if events:
+                await response.write("".join(events).encode())
+                events = []
+            out = await anext(rest)
+    except ConnectionError:
+        return response  # the client went away; `serve` aborts the request
+    except Exception as exc:
+        err = exception_to_api_error(exc)
+        try:
+            await response.write(f"data: {json.dumps(err.body())}\n\n{_DONE}".encode())
+        except ConnectionError:
+            pass
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    engine: AsyncEngineClient = request.app[ENGINE]
+    name = request.app[FACTORY].model_name
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "inference-worker",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": engine.max_model_len,
+                    "permission": [],
+                }
+            ],
+        }
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: `{"prompt": str}` or `{"messages": [...]}` -> tokens, count, max_model_len."""
+    engine: AsyncEngineClient = request.app[ENGINE]
+    factory: GenerationFactory = request.app[FACTORY]
+    body = TokenizeRequest.model_validate_json(await request.read())
+    factory.check_model(body.model)
+    if body.messages is not None:
+        tokens = engine.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
+    else:
+        tokens = engine.tokenizer.encode(body.prompt or "")
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine: AsyncEngineClient = request.app[ENGINE]
+    factory: GenerationFactory = request.app[FACTORY]
+    body = DetokenizeRequest.model_validate_json(await request.read())
+    factory.check_model(body.model)
+    vocab_size = getattr(engine.tokenizer, "vocab_size", None)
+    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab_size})", param="tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(body.tokens)})

@@ -1,0 +1,247 @@
+"""Request bodies of the OpenAI API subset this worker serves (pydantic, vLLM-shaped).
+
+Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
+is a 400 rather than silently coerced. Options this worker does not implement
+(logprobs, n > 1, echo, penalties, tools, ...) are rejected with a 400 naming the
+parameter instead of being ignored. Unknown extra fields are ignored, as vLLM does.
+Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from inference_worker.engine.types import SamplingParams
+from inference_worker.server.errors import APIError, invalid_request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return invalid_request(f"{what} is not supported by this worker", param=param, code="unsupported")
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at their neutral values.
+    best_of: int | None = Field(None, ge=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+    # For the WebSocket: which endpoint a message is for (ignored over HTTP).
+    endpoint: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def _reject_unsupported(self) -> None:
+        if self.n > 1:
+            raise _unsupported("n", "n > 1 (several choices per request)")
+        if self.best_of is not None and self.best_of > 1:
+            raise _unsupported("best_of", "best_of > 1")
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            if getattr(self, name) != neutral:
+                raise _unsupported(name, name)
+        if self.min_tokens:
+            raise _unsupported("min_tokens", "min_tokens")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
+        """Check lengths against the context window (vLLM's wording) and build the engine's params."""
+        if prompt_len == 0:
+            raise invalid_request("The prompt is empty.", param=prompt_param)
+        if prompt_len >= max_model_len:
+            raise invalid_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                f"has {prompt_len} input tokens. Please reduce the length of the input.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        requested = self.requested_max_tokens()
+        if requested is not None and prompt_len + requested > max_model_len:
+            raise invalid_request(
+                f"'max_tokens' is too large: {requested}. This model's maximum context length is "
+                f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"({requested} > {max_model_len} - {prompt_len}).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        top_k = -1 if self.top_k in (None, 0) else self.top_k
+        return SamplingParams(
+            max_tokens=requested if requested is not None else max_model_len - prompt_len,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            max_tokens_param=requested,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Any = None
+    # OpenAI's default for /v1/completions (vLLM keeps it).
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.prompt is None:
+            raise invalid_request("prompt is required", param="prompt")
+        if self.logprobs is not None:
+            raise _unsupported("logprobs", "logprobs")
+        if self.echo:
+            raise _unsupported("echo", "echo")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix")
+        self._reject_unsupported()
+        return self
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The one prompt: a string or a list of token ids (batches of one are unwrapped)."""
+        return normalize_prompt(self.prompt)
+
+
+def normalize_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if prompt and all(_is_token_id(t) for t in prompt):
+            return prompt
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0]:
+            if all(_is_token_id(t) for t in prompt[0]):
+                return prompt[0]
+        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise _unsupported("prompt", "A batch of several prompts in one request")
+    raise invalid_request(
+        "prompt must be a string, a non-empty list of token ids, or a list holding one of those",
+        param="prompt",
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # The chat templates of small models know "system", not OpenAI's newer "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise _unsupported("logprobs", "logprobs")
+        if self.tools:
+            raise _unsupported("tools", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", "response_format other than text")
+        self._reject_unsupported()
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a `prompt` or chat `messages`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid_request("give exactly one of prompt or messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]

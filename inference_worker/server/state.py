@@ -1,0 +1,13 @@
+"""Typed keys of what the aiohttp app holds (engine, request factory, metrics registry)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from inference_worker.engine.types import AsyncEngineClient
+from inference_worker.server.generation import GenerationFactory
+
+ENGINE = web.AppKey("engine", AsyncEngineClient)
+FACTORY = web.AppKey("generation_factory", GenerationFactory)
+REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)

@@ -1,0 +1,175 @@
+"""`GET /v1/ws`: the completions and chat APIs over one WebSocket.
+
+Framing (every frame is a JSON text message):
+
+Client -> server
+  * A request: a /v1/completions or /v1/chat/completions body. The optional field
+    `"endpoint"` picks the API (`"completions"` or `"chat.completions"`, the paths
+    `"/v1/completions"` and `"/v1/chat/completions"` work too); without it, a body
+    with `"messages"` is chat and any other body is completions. Answers are always
+    streamed (`"stream"` is ignored); `"stream_options": {"include_usage": true}`
+    adds the usage chunk as over SSE.
+  * `{"type": "cancel"}`: abort the request being answered (its KV blocks are freed).
+Requests on one socket are answered one after the other, in order; requests sent
+while one is being answered wait their turn (at most 64 queued, more is an error).
+Closing the socket aborts the request being answered.
+
+Server -> client, for each request, in order
+  * the chunk objects of the SSE stream, one per message (`chat.completion.chunk`
+    or `text_completion` objects, the usage chunk last when asked for);
+  * then exactly one terminal message:
+      `{"type": "done", "id": "<request id>"}` after the last chunk, or
+      `{"type": "done", "id": "<request id>", "cancelled": true}` after a cancel, or
+      an OpenAI error object `{"error": {"message", "type", "param", "code"}}`
+      (bad JSON, validation errors, unknown model, prompt too long, engine failure).
+The socket stays open and usable after an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+from aiohttp import WSMsgType, web
+
+from inference_worker.engine.types import AsyncEngineClient, FinishReason
+from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request
+from inference_worker.server.generation import Generation, GenerationFactory
+from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from inference_worker.server.state import ENGINE, FACTORY
+
+logger = logging.getLogger("inference_worker.server")
+
+MAX_QUEUED_REQUESTS = 64
+_CHAT = {"chat.completions", "chat", "/v1/chat/completions", "v1/chat/completions"}
+_COMPLETIONS = {"completions", "/v1/completions", "v1/completions"}
+
+
+def generation_from_message(factory: GenerationFactory, text: str) -> Generation:
+    """Parse one client message into a streamed Generation (raises APIError / ValidationError)."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"Invalid JSON message: {exc.msg}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid_request("a message must be a JSON object (a completions or chat request body)")
+    endpoint = body.get("endpoint")
+    if endpoint is None:
+        endpoint = "chat.completions" if "messages" in body else "completions"
+    body["stream"] = True
+    if endpoint in _CHAT:
+        return factory.chat_from(ChatCompletionRequest.model_validate(body))
+    if endpoint in _COMPLETIONS:
+        return factory.completion_from(CompletionRequest.model_validate(body))
+    raise invalid_request(
+        f"unknown endpoint {endpoint!r}: use 'completions' or 'chat.completions'", param="endpoint"
+    )
+
+
+@dataclass(slots=True)
+class _Current:
+    task: asyncio.Task[None] | None = None
+    request_id: str | None = None
+    cancel_requested: bool = False
+
+
+async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=16 * 1024 * 1024)
+    await ws.prepare(request)
+    queue: asyncio.Queue[str] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
+    current = _Current()
+    worker = asyncio.create_task(_answer_in_order(request.app, ws, queue, current))
+    try:
+        async for msg in ws:
+            if msg.type is not WSMsgType.TEXT:
+                await _send_error(ws, invalid_request("send JSON text messages, not binary ones"))
+                continue
+            if _is_cancel(msg.data):
+                if current.task is not None and not current.task.done():
+                    current.cancel_requested = True
+                    current.task.cancel()
+                continue
+            try:
+                queue.put_nowait(msg.data)
+            except asyncio.QueueFull:
+                await _send_error(
+                    ws, APIError(429, f"more than {MAX_QUEUED_REQUESTS} requests queued on this socket")
+                )
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+    return ws
+
+
+def _is_cancel(text: str) -> bool:
+    # Cheap pre-check: request bodies are never this short and never start with {"type".
+    if len(text) > 64 or '"cancel"' not in text:
+        return False
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(body, dict) and body.get("type") == "cancel" and len(body) == 1
+
+
+async def _answer_in_order(
+    app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[str], current: _Current
+) -> None:
+    try:
+        while True:
+            text = await queue.get()
+            current.cancel_requested = False
+            current.request_id = None
+            current.task = asyncio.create_task(_answer(app, ws, text, current))
+            # wait() (not await) so cancelling this worker does not hand the cancel to the request
+            # twice; the finally below cancels it once.
+            await asyncio.wait({current.task})
+            if current.task.cancelled() and current.cancel_requested and not ws.closed:
+                await ws.send_str(json.dumps({"type": "done", "id": current.request_id, "cancelled": True}))
+    finally:
+        if current.task is not None and not current.task.done():
+            current.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await current.task
+
+
+async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, current: _Current) -> None:
+    engine: AsyncEngineClient = app[ENGINE]
+    gen: Generation | None = None
+    try:
+        gen = generation_from_message(app[FACTORY], text)
+        current.request_id = gen.request_id
+        out = await gen.start(engine)
+        chunks = gen.chunks
+        opening = chunks.first()
+        if opening:
+            await ws.send_str(opening)
+        rest = gen.rest()
+        while not out.finished:
+            if out.text:
+                await ws.send_str(chunks.delta(out.text, None))
+            out = await anext(rest)
+        if out.finish_reason is FinishReason.ERROR:
+            raise APIError(500, f"The engine failed while generating request {out.request_id}.")
+        await ws.send_str(chunks.delta(out.text, out.finish_reason))
+        if gen.include_usage:
+            await ws.send_str(chunks.usage(out))
+        await ws.send_str(json.dumps({"type": "done", "id": gen.request_id}))
+    except ConnectionError:
+        return  # the socket is gone; the finally aborts the request
+    except Exception as exc:
+        await _send_error(ws, exception_to_api_error(exc))
+    finally:
+        if gen is not None:
+            await gen.close()
+
+
+async def _send_error(ws: web.WebSocketResponse, err: APIError) -> None:
+    if ws.closed:
+        return
+    with contextlib.suppress(ConnectionError):
+        await ws.send_str(json.dumps(err.body()))
