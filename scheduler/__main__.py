@@ -1,0 +1,65 @@
+"""python -m scheduler --host 127.0.0.1 --port 8090 --workers URL,... --policy llm_aware"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from scheduler.app import build_app
+from scheduler.config import SchedulerConfig, load_scheduler_config
+from scheduler.discovery.static import add_static_workers
+from scheduler.scrape.scraper import Scraper
+from scheduler.service import SchedulerService
+
+log = logging.getLogger("scheduler")
+
+
+async def serve(cfg: SchedulerConfig) -> None:
+    service = SchedulerService(cfg)
+    add_static_workers(service, cfg.worker_urls)
+    scraper = Scraper(service)
+    await scraper.start()
+    tasks = [asyncio.create_task(scraper.run(), name="scraper")]
+    if cfg.k8s_namespace:
+        from scheduler.discovery.kubernetes import KubernetesDiscovery
+
+        tasks.append(asyncio.create_task(KubernetesDiscovery(service, cfg).run(), name="k8s"))
+    runner = web.AppRunner(build_app(service), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1] if site._server else cfg.port
+    log.info("scheduler listening on http://%s:%d policy=%s workers=%d", cfg.host, port, cfg.policy,
+             len(cfg.worker_urls))
+    print(f"scheduler ready on http://{cfg.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await scraper.stop()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_scheduler_config(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Scheduler configuration: CLI flags, SCHEDULER_* environment variables, optional YAML (--config)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from scheduler.settings_loader import load_settings
+
+
+class SchedulerConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SCHEDULER_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="python -m scheduler",
+        extra="forbid",
+    )
+
+    config: str | None = Field(None, description="optional YAML file with any of these fields")
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    log_level: str = "info"
+
+    # Discovery
+    workers: str = Field("", description="static worker URLs, comma-separated")
+    registration_token: str | None = Field(None, description="shared token for POST /v1/workers")
+    registration_ttl_s: float = Field(10.0, gt=0, description="a registration expires without heartbeats")
+    k8s_namespace: str | None = Field(None, description="watch EndpointSlices in this namespace")
+    k8s_label_selector: str | None = Field(None, description="label selector of the EndpointSlices")
+    k8s_port: str | None = Field(None, description="port name or number on the endpoints (default first)")
+    k8s_scheme: str = "http"
+    k8s_api_server: str | None = Field(None, description="override the API server URL (tests)")
+
+    # Scraping and health
+    scrape_interval_ms: int = Field(100, ge=5, le=600_000)
+    scrape_timeout_ms: int = Field(2000, ge=10, description="per scrape; generous: busy is not dead")
+    fail_streak: int = Field(3, ge=1, description="connection failures in a row that take a worker out")
+    recover_streak: int = Field(2, ge=1, description="successes in a row before a half-open trial")
+    dead_after_ms: int = Field(10_000, ge=100, description="no success for this long: out (silent host)")
+    stale_after_ms: int = Field(1000, ge=10, description="older load data: treat the worker as saturated")
+    models_refresh_ms: int = Field(5000, ge=100, description="how often /v1/models is re-read")
+
+    # Decisions
+    policy: str = Field("llm_aware", description="round_robin, random, least_request, power_of_two, "
+                        "least_kv, prefix_affinity, llm_aware")
+    policy_params: dict[str, Any] = Field(default_factory=dict, description="policy knobs (YAML or JSON)")
+    lease_ttl_s: float = Field(600.0, gt=0, description="a lease never released expires after this")
+    visibility_lag_ms: float = Field(10.0, ge=0, description="leases this close before a scrape: unseen")
+    retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from scheduler.policies import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(sorted(POLICIES))}")
+        return v
+
+    @field_validator("policy_params")
+    @classmethod
+    def _known_params(cls, v: dict[str, Any], info) -> dict[str, Any]:
+        from scheduler.policies import validate_params
+
+        policy = info.data.get("policy")
+        if policy:
+            validate_params(policy, v)
+        return v
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _join_list(cls, v: Any) -> Any:
+        return ",".join(str(x) for x in v) if isinstance(v, list | tuple) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        for url in self.worker_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://: {url}")
+        if bool(self.k8s_namespace) != bool(self.k8s_label_selector):
+            raise ValueError("k8s_namespace and k8s_label_selector go together")
+        return self
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.workers.split(",") if u.strip()]
+
+
+def load_scheduler_config(argv: list[str] | None = None) -> SchedulerConfig:
+    return load_settings(SchedulerConfig, argv)

@@ -1,0 +1,75 @@
+"""Self-registration: workers POST /v1/workers (and again as heartbeat), DELETE to leave.
+
+Guarded by a shared token; a registration without heartbeats expires after
+registration_ttl_s. Without a configured token, registration is refused (an open
+endpoint would let anyone add an upstream).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from urllib.parse import urlsplit
+
+from scheduler.registry import WorkerState
+from scheduler.service import SchedulerService
+
+SOURCE = "registration"
+
+
+class RegistrationError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def check_token(service: SchedulerService, authorization: str | None) -> None:
+    token = service.cfg.registration_token
+    if not token:
+        raise RegistrationError(403, "registration disabled: the scheduler has no registration token")
+    given = (authorization or "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise RegistrationError(401, "invalid or missing registration token")
+
+
+def _validate(body: object) -> tuple[str, list[str], str | None, str | None]:
+    if not isinstance(body, dict):
+        raise RegistrationError(400, "body must be a JSON object")
+    url = body.get("url")
+    if not isinstance(url, str):
+        raise RegistrationError(400, "url is required", "url")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RegistrationError(400, "url must be an http(s) URL with a host", "url")
+    models = body.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise RegistrationError(400, "models must be a list of names", "models")
+    engine = body.get("engine")
+    if engine is not None and not isinstance(engine, str):
+        raise RegistrationError(400, "engine must be a string", "engine")
+    worker_id = body.get("worker_id")
+    if worker_id is not None and (not isinstance(worker_id, str) or not worker_id or "/" in worker_id):
+        raise RegistrationError(400, "worker_id must be a non-empty string without '/'", "worker_id")
+    return url.rstrip("/"), models, engine, worker_id
+
+
+def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool]:
+    """Add or refresh (heartbeat) a registration. Returns (worker, created)."""
+    url, models, engine, worker_id = _validate(body)
+    known = service.registry.workers.get(worker_id) if worker_id else service.registry.by_url(url)
+    created = known is None or SOURCE not in known.sources
+    w = service.add_worker(
+        WorkerState(url, worker_id=worker_id, models=models, engine=engine, source=SOURCE)
+    )
+    w.expires_at = time.monotonic() + service.cfg.registration_ttl_s
+    return w, created
+
+
+def deregister(service: SchedulerService, worker_id: str) -> bool:
+    w = service.registry.workers.get(worker_id)
+    if w is None or SOURCE not in w.sources:
+        return False
+    w.expires_at = None
+    service.remove_worker(worker_id, source=SOURCE)
+    return True

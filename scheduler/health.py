@@ -1,0 +1,81 @@
+"""Per-worker health: a small circuit breaker driven by scrapes, probes and gateway reports.
+
+States: unknown (never reached) -> up; up -> down after `fail_streak` consecutive
+connection-level failures, at once on a gateway failure report, or when nothing
+succeeded for `dead_after_s` (a silent host); down -> half_open after
+`recover_streak` consecutive successful scrapes; half_open admits a single trial
+lease: released ok -> up, failed -> down. Timeouts alone never evict quickly:
+a busy worker answers slowly, it is not dead (its data ages and the policy treats
+it as saturated instead).
+"""
+
+from __future__ import annotations
+
+UNKNOWN, UP, DOWN, HALF_OPEN = "unknown", "up", "down", "half_open"
+
+
+class Health:
+    __slots__ = ("consecutive_failures", "consecutive_successes", "ever_up", "last_error", "last_ok", "state")
+
+    def __init__(self) -> None:
+        self.state = UNKNOWN
+        self.consecutive_failures = 0
+        self.consecutive_successes = 0
+        self.last_ok: float | None = None
+        self.last_error: str | None = None
+        self.ever_up = False
+
+    @property
+    def routable(self) -> bool:
+        return self.state in (UP, HALF_OPEN)
+
+    def on_success(self, now: float, recover_streak: int) -> bool:
+        """A scrape or probe answered. Returns True when the state changed."""
+        self.last_ok = now
+        self.consecutive_failures = 0
+        self.consecutive_successes += 1
+        if self.state == UNKNOWN or (self.state == DOWN and not self.ever_up):
+            # First contact (e.g. a worker started after the scheduler): no trial needed.
+            self.state = UP
+            self.ever_up = True
+            return True
+        if self.state == DOWN and self.consecutive_successes >= recover_streak:
+            self.state = HALF_OPEN
+            return True
+        return False
+
+    def on_failure(self, error: str, fail_streak: int, connection_level: bool) -> bool:
+        self.last_error = error
+        self.consecutive_successes = 0
+        if not connection_level:
+            return False
+        self.consecutive_failures += 1
+        if self.state != DOWN and self.consecutive_failures >= fail_streak:
+            self.state = DOWN
+            return True
+        return False
+
+    def check_silence(self, now: float, dead_after_s: float) -> bool:
+        """Down when nothing succeeded for dead_after_s (timeouts only, e.g. a vanished host)."""
+        if self.state in (UP, HALF_OPEN) and self.last_ok is not None and now - self.last_ok > dead_after_s:
+            self.state = DOWN
+            self.consecutive_successes = 0
+            self.last_error = "silent"
+            return True
+        return False
+
+    def force_down(self, error: str) -> bool:
+        """Gateway saw a connection failure: out of rotation at once."""
+        self.last_error = error
+        self.consecutive_successes = 0
+        changed = self.state != DOWN
+        self.state = DOWN
+        return changed
+
+    def trial_result(self, ok: bool) -> bool:
+        if self.state != HALF_OPEN:
+            return False
+        self.state = UP if ok else DOWN
+        self.ever_up = True
+        self.consecutive_successes = 0
+        return True

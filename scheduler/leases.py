@@ -1,0 +1,65 @@
+"""Leases: one per scheduled request, open until the gateway releases it or it expires.
+
+An expired lease is a release that was lost (gateway crash): without expiry its
+load would count against the worker forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from scheduler.registry import WorkerState
+
+
+class Lease:
+    __slots__ = ("expires_at", "issued_at", "lease_id", "tokens", "trial", "unseen", "worker")
+
+    def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
+                 tokens: float, trial: bool) -> None:
+        self.lease_id = lease_id
+        self.worker = worker
+        self.issued_at = issued_at
+        self.expires_at = issued_at + ttl_s
+        self.tokens = tokens
+        self.trial = trial
+        self.unseen = True
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.leases: dict[str, Lease] = {}
+        # Short ids: a per-process prefix (so a restarted scheduler never matches an old id)
+        # plus a counter; cheaper than uuid4 on the hot path.
+        self._prefix = os.urandom(4).hex()
+        self._counter = itertools.count(1)
+
+    def issue(self, worker: WorkerState, now: float, tokens: float, trial: bool = False) -> Lease:
+        lease = Lease(f"{self._prefix}-{next(self._counter)}", worker, now, self.ttl_s, tokens, trial)
+        self.leases[lease.lease_id] = lease
+        worker.leases[lease.lease_id] = lease
+        worker.unseen += 1
+        worker.unseen_tokens += tokens
+        return lease
+
+    def close(self, lease_id: str) -> Lease | None:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        w = lease.worker
+        w.leases.pop(lease_id, None)
+        if lease.unseen:
+            w.unseen -= 1
+            w.unseen_tokens -= lease.tokens
+        else:
+            w.finished_since += 1
+        return lease
+
+    def expire(self, now: float) -> list[Lease]:
+        dead = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]
+        return [lease for lid in dead if (lease := self.close(lid)) is not None]
+
+    def drop_worker(self, worker: WorkerState) -> None:
+        for lid in list(worker.leases):
+            self.close(lid)

@@ -1,0 +1,90 @@
+"""The scheduler's own Prometheus metrics (own registry, served at GET /metrics)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from scheduler.service import SchedulerService
+
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.1)
+_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _WorkerCollector:
+    """Per-worker gauges read from the registry at collection time (nothing on the hot path)."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    def collect(self):
+        healthy = GaugeMetricFamily("scheduler_worker_healthy", "1 when the worker is in rotation",
+                                    labels=["worker"])
+        age = GaugeMetricFamily("scheduler_worker_data_age_seconds", "age of the worker's load data",
+                                labels=["worker"])
+        leases = GaugeMetricFamily("scheduler_worker_in_flight_leases", "open leases", labels=["worker"])
+        running = GaugeMetricFamily("scheduler_worker_running", "running requests (scraped)",
+                                    labels=["worker"])
+        waiting = GaugeMetricFamily("scheduler_worker_waiting", "waiting requests (scraped)",
+                                    labels=["worker"])
+        kv = GaugeMetricFamily("scheduler_worker_kv_usage", "KV usage 0-1 (scraped)", labels=["worker"])
+        now = time.monotonic()
+        for w in list(self.service.registry.workers.values()):
+            wid = [w.worker_id]
+            healthy.add_metric(wid, 1.0 if w.health.routable else 0.0)
+            leases.add_metric(wid, float(w.in_flight))
+            s = w.snapshot
+            if s is not None:
+                age.add_metric(wid, now - s.taken_at)
+                running.add_metric(wid, s.running)
+                waiting.add_metric(wid, s.waiting)
+                if s.kv_usage is not None:
+                    kv.add_metric(wid, s.kv_usage)
+        yield from (healthy, age, leases, running, waiting, kv)
+
+
+class SchedulerMetrics:
+    def __init__(self, service: SchedulerService) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("scheduler_decisions", "scheduling decisions", ["policy", "outcome"],
+                                 registry=r)
+        self.decision_latency = Histogram("scheduler_decision_latency_seconds", "in-process decision time",
+                                          buckets=_DECISION_BUCKETS, registry=r)
+        self.waits = Counter("scheduler_waits", "requests held while every worker was saturated",
+                             registry=r)
+        self.wait_seconds = Histogram("scheduler_wait_seconds", "time held", ["outcome"],
+                                      buckets=_WAIT_BUCKETS, registry=r)
+        self.scrape_latency = Histogram("scheduler_scrape_latency_seconds", "metrics scrape time",
+                                        ["worker"], buckets=_SCRAPE_BUCKETS, registry=r)
+        self.scrape_failures = Counter("scheduler_scrape_failures", "failed scrapes", ["worker", "kind"],
+                                       registry=r)
+        self.releases = Counter("scheduler_lease_releases", "lease ends", ["outcome"], registry=r)
+        self.failure_reports = Counter("scheduler_failure_reports", "gateway failure reports", registry=r)
+        r.register(_WorkerCollector(service))
+        policy = service.cfg.policy
+        # Children resolved once: labels() lookups are not free on the hot path.
+        self._ok = self.decisions.labels(policy, "scheduled")
+        self._wait = self.decisions.labels(policy, "wait")
+        self._unknown = self.decisions.labels(policy, "unknown_model")
+        self._held_ok = self.wait_seconds.labels("scheduled")
+        self._held_timeout = self.wait_seconds.labels("timeout")
+
+    def decision_done(self, out, seconds: float) -> None:
+        self.decision_latency.observe(seconds)
+        if isinstance(out, dict):
+            self._ok.inc()
+        elif isinstance(out, str):
+            self._unknown.inc()
+        else:
+            self._wait.inc()
+
+    def wait_done(self, scheduled: bool, seconds: float) -> None:
+        (self._held_ok if scheduled else self._held_timeout).observe(seconds)
+        if scheduled:
+            self._ok.inc()

@@ -1,0 +1,112 @@
+"""The policy interface and what every policy shares.
+
+A policy sees the candidates (workers that serve the model, routable, not excluded)
+and picks one, or returns None to say "every candidate is saturated: hold the
+request". `refresh(worker)` runs whenever a worker's inputs change (new scrape,
+lease issued or released) so that per-decision work stays a single pass of cheap
+comparisons: the decision is on every request's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, NamedTuple
+
+from scheduler.policies.prefix_index import PrefixIndex
+from scheduler.registry import WorkerState
+
+
+class Request:
+    """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
+
+    __slots__ = ("exclude", "lora", "max_tokens", "model", "prefix_hashes", "prompt_tokens")
+
+    def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
+                 prefix_hashes: list[int] | None = None, lora: str | None = None,
+                 exclude: frozenset[str] | None = None) -> None:
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.prefix_hashes = prefix_hashes or ()
+        self.lora = lora
+        self.exclude = exclude
+
+
+class Pick(NamedTuple):
+    worker: WorkerState
+    score: float
+    detail: dict[str, Any]
+
+
+@dataclasses.dataclass
+class PolicyEnv:
+    """What the service shares with its policy."""
+
+    stale_after_s: float = 1.0
+    prefix_index: PrefixIndex = dataclasses.field(default_factory=PrefixIndex)
+    default_max_tokens: int = 256
+
+
+@dataclasses.dataclass
+class NoParams:
+    pass
+
+
+class Policy:
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    # Does this policy ever answer "wait"? (plain policies never do)
+    holds: ClassVar[bool] = False
+
+    def __init__(self, params: dict[str, Any] | None = None, env: PolicyEnv | None = None) -> None:
+        self.p = build_params(self.Params, params or {}, self.name)
+        self.env = env or PolicyEnv()
+
+    def refresh(self, w: WorkerState) -> None:
+        """Recompute w.score (lower is better) and w.saturated after its inputs changed."""
+        w.score = load_of(w)
+
+    def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
+        raise NotImplementedError
+
+    def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
+        """A lease went to w (prefix-aware policies remember where prefixes live)."""
+
+
+def load_of(w: WorkerState) -> float:
+    """Requests on the worker: what it reported, reconciled with leases it cannot show yet."""
+    return w.running_eff + w.waiting_eff
+
+
+def build_params(cls: type, values: dict[str, Any], policy: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    clean: dict[str, Any] = {}
+    for key, value in values.items():
+        f = fields.get(key)
+        if f is None:
+            raise ValueError(f"unknown parameter policy_params.{key} for policy {policy} "
+                             f"(known: {', '.join(fields) or 'none'})")
+        clean[key] = _coerce(value, f.type, key)
+    return cls(**clean)
+
+
+def _coerce(value: Any, type_name: Any, key: str) -> Any:
+    t = str(type_name)
+    try:
+        if t.startswith("bool"):
+            if isinstance(value, str):
+                return value.lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if value is None and "None" in t:
+            return None
+        if t.startswith("int"):
+            return int(value)
+        if t.startswith("float"):
+            out = float(value)
+            if math.isnan(out):
+                raise ValueError
+            return out
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid value for policy_params.{key}: {value!r} (expected {t})") from None
+    return value

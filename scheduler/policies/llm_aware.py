@@ -1,0 +1,126 @@
+"""llm_aware (the default): load in requests, KV headroom against this request's need,
+token rates, leases the scrape cannot see yet, data age, and prefix-cache affinity.
+
+What it does, in order:
+1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
+   KV usage (including blocks unseen leases will take) is at `max_kv_usage` or more,
+   it runs `max_running` requests (if set), its load data is stale, or its free KV
+   cannot hold this request (prompt + output_fraction * max_tokens).
+2. Among the unsaturated, the lowest score wins:
+   score = w_waiting*waiting + w_running*running + w_pending*unseen_leases + w_kv*kv
+         + w_gen_rate*gen_tok_per_s/1000 + w_prompt_rate*prompt_tok_per_s/1000
+         + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
+3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
+   than piled onto one worker; else the least bad saturated one is used.
+Every knob is a policy parameter, so tuning is a config change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from scheduler.policies.base import Pick, Policy, Request
+from scheduler.registry import WorkerState
+
+_INF = math.inf
+
+
+@dataclass
+class LlmAwareParams:
+    max_waiting: float = 1.0
+    max_kv_usage: float = 0.95
+    max_running: float = 0.0  # 0: no cap
+    output_fraction: float = 0.5  # share of max_tokens counted as KV need
+    hold_when_saturated: bool = True
+    w_waiting: float = 4.0
+    w_running: float = 1.0
+    w_pending: float = 1.0
+    w_kv: float = 8.0
+    w_gen_rate: float = 0.0
+    w_prompt_rate: float = 0.0
+    w_age: float = 1.0
+    w_prefix: float = 2.0
+
+
+class LlmAware(Policy):
+    name: ClassVar[str] = "llm_aware"
+    Params: ClassVar[type] = LlmAwareParams
+    holds: ClassVar[bool] = True
+
+    def refresh(self, w: WorkerState) -> None:
+        p: LlmAwareParams = self.p
+        s = w.snapshot
+        waiting, running, unseen = w.waiting_eff, w.running_eff, w.unseen
+        if s is None:
+            # No load data (unknown dialect): only leases tell.
+            w.score = p.w_running * running + p.w_pending * unseen
+            w.free_tokens, w.saturated = _INF, None
+            w.capacity_tokens = _INF
+            return
+        kv = s.kv_usage or 0.0
+        if s.num_blocks and s.block_size:
+            capacity = s.num_blocks * s.block_size
+            free = capacity * (1.0 - kv) - w.unseen_tokens
+            kv = 1.0 - free / capacity
+            w.free_tokens, w.capacity_tokens = free, capacity
+        else:
+            w.free_tokens = w.capacity_tokens = _INF
+        sat = None
+        if waiting >= p.max_waiting:
+            sat = "waiting"
+        elif kv >= p.max_kv_usage:
+            sat = "kv_usage"
+        elif p.max_running and running >= p.max_running:
+            sat = "running"
+        w.saturated = sat
+        w.score = (
+            p.w_waiting * waiting
+            + p.w_running * running
+            + p.w_pending * unseen
+            + p.w_kv * kv
+            + p.w_gen_rate * (s.gen_tps or 0.0) / 1000.0
+            + p.w_prompt_rate * (s.prompt_tps or 0.0) / 1000.0
+        )
+
+    def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
+        p: LlmAwareParams = self.p
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
+        need = req.prompt_tokens + p.output_fraction * max_tokens
+        hashes = req.prefix_hashes
+        matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
+        stale_before = now - self.env.stale_after_s
+        w_age, w_prefix = p.w_age, p.w_prefix
+        best = best_sat = None
+        best_s = best_sat_s = _INF
+        best_why = None
+        for w in cands:
+            score = w.score
+            sat = w.saturated
+            snap = w.snapshot
+            if snap is not None:
+                if snap.taken_at < stale_before:
+                    sat = "stale"
+                elif need > w.free_tokens and need <= w.capacity_tokens:
+                    # (a request larger than the whole pool is left to the engine)
+                    sat = sat or "kv_headroom"
+                score += w_age * (now - snap.taken_at)
+            if matches:
+                m = matches.get(w.worker_id)
+                if m:
+                    score -= w_prefix * m / len(hashes)
+            if sat is None:
+                if score < best_s:
+                    best, best_s = w, score
+            elif score < best_sat_s:
+                best_sat, best_sat_s, best_why = w, score, sat
+        if best is not None:
+            return Pick(best, best_s, {"saturated": None})
+        if p.hold_when_saturated or best_sat is None:
+            return None
+        return Pick(best_sat, best_sat_s, {"saturated": best_why})
+
+    def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
+        if req.prefix_hashes and self.p.w_prefix:
+            self.env.prefix_index.record(req.prefix_hashes, w.worker_id, now)

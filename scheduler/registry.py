@@ -1,0 +1,166 @@
+"""Every known worker, its health, latest load snapshot and lease accounting."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from scheduler.health import HALF_OPEN, Health
+from scheduler.scrape.rates import RateTracker
+from scheduler.scrape.snapshot import LoadSnapshot
+
+
+def worker_id_for(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+class WorkerState:
+    """One worker. The lease counters are the load the latest scrape cannot show yet."""
+
+    def __init__(self, url: str, *, worker_id: str | None = None, models=(), engine: str | None = None,
+                 source: str = "static") -> None:
+        self.url = url.rstrip("/")
+        self.worker_id = worker_id or worker_id_for(self.url)
+        self.models: set[str] = set(models)
+        self.models_from_registration = bool(models)
+        self.engine_hint = engine
+        self.sources: set[str] = {source}
+        self.health = Health()
+        self.dialect: str | None = None
+        self.snapshot: LoadSnapshot | None = None
+        self.rates = RateTracker()
+        self.models_fetched_at = -math.inf
+        self.scraping = False
+        self.expires_at: float | None = None  # registrations expire without heartbeats
+        # Lease accounting.
+        self.leases: dict[str, object] = {}
+        self.unseen = 0  # leases issued after the snapshot was taken
+        self.unseen_tokens = 0.0
+        self.finished_since = 0  # leases the snapshot saw that were released since
+        # Policy-maintained fields.
+        self.score = 0.0
+        self.free_tokens = math.inf
+        self.saturated: str | None = None
+        self.capacity_tokens = math.inf
+
+    # ---- derived load, reconciled with leases ------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.leases)
+
+    @property
+    def waiting_eff(self) -> float:
+        s = self.snapshot
+        if s is None:
+            return 0.0
+        # A finished request frees a slot that a waiting one takes first.
+        return max(0.0, s.waiting - self.finished_since)
+
+    @property
+    def running_eff(self) -> float:
+        s = self.snapshot
+        if s is None:
+            return float(self.unseen)
+        freed = max(0.0, self.finished_since - s.waiting)
+        return max(0.0, s.running - freed) + self.unseen
+
+    def data_age_s(self, now: float | None = None) -> float | None:
+        if self.snapshot is None:
+            return None
+        return (time.monotonic() if now is None else now) - self.snapshot.taken_at
+
+    @property
+    def routable(self) -> bool:
+        h = self.health
+        if h.state == HALF_OPEN:
+            return not self.leases  # a single trial at a time
+        return h.routable
+
+    def on_snapshot(self, snap: LoadSnapshot, visibility_lag_s: float) -> None:
+        """Leases issued before the scrape was sent (minus a lag for the gateway to
+        forward) are in the worker's own numbers now: stop counting them twice."""
+        self.snapshot = snap
+        cutoff = snap.taken_at - visibility_lag_s
+        unseen, tokens = 0, 0.0
+        for lease in self.leases.values():
+            lease.unseen = lease.issued_at > cutoff
+            if lease.unseen:
+                unseen += 1
+                tokens += lease.tokens
+        self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
+
+    def view(self, now: float) -> dict:
+        age = self.data_age_s(now)
+        return {
+            "worker_id": self.worker_id,
+            "url": self.url,
+            "healthy": self.health.routable,
+            "state": self.health.state,
+            "dialect": self.dialect,
+            "models": sorted(self.models),
+            "snapshot": self.snapshot.as_dict() if self.snapshot else None,
+            "data_age_ms": None if age is None else round(age * 1000.0, 1),
+            "in_flight_leases": self.in_flight,
+            "unseen_leases": self.unseen,
+            "score": None if math.isinf(self.score) else round(self.score, 4),
+            "saturated": self.saturated,
+            "sources": sorted(self.sources),
+            "last_error": self.health.last_error,
+        }
+
+
+class Registry:
+    """Workers by id, plus a model -> workers index for the decision's first filter."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerState] = {}
+        self.by_model: dict[str, list[WorkerState]] = {}
+        self.listeners: list[Callable[[], None]] = []  # called when membership/models change
+
+    def add(self, worker: WorkerState) -> WorkerState:
+        existing = self.workers.get(worker.worker_id)
+        if existing is not None:
+            existing.sources |= worker.sources
+            if worker.models_from_registration:
+                existing.models = set(worker.models)
+                existing.models_from_registration = True
+                self.reindex()
+            if worker.engine_hint:
+                existing.engine_hint = worker.engine_hint
+            return existing
+        self.workers[worker.worker_id] = worker
+        self.reindex()
+        return worker
+
+    def remove(self, worker_id: str, source: str | None = None) -> WorkerState | None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return None
+        if source is not None:
+            w.sources.discard(source)
+            if w.sources:
+                return None  # still known through another discovery source
+        del self.workers[worker_id]
+        self.reindex()
+        return w
+
+    def by_url(self, url: str) -> WorkerState | None:
+        return self.workers.get(worker_id_for(url.rstrip("/")))
+
+    def set_models(self, worker: WorkerState, models: set[str]) -> None:
+        if models != worker.models:
+            worker.models = models
+            self.reindex()
+
+    def reindex(self) -> None:
+        index: dict[str, list[WorkerState]] = {}
+        for w in self.workers.values():
+            for m in w.models:
+                index.setdefault(m, []).append(w)
+        self.by_model = index
+        for fn in self.listeners:
+            fn()

@@ -1,0 +1,325 @@
+"""Engine metric dialects, each normalised to a RawSample (metrics-reference.md section 11).
+
+A dialect is detected per worker from the series names its /metrics exposes, then
+only the series that dialect needs are parsed on every scrape. Gauges and counters are
+summed over data-parallel series (vLLM `engine`, SGLang `dp_rank`); KV usage is averaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.scrape.parse import Sample, label_present, series_names
+from scheduler.scrape.snapshot import RawSample
+
+Families = dict[str, list[Sample]]
+
+
+def _total(fams: Families, key: str, **match: str) -> float | None:
+    samples = fams.get(key)
+    if not samples:
+        return None
+    if match:
+        samples = [s for s in samples if all(s[0].get(k) == v for k, v in match.items())]
+        if not samples:
+            return None
+    return sum(v for _, v in samples)
+
+
+def _mean(fams: Families, key: str, **match: str) -> float | None:
+    samples = fams.get(key)
+    if not samples:
+        return None
+    if match:
+        samples = [s for s in samples if all(s[0].get(k) == v for k, v in match.items())]
+        if not samples:
+            return None
+    return sum(v for _, v in samples) / len(samples)
+
+
+def _put(counters: dict[str, float], key: str, value: float | None) -> None:
+    if value is not None:
+        counters[key] = value
+
+
+def _wire(names: dict[str, str], counters: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """Series-name -> key map; counters are matched with and without `_total`."""
+    out = dict(names)
+    for wire, key in counters:
+        out[wire + "_total"] = key
+        out[wire] = key
+    return out
+
+
+def _hist(prefix: str, key: str) -> dict[str, str]:
+    return {f"{prefix}_sum": f"{key}_sum", f"{prefix}_count": f"{key}_count"}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    wanted: dict[str, str]
+    extract: Callable[[Families], RawSample]
+
+
+# ---- vLLM (v1 current names, v0 names, Triton's vLLM backend) ----------------------------
+
+_VLLM = _wire(
+    {
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv",
+        "vllm:gpu_cache_usage_perc": "kv_v0",
+        "vllm:gpu_prefix_cache_hit_rate": "prefix_rate_v0",
+        "vllm:cache_config_info": "cache_info",
+        **_hist("vllm:time_to_first_token_seconds", "ttft"),
+        **_hist("vllm:inter_token_latency_seconds", "itl"),
+        **_hist("vllm:time_per_output_token_seconds", "tpot_v0"),
+    },
+    (
+        ("vllm:prompt_tokens", "prompt_tokens"),
+        ("vllm:generation_tokens", "generation_tokens"),
+        ("vllm:prefix_cache_hits", "prefix_hits"),
+        ("vllm:prefix_cache_queries", "prefix_queries"),
+        ("vllm:gpu_prefix_cache_hits", "prefix_hits_08"),
+        ("vllm:gpu_prefix_cache_queries", "prefix_queries_08"),
+    ),
+)
+
+
+def _vllm(fams: Families) -> RawSample:
+    kv = _mean(fams, "kv")
+    if kv is None:
+        kv = _mean(fams, "kv_v0")
+    block_size = num_blocks = None
+    for labels, _ in fams.get("cache_info", ()):
+        try:
+            block_size = int(labels["block_size"])
+            num_blocks = (num_blocks or 0) + int(labels["num_gpu_blocks"])
+        except (KeyError, ValueError):
+            continue
+    c: dict[str, float] = {}
+    _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
+    _put(c, "generation_tokens", _total(fams, "generation_tokens"))
+    hits, queries = _total(fams, "prefix_hits"), _total(fams, "prefix_queries")
+    if hits is None:
+        hits, queries = _total(fams, "prefix_hits_08"), _total(fams, "prefix_queries_08")
+    _put(c, "prefix_hits", hits)
+    _put(c, "prefix_queries", queries)
+    _put(c, "ttft_sum", _total(fams, "ttft_sum"))
+    _put(c, "ttft_count", _total(fams, "ttft_count"))
+    itl = "itl" if "itl_count" in fams else "tpot_v0"
+    _put(c, "itl_sum", _total(fams, f"{itl}_sum"))
+    _put(c, "itl_count", _total(fams, f"{itl}_count"))
+    return RawSample(
+        running=_total(fams, "running"),
+        waiting=_total(fams, "waiting"),
+        kv_usage=kv,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        counters=c,
+        prefix_hit_rate=_mean(fams, "prefix_rate_v0"),
+    )
+
+
+# ---- SGLang (`sglang:` and `sglang_`) -----------------------------------------------------
+
+
+def _sglang_wanted(p: str) -> dict[str, str]:
+    return _wire(
+        {
+            f"{p}num_running_reqs": "running",
+            f"{p}num_queue_reqs": "waiting",
+            f"{p}token_usage": "kv",
+            f"{p}num_used_tokens": "used_tokens",
+            f"{p}max_total_num_tokens": "max_tokens",
+            f"{p}gen_throughput": "gen_tps",
+            f"{p}cache_hit_rate": "prefix_rate",
+            **_hist(f"{p}time_to_first_token_seconds", "ttft"),
+            **_hist(f"{p}inter_token_latency_seconds", "itl"),
+        },
+        (
+            (f"{p}prompt_tokens", "prompt_tokens"),
+            (f"{p}generation_tokens", "generation_tokens"),
+            (f"{p}cached_tokens", "cached_tokens"),
+            (f"{p}realtime_tokens", "realtime_tokens"),
+        ),
+    )
+
+
+def _first_tp(fams: Families) -> Families:
+    """Tensor-parallel ranks repeat the scheduler's numbers: keep tp_rank 0 only."""
+    return {k: [s for s in v if s[0].get("tp_rank", "0") == "0"] for k, v in fams.items()}
+
+
+def _sglang(fams: Families) -> RawSample:
+    fams = _first_tp(fams)
+    kv = _mean(fams, "kv")
+    used, cap = _total(fams, "used_tokens"), _total(fams, "max_tokens")
+    if kv is None and used is not None and cap:
+        kv = used / cap
+    c: dict[str, float] = {}
+    realtime = fams.get("realtime_tokens")
+    if realtime:
+        # Updated every log interval, unlike the request-end counters: the better rate source.
+        prefill = [v for labels, v in realtime if labels.get("mode", "").startswith("prefill")]
+        _put(c, "prompt_tokens", sum(prefill) if prefill else None)
+        _put(c, "generation_tokens", _total(fams, "realtime_tokens", mode="decode"))
+    else:
+        _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
+        _put(c, "generation_tokens", _total(fams, "generation_tokens"))
+    # Prefix hits as cached/prompt, both counted at request end.
+    _put(c, "prefix_hits", _total(fams, "cached_tokens"))
+    _put(c, "prefix_queries", _total(fams, "prompt_tokens"))
+    for key in ("ttft_sum", "ttft_count", "itl_sum", "itl_count"):
+        _put(c, key, _total(fams, key))
+    return RawSample(
+        running=_total(fams, "running"),
+        waiting=_total(fams, "waiting"),
+        kv_usage=kv,
+        # SGLang's pool is counted in tokens: a "block" of one token.
+        block_size=1 if cap else None,
+        num_blocks=int(cap) if cap else None,
+        counters=c,
+        gen_tps=None if realtime else _total(fams, "gen_tps"),
+        prefix_hit_rate=_mean(fams, "prefix_rate"),
+    )
+
+
+# ---- HuggingFace TGI ----------------------------------------------------------------------
+
+_TGI = _wire(
+    {
+        "tgi_batch_current_size": "running",
+        "tgi_queue_size": "waiting",
+        "tgi_request_input_length_sum": "prompt_tokens",
+        "tgi_request_generated_tokens_sum": "generation_tokens",
+        **_hist("tgi_request_mean_time_per_token_duration", "itl"),
+    }
+)
+
+
+def _tgi(fams: Families) -> RawSample:
+    c: dict[str, float] = {}
+    for key in ("prompt_tokens", "generation_tokens", "itl_sum", "itl_count"):
+        _put(c, key, _total(fams, key))
+    # TGI has no KV-usage gauge and no TTFT histogram.
+    return RawSample(running=_total(fams, "running"), waiting=_total(fams, "waiting"), counters=c)
+
+
+# ---- Triton core, and TensorRT-LLM on Triton ----------------------------------------------
+
+_TRITON = {
+    "nv_inference_pending_request_count": "pending",
+    "nv_inference_first_response_histogram_ms_sum": "ttft_ms_sum",
+    "nv_inference_first_response_histogram_ms_count": "ttft_count",
+}
+
+
+def _triton(fams: Families) -> RawSample:
+    c: dict[str, float] = {}
+    ttft_ms = _total(fams, "ttft_ms_sum")
+    _put(c, "ttft_sum", ttft_ms / 1000.0 if ttft_ms is not None else None)
+    _put(c, "ttft_count", _total(fams, "ttft_count"))
+    # Triton core has no running gauge: only the queue is known.
+    return RawSample(running=0.0, waiting=_total(fams, "pending"), counters=c)
+
+
+_TRTLLM = {
+    **_TRITON,
+    "nv_trt_llm_request_metrics": "requests",
+    "nv_trt_llm_kv_cache_block_metrics": "kv_blocks",
+    "nv_llm_input_token_len_sum": "prompt_tokens",
+    "nv_llm_output_token_len_sum": "generation_tokens",
+}
+
+
+def _trtllm(fams: Families) -> RawSample:
+    def blocks(kind: str) -> float | None:
+        return _total(fams, "kv_blocks", kv_cache_block_type=kind)
+
+    waiting = _total(fams, "requests", request_type="waiting")
+    if waiting is None:
+        waiting = _total(fams, "pending")
+    kv = blocks("fraction")
+    max_blocks, used = blocks("max"), blocks("used")
+    if kv is None and max_blocks and used is not None:
+        kv = used / max_blocks  # older builds lack `fraction`
+    tokens_per = blocks("tokens_per")
+    c: dict[str, float] = {}
+    _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
+    _put(c, "generation_tokens", _total(fams, "generation_tokens"))
+    return RawSample(
+        running=_total(fams, "requests", request_type="active"),
+        waiting=waiting,
+        kv_usage=kv,
+        block_size=int(tokens_per) if tokens_per else None,
+        num_blocks=int(max_blocks) if max_blocks else None,
+        counters=c,
+    )
+
+
+# ---- BladeLLM (names unverified, metrics-reference.md section 8) ---------------------------
+
+_BLADE = {
+    "decode_batch_size_mean": "running",
+    "wait_queue_size_mean": "waiting",
+    "block_usage_gpu_mean": "kv",
+    "tps_total": "tps_total",
+    "tps_out": "tps_out",
+}
+
+
+def _blade(fams: Families) -> RawSample:
+    total, out = _total(fams, "tps_total"), _total(fams, "tps_out")
+    kv = _mean(fams, "kv")
+    if kv is not None and kv > 1.0:  # tolerate a percent
+        kv /= 100.0
+    return RawSample(
+        running=_total(fams, "running"),
+        waiting=_total(fams, "waiting"),
+        kv_usage=kv,
+        prompt_tps=max(0.0, total - out) if total is not None and out is not None else None,
+        gen_tps=out,
+    )
+
+
+VLLM_V1 = Dialect("vllm_v1", _VLLM, _vllm)
+VLLM_V0 = Dialect("vllm_v0", _VLLM, _vllm)
+TRITON_VLLM = Dialect("triton_vllm", _VLLM, _vllm)
+SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang)
+SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang)
+TGI = Dialect("tgi", _TGI, _tgi)
+TRTLLM = Dialect("trtllm", _TRTLLM, _trtllm)
+TRITON = Dialect("triton", _TRITON, _triton)
+BLADELLM = Dialect("bladellm", _BLADE, _blade)
+
+DIALECTS = {
+    d.name: d
+    for d in (VLLM_V1, VLLM_V0, TRITON_VLLM, SGLANG_COLON, SGLANG_UNDERSCORE, TGI, TRTLLM, TRITON, BLADELLM)
+}
+
+
+def detect(text: str) -> Dialect | None:
+    """The dialect of one /metrics text, from the series it exposes (None: unknown)."""
+    names = series_names(text)
+    if "vllm:num_requests_running" in names or "vllm:num_requests_waiting" in names:
+        if "vllm:kv_cache_usage_perc" in names:
+            return VLLM_V1
+        if label_present(text, "vllm:num_requests_running", "version"):
+            return TRITON_VLLM
+        return VLLM_V0
+    if "sglang:num_running_reqs" in names or "sglang:num_queue_reqs" in names:
+        return SGLANG_COLON
+    if "sglang_num_running_reqs" in names or "sglang_num_queue_reqs" in names:
+        return SGLANG_UNDERSCORE
+    if "tgi_queue_size" in names or "tgi_batch_current_size" in names:
+        return TGI
+    if "nv_trt_llm_request_metrics" in names:
+        return TRTLLM
+    if "nv_inference_pending_request_count" in names:
+        return TRITON
+    if "wait_queue_size_mean" in names or "decode_batch_size_mean" in names:
+        return BLADELLM
+    return None

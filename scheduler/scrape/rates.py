@@ -1,0 +1,81 @@
+"""Counter deltas -> smoothed rates and histogram means, with counter resets handled.
+
+A scrape every 100 ms makes single-interval rates noisy (vLLM adds a whole prompt at
+its first token), so each per-interval rate feeds an exponentially weighted average
+with a time constant of `tau_s`. A counter that went down was reset (worker restart):
+its delta is its new value, as Prometheus' rate() assumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scheduler.scrape.snapshot import LoadSnapshot, RawSample
+
+
+def counter_delta(prev: float, cur: float) -> float:
+    return cur - prev if cur >= prev else cur
+
+
+class RateTracker:
+    def __init__(self, tau_s: float = 1.0) -> None:
+        self.tau_s = tau_s
+        self._prev: dict[str, float] | None = None
+        self._prev_t = 0.0
+        # EWMA of per-second deltas, by counter key.
+        self._ewma: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self._prev = None
+        self._ewma.clear()
+
+    def update(self, raw: RawSample, t: float) -> dict[str, float]:
+        """Feed one scrape taken at monotonic time t; returns smoothed per-second rates."""
+        cur = raw.counters
+        prev, dt = self._prev, t - self._prev_t
+        self._prev, self._prev_t = dict(cur), t
+        if prev is None or dt <= 0:
+            return dict(self._ewma)
+        alpha = 1.0 - math.exp(-dt / self.tau_s)
+        for key, value in cur.items():
+            before = prev.get(key)
+            if before is None:
+                continue
+            per_s = counter_delta(before, value) / dt
+            old = self._ewma.get(key)
+            self._ewma[key] = per_s if old is None else old + alpha * (per_s - old)
+        return dict(self._ewma)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or not den or den <= 1e-12:
+        return None
+    return num / den
+
+
+def build_snapshot(
+    raw: RawSample, rates: dict[str, float], taken_at: float, wall_time: float, dialect: str
+) -> LoadSnapshot:
+    prompt_tps = raw.prompt_tps if raw.prompt_tps is not None else rates.get("prompt_tokens")
+    gen_tps = raw.gen_tps if raw.gen_tps is not None else rates.get("generation_tokens")
+    hit_rate = _ratio(rates.get("prefix_hits"), rates.get("prefix_queries"))
+    if hit_rate is None:
+        hit_rate = raw.prefix_hit_rate
+    kv = raw.kv_usage
+    if kv is not None:
+        kv = min(max(kv, 0.0), 1.0)
+    return LoadSnapshot(
+        running=max(raw.running or 0.0, 0.0),
+        waiting=max(raw.waiting or 0.0, 0.0),
+        kv_usage=kv,
+        prompt_tps=prompt_tps,
+        gen_tps=gen_tps,
+        prefix_hit_rate=hit_rate,
+        block_size=raw.block_size,
+        num_blocks=raw.num_blocks,
+        ttft_mean_s=_ratio(rates.get("ttft_sum"), rates.get("ttft_count")),
+        itl_mean_s=_ratio(rates.get("itl_sum"), rates.get("itl_count")),
+        taken_at=taken_at,
+        wall_time=wall_time,
+        dialect=dialect,
+    )

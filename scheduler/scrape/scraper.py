@@ -1,0 +1,180 @@
+"""One async loop scrapes every worker's /metrics concurrently, on keep-alive connections.
+
+Each tick starts a scrape for every worker whose previous scrape has finished (a slow
+worker is never piled on). Connection-level failures (refused, reset, closed) count
+toward the eviction streak; a timeout does not: it ages the data (the policy treats a
+stale worker as saturated) and triggers a /health probe whose connection failure does
+count. Parsing happens on the loop, so it uses the fast selective parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+
+from scheduler.registry import WorkerState
+from scheduler.scrape import dialects
+from scheduler.scrape.parse import parse_selected
+from scheduler.scrape.rates import build_snapshot
+from scheduler.service import SchedulerService
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "nothing is listening / the process is gone", not "busy".
+CONNECTION_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    ConnectionError,
+)
+
+
+class Scraper:
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+        cfg = service.cfg
+        self.interval_s = cfg.scrape_interval_ms / 1000.0
+        self.timeout = aiohttp.ClientTimeout(total=cfg.scrape_timeout_ms / 1000.0)
+        self.probe_timeout = aiohttp.ClientTimeout(total=min(cfg.scrape_timeout_ms / 1000.0, 1.0))
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
+
+    async def run(self) -> None:
+        if self.session is None:
+            await self.start()
+        svc = self.service
+        next_tick = time.monotonic()
+        next_housekeeping = next_tick
+        while not self._stopping:
+            now = time.monotonic()
+            for w in list(svc.registry.workers.values()):
+                if not w.scraping:
+                    w.scraping = True
+                    task = asyncio.create_task(self.scrape_one(w))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                if w.health.check_silence(now, svc.cfg.dead_after_ms / 1000.0):
+                    svc.on_health_change(w)
+            if now >= next_housekeeping:
+                svc.expire_leases(now)
+                self.expire_registrations(now)
+                next_housekeeping = now + 1.0
+            next_tick += self.interval_s
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # fell behind (overload): skip ticks rather than burst
+                next_tick = time.monotonic()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    def expire_registrations(self, now: float) -> None:
+        for w in list(self.service.registry.workers.values()):
+            if w.expires_at is not None and w.expires_at < now and "registration" in w.sources:
+                log.info("registration of %s expired (no heartbeat)", w.worker_id)
+                w.expires_at = None
+                self.service.remove_worker(w.worker_id, source="registration")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def scrape_one(self, w: WorkerState) -> None:
+        svc, m = self.service, self.service.metrics
+        cfg = svc.cfg
+        sent = time.monotonic()
+        try:
+            try:
+                async with self.session.get(w.url + "/metrics", timeout=self.timeout) as resp:
+                    status = resp.status
+                    text = await resp.text() if status == 200 else ""
+            except TimeoutError:
+                m.scrape_failures.labels(w.worker_id, "timeout").inc()
+                await self._probe_after_timeout(w)
+                return
+            except CONNECTION_ERRORS as exc:
+                m.scrape_failures.labels(w.worker_id, "connection").inc()
+                self._failure(w, f"{type(exc).__name__}", connection_level=True)
+                return
+            except aiohttp.ClientError as exc:
+                m.scrape_failures.labels(w.worker_id, "http").inc()
+                self._failure(w, f"{type(exc).__name__}", connection_level=False)
+                return
+            now = time.monotonic()
+            m.scrape_latency.labels(w.worker_id).observe(now - sent)
+            if status >= 500:
+                m.scrape_failures.labels(w.worker_id, "http").inc()
+                self._failure(w, f"metrics answered {status}", connection_level=False)
+                return
+            if now - w.models_fetched_at > cfg.models_refresh_ms / 1000.0 or not w.models:
+                await self.refresh_models(w)
+            if status == 200:
+                self._ingest(w, text, sent)
+            changed = w.health.on_success(now, cfg.recover_streak)
+            if changed:
+                svc.on_health_change(w)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let one odd worker kill its scrape slot
+            log.exception("scrape of %s failed", w.worker_id)
+        finally:
+            w.scraping = False
+
+    def _ingest(self, w: WorkerState, text: str, sent: float) -> None:
+        dialect = dialects.DIALECTS.get(w.dialect or "")
+        raw = dialect.extract(parse_selected(text, dialect.wanted)) if dialect else None
+        if raw is None or (raw.running is None and raw.waiting is None):
+            dialect = dialects.detect(text)  # first scrape, or the worker changed engine
+            if dialect is None:
+                w.dialect = "unknown"
+                return
+            if dialect.name != w.dialect:
+                w.rates.reset()
+            w.dialect = dialect.name
+            raw = dialect.extract(parse_selected(text, dialect.wanted))
+        rates = w.rates.update(raw, sent)
+        self.service.on_snapshot(w, build_snapshot(raw, rates, sent, time.time(), w.dialect))
+
+    def _failure(self, w: WorkerState, error: str, connection_level: bool) -> None:
+        if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level):
+            self.service.on_health_change(w)
+
+    async def _probe_after_timeout(self, w: WorkerState) -> None:
+        """Metrics timed out: is the process there at all? A worker that answers /health is
+        busy, not dead; its data ages and it counts as saturated meanwhile."""
+        try:
+            async with self.session.get(w.url + "/health", timeout=self.probe_timeout) as resp:
+                await resp.read()
+            self._failure(w, "metrics timeout (health ok)", connection_level=False)
+        except CONNECTION_ERRORS as exc:
+            self._failure(w, f"health probe: {type(exc).__name__}", connection_level=True)
+        except (TimeoutError, aiohttp.ClientError):
+            self._failure(w, "metrics and health timeout", connection_level=False)
+
+    async def refresh_models(self, w: WorkerState) -> None:
+        """Served models come from the worker's /v1/models (registrations may name them)."""
+        w.models_fetched_at = time.monotonic()
+        if w.models_from_registration:
+            return
+        try:
+            async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return
+                data = json.loads(await resp.read())
+            models = {str(item["id"]) for item in data.get("data", []) if isinstance(item, dict)}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, AttributeError) as exc:
+            log.debug("models of %s: %r", w.worker_id, exc)
+            return
+        self.service.registry.set_models(w, models)

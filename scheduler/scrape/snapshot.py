@@ -1,0 +1,45 @@
+"""The one normalised view of a worker's load, whatever engine it runs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RawSample:
+    """What one scrape says, before rates: gauges as read, counters as cumulative totals."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None  # 0-1
+    block_size: int | None = None  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks in the pool
+    # Cumulative counters by canonical key: prompt_tokens, generation_tokens, prefix_hits,
+    # prefix_queries, ttft_sum, ttft_count, itl_sum, itl_count.
+    counters: dict[str, float] = field(default_factory=dict)
+    # Rates some engines publish directly as gauges (BladeLLM, SGLang gen_throughput).
+    prompt_tps: float | None = None
+    gen_tps: float | None = None
+    prefix_hit_rate: float | None = None  # gauge form (vLLM v0, SGLang cache_hit_rate)
+
+
+@dataclass(slots=True)
+class LoadSnapshot:
+    running: float
+    waiting: float
+    kv_usage: float | None
+    prompt_tps: float | None
+    gen_tps: float | None
+    prefix_hit_rate: float | None
+    block_size: int | None
+    num_blocks: int | None
+    ttft_mean_s: float | None
+    itl_mean_s: float | None
+    # time.monotonic() when the scrape request was sent: leases issued after it are
+    # load this snapshot cannot show yet.
+    taken_at: float
+    wall_time: float
+    dialect: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,184 @@
+"""The decision core: candidates for a request, the policy's pick, leases, and holding
+requests while every candidate is saturated (woken by events, never by polling)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from scheduler.config import SchedulerConfig
+from scheduler.health import HALF_OPEN
+from scheduler.leases import LeaseTable
+from scheduler.metrics import SchedulerMetrics
+from scheduler.policies import PolicyEnv, Request, make_policy
+from scheduler.registry import Registry, WorkerState
+from scheduler.scrape.snapshot import LoadSnapshot
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_MODEL = "unknown_model"
+
+
+class Wait:
+    """Every candidate is saturated (or none is routable right now)."""
+
+    __slots__ = ("reason", "retry_after_ms")
+
+    def __init__(self, retry_after_ms: int, reason: str) -> None:
+        self.retry_after_ms = retry_after_ms
+        self.reason = reason
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+        self.cfg = config
+        self.registry = Registry()
+        self.leases = LeaseTable(config.lease_ttl_s)
+        self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0)
+        self.policy = make_policy(config.policy, config.policy_params, self.env)
+        self.metrics = metrics or SchedulerMetrics(self)
+        self._lag_s = config.visibility_lag_ms / 1000.0
+        self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
+        self._changed: asyncio.Future | None = None
+        self.registry.listeners.append(self.capacity_changed)
+
+    # ---- events that can free capacity -----------------------------------------------
+
+    def capacity_changed(self) -> None:
+        fut = self._changed
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        self._changed = None
+
+    def _change_future(self) -> asyncio.Future:
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def refresh(self, w: WorkerState) -> None:
+        self.policy.refresh(w)
+
+    def on_snapshot(self, w: WorkerState, snap: LoadSnapshot) -> None:
+        w.on_snapshot(snap, self._lag_s)
+        self.policy.refresh(w)
+        self.capacity_changed()
+
+    def on_health_change(self, w: WorkerState) -> None:
+        log.info("worker %s is %s (%s)", w.worker_id, w.health.state, w.health.last_error or "ok")
+        self.policy.refresh(w)
+        self.capacity_changed()
+
+    def add_worker(self, w: WorkerState) -> WorkerState:
+        w = self.registry.add(w)
+        self.policy.refresh(w)
+        return w
+
+    def remove_worker(self, worker_id: str, source: str | None = None) -> bool:
+        w = self.registry.remove(worker_id, source)
+        if w is None:
+            return False
+        self.leases.drop_worker(w)
+        self.env.prefix_index.forget(w.worker_id)
+        return True
+
+    # ---- decisions --------------------------------------------------------------------
+
+    def decide(self, req: Request, now: float):
+        """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light."""
+        by_model = self.registry.by_model
+        pool = by_model.get(req.lora) if req.lora else None
+        if pool is None:
+            pool = by_model.get(req.model)
+            if pool is None:
+                return UNKNOWN_MODEL
+        excl = req.exclude
+        if excl:
+            cands = [w for w in pool if w.routable and w.worker_id not in excl]
+        else:
+            cands = [w for w in pool if w.routable]
+        if not cands:
+            return Wait(self._retry_after_ms, "no_routable_worker")
+        pick = self.policy.choose(req, cands, now)
+        if pick is None:
+            return Wait(self._retry_after_ms, "saturated")
+        w = pick.worker
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
+        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=w.health.state == HALF_OPEN)
+        self.policy.on_issued(req, w, now)
+        self.policy.refresh(w)
+        snap = w.snapshot
+        reason = {
+            "score": round(pick.score, 3),
+            "candidates": len(cands),
+            "running": snap.running if snap else None,
+            "waiting": snap.waiting if snap else None,
+            "kv": snap.kv_usage if snap else None,
+            "unseen": w.unseen,
+            "age_ms": round((now - snap.taken_at) * 1000.0, 1) if snap else None,
+        }
+        if pick.detail:
+            reason.update(pick.detail)
+        return {
+            "worker_id": w.worker_id,
+            "url": w.url,
+            "lease_id": lease.lease_id,
+            "policy": self.policy.name,
+            "reason": reason,
+        }
+
+    async def schedule(self, req: Request, wait_ms: int = 0):
+        """decide(), holding up to wait_ms while the answer is Wait."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        out = self.decide(req, now)
+        self.metrics.decision_done(out, time.perf_counter() - t0)
+        if not isinstance(out, Wait) or wait_ms <= 0:
+            return out
+        deadline = now + wait_ms / 1000.0
+        self.metrics.waits.inc()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.metrics.wait_done(False, time.monotonic() - now)
+                return out
+            await asyncio.wait([self._change_future()], timeout=remaining)
+            out = self.decide(req, time.monotonic())
+            if not isinstance(out, Wait):
+                self.metrics.wait_done(True, time.monotonic() - now)
+                return out
+
+    # ---- lease ends and failure reports -------------------------------------------------
+
+    def release(self, lease_id: str, ok: bool, error: str | None = None) -> bool:
+        lease = self.leases.close(lease_id)
+        if lease is None:
+            return False
+        w = lease.worker
+        if lease.trial and w.health.trial_result(ok and not error):
+            self.on_health_change(w)
+        else:
+            self.policy.refresh(w)
+            self.capacity_changed()
+        return True
+
+    def report_failure(self, worker_id: str, error: str) -> bool:
+        w = self.registry.workers.get(worker_id)
+        if w is None:
+            return False
+        if w.health.force_down(f"gateway: {error}"):
+            self.on_health_change(w)
+        return True
+
+    def expire_leases(self, now: float) -> int:
+        expired = self.leases.expire(now)
+        for lease in expired:
+            self.policy.refresh(lease.worker)
+        if expired:
+            log.warning("%d lease(s) expired without release", len(expired))
+            self.capacity_changed()
+        return len(expired)
+
+    def workers_view(self) -> list[dict]:
+        now = time.monotonic()
+        return [w.view(now) for w in self.registry.workers.values()]

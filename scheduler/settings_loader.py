@@ -1,0 +1,69 @@
+"""Load a pydantic-settings model from CLI flags, environment variables and a YAML file.
+
+Precedence: CLI flags > environment (PREFIX_FIELD) > YAML file (--config) > defaults.
+An invalid value stops start-up with one line that names the field.
+
+The scheduler must not import `inference_worker` (and the router imports this one), so it keeps
+this small loader of its own, a twin of the worker's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliApp
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+def _yaml_values(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: cannot read config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"error: config file {path} must hold a mapping of field: value")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "config"
+    return f"error: invalid value for {field.replace('_', '-')}: {err['msg']} (got {err.get('input')!r})"
+
+
+def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> SettingsT:
+    """Parse settings; exits with a one-line message on any invalid value."""
+    argv = sys.argv[1:] if argv is None else argv
+    yaml_values = _yaml_values(_config_path(argv))
+    try:
+        return CliApp.run(model, cli_args=argv, **_yaml_as_init(model, yaml_values))
+    except ValidationError as exc:
+        raise SystemExit(format_validation_error(exc)) from None
+
+
+def _yaml_as_init(model: type[BaseSettings], values: dict) -> dict:
+    """YAML values go in as init kwargs, which pydantic-settings ranks above the
+    environment; drop those the environment sets so that env > YAML holds."""
+    unknown = set(values) - set(model.model_fields)
+    if unknown:
+        raise SystemExit(f"error: unknown field(s) in config file: {', '.join(sorted(unknown))}")
+    prefix = str(model.model_config.get("env_prefix", "")).upper()
+    env = {k.upper() for k in os.environ}
+    return {k: v for k, v in values.items() if f"{prefix}{k.upper()}" not in env}
