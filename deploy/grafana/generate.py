@@ -1,0 +1,271 @@
+"""Build the Grafana dashboards (JSON) from one readable description.
+
+    python -m deploy.grafana.generate          # rewrites deploy/grafana/dashboards/*.json
+
+The JSON files are committed (Grafana provisioning reads them as they are);
+a test checks that they are what this program writes, so edit here, not there.
+Every query uses the metric names the services expose: the gateway's `router_*`,
+the scheduler's `scheduler_*` and the workers' vLLM-compatible `vllm:*`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT_DIR = Path(__file__).resolve().parent / "dashboards"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+
+
+def target(expr: str, legend: str, ref: str) -> dict:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+
+
+def panel(kind: str, title: str, queries: list[tuple[str, str]], unit: str = "short",
+          description: str = "", width: int = 12, height: int = 8,
+          min: float | None = None, max: float | None = None) -> dict:
+    """A panel without id/gridPos: `layout` assigns those."""
+    refs = "ABCDEFGHIJKLMNOP"
+    body = {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": [target(expr, legend, refs[i]) for i, (expr, legend) in enumerate(queries)],
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "_size": (width, height),
+    }
+    if kind == "stat":
+        body["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                           "colorMode": "value", "graphMode": "area", "textMode": "auto"}
+    if kind == "heatmap":
+        body["options"] = {"calculate": False, "yAxis": {"unit": unit}, "cellGap": 1}
+        for t in body["targets"]:
+            t["format"] = "heatmap"
+    for key, value in (("min", min), ("max", max)):
+        if value is not None:
+            body["fieldConfig"]["defaults"][key] = value
+    return body
+
+
+def row(title: str) -> dict:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (24, 1)}
+
+
+def layout(panels: list[dict]) -> list[dict]:
+    """Give each panel a unique id and a gridPos, filling 24-column lines left to right."""
+    x = y = line_height = 0
+    out = []
+    for pid, p in enumerate(panels, start=1):
+        w, h = p.pop("_size")
+        if x + w > 24 or p["type"] == "row":
+            x, y, line_height = 0, y + line_height, 0
+        p["id"] = pid
+        p["gridPos"] = {"x": x, "y": y, "w": w, "h": h}
+        x += w
+        line_height = max(line_height, h)
+        out.append(p)
+    return out
+
+
+def quantiles(metric: str, by: str, sel: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
+    """p-quantile series from a histogram, plus the mean from _sum/_count."""
+    series = [
+        (f"histogram_quantile({q}, sum by (le{by}) (rate({metric}_bucket{sel}[{RATE}])))",
+         f"p{round(q * 100)}{legend_suffix(by)}")
+        for q in qs
+    ]
+    group = f"sum by ({by.lstrip(', ')}) " if by else "sum"
+    series.append((f"{group}(rate({metric}_sum{sel}[{RATE}])) / {group}(rate({metric}_count{sel}[{RATE}]))",
+                   f"avg{legend_suffix(by)}"))
+    return series
+
+
+def legend_suffix(by: str) -> str:
+    labels = [label.strip() for label in by.split(",") if label.strip()]
+    return "".join(f" {{{{{label}}}}}" for label in labels)
+
+
+def max_avg_min(metric: str, sel: str) -> list[tuple[str, str]]:
+    """The reference product's max/avg/min/p50/p99 view, derived from one histogram.
+
+    max and min are bucket-bound estimates: q=1 gives the upper bound of the highest
+    non-empty bucket, q=0.001 (about) the lower bound of the lowest one.
+    """
+    agg = f"sum by (le) (rate({metric}_bucket{sel}[{RATE}]))"
+    return [
+        (f"histogram_quantile(1, {agg})", "max (bucket bound)"),
+        (f"sum(rate({metric}_sum{sel}[{RATE}])) / sum(rate({metric}_count{sel}[{RATE}]))", "avg"),
+        (f"histogram_quantile(0.001, {agg})", "min (bucket bound)"),
+        (f"histogram_quantile(0.5, {agg})", "p50"),
+        (f"histogram_quantile(0.99, {agg})", "p99"),
+    ]
+
+
+def variable(name: str, label: str, query: str, include_all: bool = True) -> dict:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "refresh": 2, "includeAll": include_all, "multi": include_all, "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if include_all else {},
+        "sort": 1,
+    }
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict], panels: list[dict]) -> dict:
+    datasource = {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+                  "current": {}, "hide": 0, "refresh": 1}
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["llm-router"],
+        "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
+        "time": {"from": "now-15m", "to": "now"}, "refresh": "10s", "timezone": "browser",
+        "templating": {"list": [datasource, *variables]}, "annotations": {"list": []},
+        "links": [], "panels": layout(panels),
+    }
+
+
+def router_dashboard() -> dict:
+    m = '{model=~"$model"}'
+    ts = "timeseries"
+    panels = [
+        row("Traffic"),
+        panel("stat", "Requests/s", [(f"sum(rate(router_requests_total{m}[{RATE}]))", "req/s")],
+              "reqps", width=4, height=4),
+        panel("stat", "Error ratio (non-2xx)",
+              [(f'sum(rate(router_requests_total{{model=~"$model",status!~"2.."}}[{RATE}])) / '
+                f"sum(rate(router_requests_total{m}[{RATE}]))", "errors")], "percentunit", width=4, height=4),
+        panel("stat", "In flight", [("sum(router_requests_in_flight)", "in flight")], width=4, height=4),
+        panel("stat", "Queued", [("sum(router_requests_queued)", "queued")], width=4, height=4),
+        panel("stat", "Fallback mode (gateways)", [("sum(router_fallback_mode)", "in fallback")],
+              width=4, height=4, description="Gateway replicas routing by round robin (no scheduler)"),
+        panel("stat", "Healthy workers", [("sum(scheduler_worker_healthy)", "healthy")], width=4, height=4,
+              description="Workers in rotation, as the scheduler sees them"),
+        panel(ts, "Requests/s by status", [
+            (f"sum by (status) (rate(router_requests_total{m}[{RATE}]))", "{{status}}")], "reqps"),
+        panel(ts, "Requests/s by worker", [
+            (f"sum by (worker) (rate(router_requests_total{m}[{RATE}]))", "{{worker}}")], "reqps"),
+        panel(ts, "In flight and queued (all gateways)", [
+            ("sum(router_requests_in_flight)", "in flight"), ("sum(router_requests_queued)", "queued")]),
+        panel(ts, "Token throughput IN / OUT", [
+            (f"sum(rate(router_prompt_tokens_total{m}[{RATE}]))", "IN (prompt tokens/s)"),
+            (f"sum(rate(router_generation_tokens_total{m}[{RATE}]))", "OUT (generated tokens/s)")],
+            "short", description="From the usage the workers return, counted at the gateway"),
+        row("Latency seen by clients (measured at the gateway)"),
+        panel(ts, "Time to first token", max_avg_min("router_time_to_first_token_seconds", m), "s"),
+        panel(ts, "Time per output token", max_avg_min("router_time_per_output_token_seconds", m), "s",
+              description="(e2e - TTFT) / (output tokens - 1), streamed requests"),
+        panel(ts, "End-to-end latency", quantiles("router_e2e_request_latency_seconds", "", m), "s"),
+        panel(ts, "Queue wait", quantiles("router_queue_wait_seconds", "", ""), "s",
+              description="Time a request waited for a worker (gateway queue + scheduler holds)"),
+        row("Resilience"),
+        panel(ts, "Retries by reason", [
+            (f"sum by (reason) (rate(router_retries_total[{RATE}]))", "{{reason}}")], "reqps", width=8),
+        panel(ts, "Rejected by reason", [
+            (f"sum by (reason) (rate(router_rejected_requests_total[{RATE}]))", "{{reason}}")], "reqps",
+            width=8, description="429 queue full / queue timeout, auth, body size, ..."),
+        panel(ts, "Fallback mode and fallback requests", [
+            ("max by (instance) (router_fallback_mode)", "fallback {{instance}}"),
+            (f"sum(rate(router_fallback_requests_total[{RATE}]))", "fallback req/s")], width=8),
+        row("Scheduler"),
+        panel(ts, "Gateway → scheduler call latency", [
+            *[(f"histogram_quantile({q}, sum by (le, call) "
+               f"(rate(router_scheduler_call_duration_seconds_bucket[{RATE}])))",
+               f"p{round(q * 100)} {{{{call}}}}") for q in (0.5, 0.99)],
+            (f"sum by (call) (rate(router_scheduler_errors_total[{RATE}]))", "errors/s {{call}}")],
+            "s", width=8),
+        panel(ts, "Scheduling decision latency (in the scheduler)",
+              quantiles("scheduler_decision_latency_seconds", "", ""), "s", width=8),
+        panel(ts, "Decisions by policy and outcome", [
+            (f"sum by (policy, outcome) (rate(scheduler_decisions_total[{RATE}]))",
+             "{{policy}} {{outcome}}"),
+            (f"sum(rate(scheduler_waits_total[{RATE}]))", "held (all saturated)")], "reqps", width=8),
+        panel(ts, "Worker health (scheduler view)", [("scheduler_worker_healthy", "{{worker}}")], width=8,
+              description="1 = in rotation, 0 = out (failed probes/scrapes or reported by a gateway)"),
+        panel(ts, "Worker load data age", [("scheduler_worker_data_age_seconds", "{{worker}}")], "s", width=8,
+              description="Age of the newest metrics snapshot; stale data is treated as saturated"),
+        panel(ts, "Open leases by worker", [("scheduler_worker_in_flight_leases", "{{worker}}")], width=8,
+              description="Requests the scheduler handed out and the gateways have not released yet"),
+        panel(ts, "Worker load as the scheduler sees it", [
+            ("scheduler_worker_running", "running {{worker}}"),
+            ("scheduler_worker_waiting", "waiting {{worker}}")], width=8),
+        panel(ts, "Scrape latency p99 and failures", [
+            (f"histogram_quantile(0.99, sum by (le, worker) "
+             f"(rate(scheduler_scrape_latency_seconds_bucket[{RATE}])))", "p99 {{worker}}"),
+            (f"sum by (worker, kind) (rate(scheduler_scrape_failures_total[{RATE}]))",
+             "failures/s {{worker}} {{kind}}")], "s", width=8),
+        panel(ts, "Scheduler hold time (all workers saturated)",
+              quantiles("scheduler_wait_seconds", "", ""), "s", width=8),
+    ]
+    variables = [variable("model", "model", "label_values(router_requests_total, model)")]
+    return dashboard("llm-router", "LLM router", "Gateway traffic, client-side latency, resilience and "
+                     "scheduling: what an operator watches.", variables, panels)
+
+
+def worker_dashboard() -> dict:
+    s = '{model_name=~"$model_name", instance=~"$instance"}'
+    by = ", instance"
+    ts = "timeseries"
+    panels = [
+        row("Load"),
+        panel(ts, "Scheduler state: running / waiting", [
+            (f"sum by (instance) (vllm:num_requests_running{s})", "running {{instance}}"),
+            (f"sum by (instance) (vllm:num_requests_waiting{s})", "waiting {{instance}}")]),
+        panel(ts, "KV cache usage", [
+            (f"max by (instance) (vllm:kv_cache_usage_perc{s})", "{{instance}}")], "percentunit",
+            max=1, min=0),
+        panel(ts, "Token throughput", [
+            (f"sum by (instance) (rate(vllm:prompt_tokens_total{s}[{RATE}]))", "prompt {{instance}}"),
+            (f"sum by (instance) (rate(vllm:generation_tokens_total{s}[{RATE}]))",
+             "generation {{instance}}")], width=8),
+        panel(ts, "Prefix cache hit rate", [
+            (f"sum by (instance) (rate(vllm:prefix_cache_hits_total{s}[{RATE}])) / "
+             f"sum by (instance) (rate(vllm:prefix_cache_queries_total{s}[{RATE}]))", "{{instance}}")],
+            "percentunit", width=8, description="Cached prompt tokens / queried prompt tokens"),
+        panel(ts, "Preemptions/s", [
+            (f"sum by (instance) (rate(vllm:num_preemptions_total{s}[{RATE}]))", "{{instance}}")], width=8),
+        row("Latency (engine side)"),
+        panel(ts, "Time to first token", quantiles("vllm:time_to_first_token_seconds", by, s), "s"),
+        panel(ts, "Inter-token latency", quantiles("vllm:inter_token_latency_seconds", by, s), "s"),
+        panel(ts, "End-to-end request latency", quantiles("vllm:e2e_request_latency_seconds", by, s), "s"),
+        panel(ts, "Queue / prefill / decode time (mean)", [
+            (f"sum by (instance) (rate(vllm:request_{phase}_time_seconds_sum{s}[{RATE}])) / "
+             f"sum by (instance) (rate(vllm:request_{phase}_time_seconds_count{s}[{RATE}]))",
+             f"{phase} {{{{instance}}}}") for phase in ("queue", "prefill", "decode")], "s"),
+        row("Requests"),
+        panel(ts, "Finish reason", [
+            (f"sum by (finished_reason) (increase(vllm:request_success_total{s}[{RATE}]))",
+             "{{finished_reason}}")], width=8),
+        panel("heatmap", "Request prompt length", [
+            (f"sum by (le) (increase(vllm:request_prompt_tokens_bucket{s}[{RATE}]))", "{{le}}")], width=8),
+        panel("heatmap", "Request generation length", [
+            (f"sum by (le) (increase(vllm:request_generation_tokens_bucket{s}[{RATE}]))", "{{le}}")],
+            width=8),
+    ]
+    variables = [
+        variable("model_name", "model", "label_values(vllm:num_requests_running, model_name)"),
+        variable("instance", "worker", 'label_values(vllm:num_requests_running{model_name=~"$model_name"}, '
+                                       "instance)"),
+    ]
+    return dashboard("llm-worker", "LLM workers (vLLM-compatible)", "Per-worker engine state, in the "
+                     "spirit of vLLM's dashboard; works for real vLLM workers too.", variables, panels)
+
+
+DASHBOARDS = {"router.json": router_dashboard, "worker.json": worker_dashboard}
+
+
+def render(build) -> str:
+    return json.dumps(build(), indent=2, sort_keys=False) + "\n"
+
+
+def main() -> None:
+    OUT_DIR.mkdir(exist_ok=True)
+    for name, build in DASHBOARDS.items():
+        (OUT_DIR / name).write_text(render(build))
+        print(f"wrote {OUT_DIR / name}")
+
+
+if __name__ == "__main__":
+    main()
