@@ -1,0 +1,134 @@
+"""SimModelRunner: a ModelRunner whose forward is a sleep of the modelled step time.
+
+The engine (scheduler, block manager, metrics) is the real one; this replaces only the
+batched forward. `execute` sums what the step computes, asks the latency model how long
+a GPU would take, sleeps that long times --time-scale, and returns one token per
+sequence that needs a sample.
+
+Timing. Steps are laid on a virtual GPU timeline: a step ends at
+`max(previous step's end, call time - credit) + duration`. The engine's own Python time
+between two steps (processing outputs, scheduling) therefore does not add to the
+simulated time: it stands in for the modelled per-step overhead, up to `credit` (the
+profile's step_overhead_s x time scale), and sleep overshoot is absorbed the same way.
+After an idle period the next step is credited the full overhead (the engine spent at
+least that long scheduling it). When the engine is slower than the model (Python work
+per step above the credit), the simulated timeline stretches; `stats.gap_s` counts that
+excess (plus idle time) so a benchmark under sustained load can tell when a larger
+--time-scale is needed.
+
+Tokens. The next token is a hash of the last two tokens and the position, mapped onto the
+sim tokenizer's word list: it depends only on the sequence's content, so a sequence's
+output is the same alone, batched, after a prefix-cache hit or after a preemption
+(recompute). Sampling parameters other than `seed` and `ignore_eos` are not modelled.
+When the profile sets mean_output_tokens and the request does not ignore EOS, EOS comes
+out with probability 1/mean_output_tokens at each position (a geometric length).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inference_worker.engine.types import StepBatch
+from inference_worker.sim.latency_model import LatencyModel
+from inference_worker.sim.tokenizer import EOS_ID
+
+_MASK = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """Cumulative timing of the runner, in wall seconds (already x time scale)."""
+
+    steps: int = 0
+    modelled_s: float = 0.0  # sum of modelled step durations x time scale
+    slept_s: float = 0.0  # time actually spent sleeping
+    late_s: float = 0.0  # how far steps ended after their modelled end (runner itself too slow)
+    late_steps: int = 0
+    # Time between the previous step's modelled end and this call, beyond the credit: the
+    # engine's Python time in excess of the modelled overhead when it is never idle (under
+    # sustained load), plus idle time otherwise.
+    gap_s: float = 0.0
+
+
+class SimModelRunner:
+    """Implements engine.types.ModelRunner with a latency model instead of a model."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        generation_token_ids: tuple[int, ...],
+        block_size: int,
+        num_kv_blocks: int,
+        time_scale: float = 1.0,
+        mean_output_tokens: float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not generation_token_ids:
+            raise ValueError("generation_token_ids must not be empty")
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.time_scale = time_scale
+        self.latency = latency
+        self.stats = RunnerStats()
+        self._words = generation_token_ids
+        self._num_words = len(generation_token_ids)
+        # EOS when the position hash falls under this threshold (probability 1/mean).
+        self._eos_threshold = int((_MASK + 1) / mean_output_tokens) if mean_output_tokens else 0
+        self._credit = latency.params.step_overhead_s * time_scale
+        self._sleep = sleep
+        self._clock = clock
+        self._end = float("-inf")  # modelled end of the previous step, on `clock`
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        start_call = self._clock()
+        computed = context = pairs = 0
+        out: list[int | None] = []
+        for seq in batch.sequences:
+            n = seq.num_new_tokens
+            c = seq.num_computed_tokens
+            computed += n
+            context += c + n
+            pairs += n * c + n * (n + 1) // 2
+            out.append(self._next_token(seq.token_ids, c + n, seq.sampling) if seq.needs_sample else None)
+        seconds = self.latency.step_time_raw(computed, len(batch.sequences), context, pairs)
+        duration = seconds * self.time_scale
+        stats = self.stats
+        start = start_call - self._credit
+        if start > self._end:
+            if self._end > float("-inf"):
+                stats.gap_s += start - self._end
+        else:
+            start = self._end
+        end = start + duration
+        self._end = end
+        stats.steps += 1
+        stats.modelled_s += duration
+        remaining = end - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
+            stats.slept_s += remaining
+        else:
+            stats.late_s -= remaining
+            stats.late_steps += 1
+        return out
+
+    def _next_token(self, token_ids, position: int, sampling) -> int:
+        """A token for `position` (the index the new token will have) from the content."""
+        last = token_ids[position - 1] if position >= 1 else 0
+        before = token_ids[position - 2] if position >= 2 else 0
+        seed = sampling.seed or 0
+        h = (last * 0x9E3779B1 + before * 0x85EBCA6B + position * 0xC2B2AE35 + seed) & _MASK
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & _MASK
+        h ^= h >> 15
+        if h < self._eos_threshold and not sampling.ignore_eos:
+            return EOS_ID
+        return self._words[h % self._num_words]
+
+    @property
+    def lag_fraction(self) -> float:
+        """Late time as a fraction of modelled time (0 when the engine keeps up)."""
+        return self.stats.late_s / self.stats.modelled_s if self.stats.modelled_s else 0.0

@@ -1,0 +1,143 @@
+"""SimModelRunner: tokens from content, the virtual GPU timeline, and --time-scale."""
+
+import time
+
+import pytest
+
+from inference_worker.engine.types import SamplingParams, ScheduledSequence, StepBatch
+from inference_worker.sim.latency_model import LatencyModel
+from inference_worker.sim.profile import load_profile
+from inference_worker.sim.runner import SimModelRunner
+from inference_worker.sim.tokenizer import EOS_ID, SimTokenizer
+
+GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
+
+
+def seq(seq_id, tokens, computed, new, needs_sample=True, sampling=GREEDY, prefill=False):
+    return ScheduledSequence(
+        seq_id=seq_id, token_ids=tokens, num_computed_tokens=computed, num_new_tokens=new,
+        block_table=[0], sampling=sampling, needs_sample=needs_sample, is_prefill=prefill,
+    )
+
+
+class FakeTime:
+    """A clock that only moves when the runner sleeps or the test says so."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.tick = 0.0  # how far each clock read moves time (Python work inside a step)
+        self.sleeps = []
+
+    def clock(self):
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def make_runner(profile="tiny", time_scale=1.0, fake=None, mean_output_tokens=None):
+    p = load_profile(profile)
+    tok = SimTokenizer()
+    kwargs = {"sleep": fake.sleep, "clock": fake.clock} if fake else {}
+    runner = SimModelRunner(LatencyModel(p.latency), tok.generation_token_ids, p.engine.block_size,
+                            p.num_kv_blocks, time_scale, mean_output_tokens, **kwargs)
+    return runner, tok
+
+
+def test_one_token_per_sequence_that_needs_a_sample():
+    runner, tok = make_runner(fake=FakeTime())
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog")
+    batch = StepBatch([
+        seq(1, prompt, 0, 4, needs_sample=False, prefill=True),  # non-final prefill chunk
+        seq(2, prompt, 0, len(prompt), prefill=True),
+        seq(3, [*prompt, 500], len(prompt), 1),
+    ])
+    out = runner.execute(batch)
+    assert out[0] is None
+    assert out[1] in tok.generation_token_ids and out[2] in tok.generation_token_ids
+
+
+def test_tokens_depend_only_on_content():
+    a, tok = make_runner(fake=FakeTime())
+    b, _ = make_runner(fake=FakeTime())
+    prompt = tok.encode("Tell me a story about a cluster of workers")
+    alone = a.execute(StepBatch([seq(1, prompt, 0, len(prompt), prefill=True)]))[0]
+    other = tok.encode("Something else entirely")
+    batched = b.execute(StepBatch([
+        seq(7, other, 0, len(other), prefill=True),
+        seq(9, prompt, len(prompt) - 5, 5, prefill=True),  # e.g. after a prefix-cache hit
+    ]))[1]
+    assert alone == batched
+    # Generating a few tokens one by one gives a readable, deterministic continuation.
+    tokens = list(prompt)
+    for _ in range(8):
+        tokens.append(a.execute(StepBatch([seq(1, tokens, len(tokens) - 1, 1)]))[0])
+    text = tok.decode(tokens[len(prompt):])
+    assert len(text.split()) >= 4 and text.isascii()
+
+
+def test_natural_eos_only_when_not_ignored():
+    runner, _ = make_runner(fake=FakeTime(), mean_output_tokens=4)
+    ignoring = SamplingParams(max_tokens=100, ignore_eos=True)
+    outs, ignored = [], []
+    for i in range(400):
+        tokens = [1, 300 + i, 400 + i]
+        outs.append(runner.execute(StepBatch([seq(1, tokens, 2, 1)]))[0])
+        ignored.append(runner.execute(StepBatch([seq(1, tokens, 2, 1, sampling=ignoring)]))[0])
+    assert 50 < outs.count(EOS_ID) < 150  # ~1 in 4
+    assert EOS_ID not in ignored
+    never, _ = make_runner(fake=FakeTime())  # no mean_output_tokens: never EOS
+    assert all(never.execute(StepBatch([seq(1, [1, i, i], 2, 1)]))[0] != EOS_ID for i in range(400))
+
+
+def test_steps_chain_on_a_virtual_timeline_absorbing_engine_overhead():
+    fake = FakeTime()
+    runner, _ = make_runner(fake=fake)
+    model = runner.latency
+    credit = model.params.step_overhead_s
+    batch = StepBatch([seq(1, list(range(1, 60)), 58, 1)])
+    d = model.step_time_raw(1, 1, 59, 59)
+
+    runner.execute(batch)  # first step: credited the overhead, sleeps the rest
+    assert fake.sleeps[-1] == pytest.approx(d - credit)
+    end1 = fake.now
+
+    fake.now += credit / 2  # engine Python time below the credit: fully absorbed
+    runner.execute(batch)
+    assert fake.now == pytest.approx(end1 + d)
+    end2 = fake.now
+
+    fake.now += credit * 3  # engine slower than the modelled overhead: only the credit is absorbed
+    runner.execute(batch)
+    assert fake.now == pytest.approx(end2 + 3 * credit - credit + d)
+    assert runner.stats.gap_s == pytest.approx(2 * credit)
+    assert runner.stats.late_steps == 0
+
+    fake.tick = 2 * d  # the step's own work outlasts its modelled time: it ends late
+    runner.execute(batch)
+    assert runner.stats.late_steps == 1 and runner.lag_fraction > 0
+    assert runner.stats.steps == 4
+
+
+def test_empty_batch_takes_no_time():
+    fake = FakeTime()
+    runner, _ = make_runner(fake=fake)
+    assert runner.execute(StepBatch([])) == []
+    assert fake.sleeps == []
+
+
+def test_time_scale_stretches_real_step_time():
+    """Ratio of wall times measured in one run: steps at scale 4 take ~4x those at scale 1."""
+    batch = StepBatch([seq(i, list(range(1, 200)), 198, 1) for i in range(8)])
+
+    def wall(scale, steps=15):
+        runner, _ = make_runner(time_scale=scale)
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(batch)
+        return time.perf_counter() - start
+
+    ratio = wall(4.0) / wall(1.0)
+    assert 3.0 < ratio < 5.0
