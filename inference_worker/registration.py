@@ -1,0 +1,100 @@
+"""Self-registration with a scheduler (--register-with URL --registration-token T).
+
+The worker stands alone, so this speaks the scheduler's small JSON API with plain
+aiohttp and dicts (no import of the scheduler package):
+POST {scheduler}/v1/workers {"url", "models", "engine"} registers, and posting it
+again is the heartbeat (it also re-registers a worker the scheduler forgot, e.g.
+after a scheduler restart); DELETE {scheduler}/v1/workers/{worker_id} leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from inference_worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Registrar:
+    def __init__(self, config: WorkerConfig, *, heartbeat_s: float | None = None) -> None:
+        self.config = config
+        self.scheduler = (config.register_with or "").rstrip("/")
+        self.url = (config.advertise_url or f"http://{config.host}:{config.port}").rstrip("/")
+        self.heartbeat_s = heartbeat_s  # None: what the scheduler asks for
+        self.worker_id: str | None = None
+        self.registered = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        token = self.config.registration_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _body(self) -> dict:
+        return {"url": self.url, "models": [self.config.model_name], "engine": "vllm"}
+
+    async def start(self) -> None:
+        """Call once the worker is ready to serve. Registers in the background (retrying
+        until the scheduler answers) and keeps heart-beating."""
+        if not self.scheduler:
+            return
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        self._task = asyncio.create_task(self._loop(), name="registrar")
+
+    async def _register_once(self) -> float | None:
+        """One POST; returns the heartbeat interval on success, None on failure."""
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                f"{self.scheduler}/v1/workers", json=self._body(), headers=self._headers
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status in (200, 201) and isinstance(data, dict):
+                    if resp.status == 201 or not self.registered.is_set():
+                        log.info("registered with scheduler %s as %s", self.scheduler, data.get("worker_id"))
+                    self.worker_id = data.get("worker_id")
+                    self.registered.set()
+                    return float(data.get("heartbeat_interval_s") or 3.0)
+                log.warning("scheduler %s refused registration (%s): %s", self.scheduler, resp.status, data)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("cannot register with scheduler %s: %r", self.scheduler, exc)
+        return None
+
+    async def _loop(self) -> None:
+        retry_s = 0.5
+        while True:
+            interval = await self._register_once()
+            if interval is None:
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, 5.0)
+                continue
+            retry_s = 0.5
+            await asyncio.sleep(self.heartbeat_s or interval)
+
+    async def stop(self) -> None:
+        """Leave the scheduler's rotation (DELETE) and stop heart-beating."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is None:
+            return
+        if self.worker_id:
+            try:
+                async with self._session.delete(
+                    f"{self.scheduler}/v1/workers/{self.worker_id}",
+                    headers=self._headers,
+                    timeout=aiohttp.ClientTimeout(total=2.0),
+                ) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("cannot deregister from scheduler %s: %r", self.scheduler, exc)
+        await self._session.close()
+        self._session = None
