@@ -397,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=8, help="multi-turn: turns kept per conversation")
     p.add_argument("--max-prompt-len", type=int, default=datasets.MAX_PROMPT_LEN)
     p.add_argument("--max-total-len", type=int, default=datasets.MAX_TOTAL_LEN)
+    p.add_argument("--extra-body", type=json.loads, default=None,
+                   help="JSON object merged into every request body (e.g. sampling parameters)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
     p.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON here")
     p.add_argument("--save-detailed", action="store_true", help="also keep generated texts in the JSON")
@@ -437,6 +439,7 @@ async def _main_async(args: argparse.Namespace) -> dict:
         max_prompt_len=args.max_prompt_len,
         max_total_len=args.max_total_len,
         ignore_eos=not args.no_ignore_eos,
+        extra_body=args.extra_body,
         save_detailed=args.save_detailed,
         show_progress=not args.disable_tqdm,
         stop_event=stop,
