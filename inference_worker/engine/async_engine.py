@@ -1,0 +1,190 @@
+"""AsyncEngine: the LLMEngine's step loop on a background thread, streamed to asyncio.
+
+The event loop never blocks on the model: `generate()` hands the request to the engine
+thread through an inbox and awaits an asyncio.Queue; after every step the thread hands
+all of that step's outputs to the loop in ONE `call_soon_threadsafe` callback.
+Closing or cancelling a `generate()` iterator before its final output aborts the
+request; the engine frees its blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from inference_worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
+from inference_worker.engine.llm_engine import LLMEngine, validate_request
+from inference_worker.engine.stats import CacheConfigInfo, StatLogger
+from inference_worker.engine.types import RequestOutput, SamplingParams, WorkerTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Implements engine.types.AsyncEngineClient."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        log_stats_interval: float = 5.0,
+        gpu_memory_fn=None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.log_stats_interval = log_stats_interval
+        self._gpu_memory_fn = gpu_memory_fn
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._inbox_add: list[tuple[str, list[int], SamplingParams, float]] = []
+        self._inbox_abort: list[str] = []
+        self._stop = False
+        self._error: BaseException | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+
+    # ---- AsyncEngineClient ----------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> WorkerTokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def cache_info(self) -> CacheConfigInfo:
+        return self.engine.cache_info
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and (self._thread is None or self._thread.is_alive())
+
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        self.engine.add_stat_logger(logger)
+
+    def gpu_memory(self) -> tuple[int, int] | None:
+        """(used, total) bytes of the accelerator the model runs on, or None on CPU."""
+        return self._gpu_memory_fn() if self._gpu_memory_fn is not None else None
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join, 30)
+        self._thread = None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        validate_request(prompt_token_ids, params, self.max_model_len)
+        if request_id in self._queues:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has died") from self._error
+        await self.start()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._cond:
+            self._inbox_add.append((request_id, list(prompt_token_ids), params, self.engine.clock()))
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, EngineRequestError):
+                    raise out
+                if isinstance(out, BaseException):
+                    raise EngineDeadError("the engine loop has died") from out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._post_abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._post_abort(request_id)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _post_abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox_abort.append(request_id)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        next_log = time.monotonic() + self.log_stats_interval
+        idle_reported = True
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cond:
+                        while not (
+                            self._stop or self._inbox_add or self._inbox_abort or engine.has_unfinished
+                        ):
+                            if not idle_reported:
+                                engine.record_idle()
+                                idle_reported = True
+                            timeout = next_log - time.monotonic()
+                            if timeout <= 0:
+                                break
+                            self._cond.wait(timeout)
+                        if self._stop:
+                            return
+                        adds, self._inbox_add = self._inbox_add, []
+                        aborts, self._inbox_abort = self._inbox_abort, []
+                    for request_id, prompt, params, arrival in adds:
+                        try:
+                            engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                        except EngineRequestError as exc:  # e.g. an id reused before its abort landed
+                            self._loop.call_soon_threadsafe(self._fail_one, request_id, exc)
+                    for request_id in aborts:
+                        engine.abort_request(request_id)
+                    if engine.has_unfinished:
+                        outputs = engine.step()
+                        idle_reported = False
+                        if outputs:
+                            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    now = time.monotonic()
+                    if now >= next_log:
+                        next_log = now + self.log_stats_interval
+                        engine.log_stats()
+        except BaseException as exc:  # the model raised: fail every open request, stay unhealthy
+            log.exception("engine loop died")
+            self._error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        queues = self._queues
+        for out in outputs:
+            queue = queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(exc)

@@ -1,0 +1,156 @@
+"""Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
+
+One token budget (max_num_batched_tokens) is shared by every sequence of a step, as in
+vLLM v1: running sequences first (decodes, or the next chunk of a chunked prefill),
+then waiting ones in FCFS order while seats (max_num_seqs), budget and blocks last.
+When a running sequence cannot get a block, the newest running sequence is preempted
+by recompute: its blocks are freed, it goes back to the front of the waiting queue and
+later recomputes prompt + output as a prefill (prefix-cached blocks make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inference_worker.engine.block_manager import BlockManager
+from inference_worker.engine.sequence import Sequence, SequenceStatus
+from inference_worker.engine.stats import EngineEventType, PrefixCacheStats
+from inference_worker.engine.types import ScheduledSequence, StepBatch
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    batch: StepBatch
+    scheduled: list[Sequence]  # same order as batch.sequences
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.record(EngineEventType.QUEUED, self.clock())
+        self.waiting.append(seq)
+
+    # ---- one step -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput(batch=StepBatch(), scheduled=[])
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1) Running sequences, oldest first. Preempt from the back when blocks run out.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            got_blocks = True
+            while not bm.allocate(seq, num_new):
+                victim = running.pop()  # the newest running sequence
+                self._preempt(victim, now, out)
+                if victim is seq:
+                    got_blocks = False
+                    break
+            if not got_blocks:
+                break  # seq preempted itself: it was the newest, nothing is left to try
+            self._add_to_batch(out, seq, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2) Waiting sequences, FCFS, unless this step already had to preempt.
+        if not out.preempted:
+            self._schedule_waiting(out, budget, now)
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.match_prefix(seq)
+            cached_tokens = len(cached) * bm.block_size
+            num_new = min(seq.num_tokens - cached_tokens, budget)
+            if not bm.can_allocate(seq, cached, cached_tokens + num_new):
+                break
+            self.waiting.popleft()
+            bm.take_cached(seq, cached)
+            if not bm.allocate(seq, num_new):  # cannot happen after can_allocate; keep state sane
+                bm.free(seq)
+                self.waiting.appendleft(seq)
+                break
+            if not seq.ever_scheduled:  # resumes after preemption are not counted (as in vLLM)
+                seq.ever_scheduled = True
+                seq.num_cached_tokens = cached_tokens
+                seq.first_scheduled_time = now
+                pc = out.prefix_cache
+                pc.requests += 1
+                pc.queries += seq.num_tokens
+                pc.hits += cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            seq.record(EngineEventType.SCHEDULED, now)
+            self.running.append(seq)
+            self._add_to_batch(out, seq, num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        seq.record(EngineEventType.PREEMPTED, now)
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        # It may already sit in this step's batch (scheduled before a later sequence ran out).
+        if seq in out.scheduled:
+            idx = out.scheduled.index(seq)
+            del out.scheduled[idx]
+            del out.batch.sequences[idx]
+
+    @staticmethod
+    def _add_to_batch(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        out.scheduled.append(seq)
+        out.batch.sequences.append(
+            ScheduledSequence(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids,
+                num_computed_tokens=seq.num_computed_tokens,
+                num_new_tokens=num_new,
+                block_table=seq.block_table,
+                sampling=seq.sampling,
+                needs_sample=seq.num_computed_tokens + num_new == seq.num_tokens,
+                is_prefill=seq.is_prefill,
+                num_output_tokens=seq.num_output_tokens,
+            )
+        )
+
+    # ---- after the step ---------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,32 @@
+"""WorkerTokenizer over a Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class HFTokenizer:
+    """The engine's and server's view of an HF tokenizer (implements engine.types.WorkerTokenizer)."""
+
+    def __init__(self, hf_tokenizer, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = set(extra_eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = len(hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        # The tokenizer decides about BOS (SmolLM2 adds none), as in vLLM.
+        return list(self.hf.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if getattr(self.hf, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]

@@ -1,0 +1,110 @@
+"""ModelRunner for the real model: StepBatch -> index tensors -> ONE forward -> sampled tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference_worker.engine.sampler import sample
+from inference_worker.engine.types import ScheduledSequence, StepBatch
+from inference_worker.model.llama import AttentionGroup, PagedLlama, StepInputs
+
+
+class TorchModelRunner:
+    """Implements engine.types.ModelRunner over PagedLlama."""
+
+    def __init__(self, model: PagedLlama) -> None:
+        self.model = model
+        self.block_size = model.block_size
+        self.num_kv_blocks = model.num_blocks
+        self.device = model.device
+        self._arange_bs = torch.arange(self.block_size, device=self.device)
+
+    # ---- batch tensors --------------------------------------------------------------------
+    def _context_slots(self, seqs: Sequence[ScheduledSequence], max_ctx: int) -> torch.Tensor:
+        """[B, max_ctx] pool slots of each sequence's first max_ctx positions (block 0 where padded)."""
+        bs = self.block_size
+        nblocks = -(-max_ctx // bs)
+        tables = [
+            list(s.block_table[:nblocks]) + [0] * (nblocks - len(s.block_table[:nblocks])) for s in seqs
+        ]
+        bt = torch.tensor(tables, dtype=torch.long, device=self.device)
+        return (bt.unsqueeze(-1) * bs + self._arange_bs).view(len(seqs), nblocks * bs)[:, :max_ctx]
+
+    def _decode_group(self, seqs: list[ScheduledSequence]) -> AttentionGroup:
+        ctx = [s.num_computed_tokens + 1 for s in seqs]
+        max_ctx = max(ctx)
+        kv_slots = self._context_slots(seqs, max_ctx)
+        lens = torch.tensor(ctx, device=self.device)
+        mask = (torch.arange(max_ctx, device=self.device) < lens[:, None]).view(len(seqs), 1, 1, max_ctx)
+        return AttentionGroup(0, len(seqs), kv_slots, mask, None, len(seqs), 1)
+
+    def _prefill_group(self, seqs: list[ScheduledSequence], start: int) -> AttentionGroup:
+        dev = self.device
+        b = len(seqs)
+        q_lens = [s.num_new_tokens for s in seqs]
+        max_q = max(q_lens)
+        max_ctx = max(s.num_computed_tokens + s.num_new_tokens for s in seqs)
+        kv_slots = self._context_slots(seqs, max_ctx)
+        starts = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)
+        q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [B, Q] absolute positions
+        mask = torch.arange(max_ctx, device=dev)[None, None, :] <= q_pos[:, :, None]  # causal, [B, Q, C]
+        groups = self.model.groups
+        mask = mask.unsqueeze(1).expand(b, groups, max_q, max_ctx).reshape(b, 1, groups * max_q, max_ctx)
+        pad_index = torch.cat(
+            [torch.arange(i * max_q, i * max_q + n, device=dev) for i, n in enumerate(q_lens)]
+        )
+        return AttentionGroup(start, start + sum(q_lens), kv_slots, mask, pad_index, b, max_q)
+
+    def build_inputs(self, batch: StepBatch) -> tuple[StepInputs, list[int]]:
+        """Tensors for one step, and the batch order they use (single-query sequences first)."""
+        seqs = batch.sequences
+        order = [i for i, s in enumerate(seqs) if s.num_new_tokens == 1]
+        order += [i for i, s in enumerate(seqs) if s.num_new_tokens != 1]
+        ordered = [seqs[i] for i in order]
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for s in ordered:
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.token_ids[start : start + n])
+            table = s.block_table
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if s.needs_sample:
+                logits_rows.append(len(ids) - 1)
+        dev = self.device
+        num_single = sum(1 for s in ordered if s.num_new_tokens == 1)
+        decode = self._decode_group(ordered[:num_single]) if num_single else None
+        prefill = self._prefill_group(ordered[num_single:], num_single) if num_single < len(ordered) else None
+        inputs = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode=decode,
+            prefill=prefill,
+            logits_index=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        return inputs, order
+
+    # ---- ModelRunner ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        if not batch.sequences:
+            return []
+        inputs, order = self.build_inputs(batch)
+        logits = self.model.forward(inputs)
+        sampled_seqs = [batch.sequences[i] for i in order if batch.sequences[i].needs_sample]
+        tokens = sample(
+            logits, [s.sampling for s in sampled_seqs], [s.num_output_tokens for s in sampled_seqs]
+        )
+        result: list[int | None] = [None] * len(batch.sequences)
+        it = iter(tokens)
+        for i in order:
+            if batch.sequences[i].needs_sample:
+                result[i] = next(it)
+        return result
