@@ -295,7 +295,7 @@ class Proxy:
             h["x-router-policy"] = route.policy
             if "score" in reason:
                 h["x-router-score"] = str(reason["score"])
-            age = reason.get("data_age_ms")
+            age = reason.get("data_age_ms", reason.get("age_ms"))
             if age is not None:
                 h["x-router-data-age-ms"] = str(age)
             h["x-router-queue-ms"] = f"{rec.queue_ms:.2f}"

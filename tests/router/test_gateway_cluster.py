@@ -1,0 +1,166 @@
+"""The gateway with real parts: sim workers, the scheduler and two gateway replicas, all
+separate processes on 127.0.0.1. The official openai client, WebSocket, /v1/models, auth,
+replicas, bad input."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import httpx
+import openai
+import pytest
+
+from tests.router.procs import start_gateway, start_scheduler, start_sim_worker
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    procs = []
+    try:
+        w1, u1 = start_sim_worker("m")
+        procs.append(w1)
+        w2, u2 = start_sim_worker("m")
+        procs.append(w2)
+        s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
+        procs.append(s)
+        keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
+        keyfile.write_text("# gateway keys\nkey-one\nkey-two\n")
+        ga, gua = start_gateway("--scheduler", su, "--debug-headers", "--max-body-bytes", "65536")
+        procs.append(ga)
+        gb, gub = start_gateway("--scheduler", su, "--api-key-file", str(keyfile))
+        procs.append(gb)
+        yield {"gw": gua, "gw_auth": gub, "scheduler": su, "workers": [u1, u2]}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_openai_client_through_the_gateway(cluster):
+    c = openai.OpenAI(base_url=cluster["gw"] + "/v1", api_key="none", max_retries=0, timeout=30)
+    r = c.completions.create(model="m", prompt="The capital of France is", max_tokens=6)
+    assert r.usage.completion_tokens == 6 and r.choices[0].text
+    r = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=5
+    )
+    assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+
+    chunks = list(c.completions.create(model="m", prompt="Once upon a time", max_tokens=8, stream=True))
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 7
+    assert all(ch.usage is None for ch in chunks)  # the gateway's own usage request is hidden
+
+    chunks = list(
+        c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text
+
+
+def test_worker_and_decision_headers(cluster):
+    r = httpx.post(
+        cluster["gw"] + "/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": 2},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    worker_ids = {
+        w["worker_id"]: w["url"]
+        for w in httpx.get(cluster["scheduler"] + "/v1/workers").json()["workers"]
+    }
+    assert r.headers["x-router-worker"] in worker_ids
+    assert r.headers["x-router-policy"] == "llm_aware"
+    assert "x-router-score" in r.headers and "x-router-data-age-ms" in r.headers
+    assert json.loads(r.headers["x-router-reason"])
+
+
+def test_models_is_the_union_of_healthy_workers(cluster):
+    r = httpx.get(cluster["gw"] + "/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == ["m"]
+    assert httpx.get(cluster["gw"] + "/v1/models/m").json()["id"] == "m"
+    assert httpx.get(cluster["gw"] + "/v1/models/other").status_code == 404
+
+
+def test_unknown_model_is_404_from_the_scheduler(cluster):
+    r = httpx.post(cluster["gw"] + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_websocket_round_trip(cluster):
+    async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
+        for body in (
+            {"model": "m", "prompt": "hello", "max_tokens": 4},
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ):
+            await ws.send_str(json.dumps(body))
+            chunks = []
+            while True:
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg.get("type") == "done" or "error" in msg:
+                    break
+                chunks.append(msg)
+            assert msg.get("type") == "done", msg
+            assert len([c for c in chunks if c.get("choices")]) >= body["max_tokens"]
+
+
+def test_two_replicas_against_one_scheduler(cluster):
+    body = {"model": "m", "prompt": "replica", "max_tokens": 3}
+    auth = {"Authorization": "Bearer key-two"}
+
+    def call(i: int) -> int:
+        url = cluster["gw"] if i % 2 else cluster["gw_auth"]
+        return httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60).status_code
+
+    with ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(call, range(16))) == [200] * 16
+
+
+def test_auth_on_and_off(cluster):
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    assert httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30).status_code == 200  # off
+    url = cluster["gw_auth"] + "/v1/completions"
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer key-three"}).status_code == 401
+    assert (
+        httpx.post(url, json=body, headers={"Authorization": "Bearer key-one"}, timeout=30).status_code
+        == 200
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (b"{oops", 400),
+        (b'"a string"', 400),
+        (b'{"prompt": "x"}', 400),
+        (b'{"model": ["m"]}', 400),
+        (b'{"model": "m", "prompt": "' + b"y" * 70_000 + b'"}', 413),
+    ],
+)
+def test_bad_input_is_4xx_never_5xx(cluster, content, status):
+    r = httpx.post(
+        cluster["gw"] + "/v1/chat/completions",
+        content=content,
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_wrong_types_rejected_by_worker_stay_4xx(cluster):
+    r = httpx.post(
+        cluster["gw"] + "/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": "many"},
+        timeout=30,
+    )
+    assert 400 <= r.status_code < 500 and "error" in r.json()
