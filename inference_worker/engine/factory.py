@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from inference_worker.config import WorkerConfig
 from inference_worker.engine.async_engine import AsyncEngine
@@ -111,29 +110,18 @@ def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
 
 
 def build_sim_engine(config: WorkerConfig) -> AsyncEngine:
-    from inference_worker.sim import build_sim_setup  # built by the sim backend; imported lazily
+    from inference_worker.sim import build_sim_setup  # the sim backend; imported only when used
 
+    # The setup already applies the profile's defaults except where the user set a flag.
     setup = build_sim_setup(config)
-    explicit = config.model_fields_set
-
-    def pick(name: str):
-        return (
-            getattr(config, name)
-            if name in explicit and getattr(config, name) is not None
-            else getattr(setup, name)
-        )
-
-    runner = setup.runner
-    runner.num_kv_blocks = pick("num_kv_blocks")
-    time_scale = config.time_scale
     engine = LLMEngine(
-        runner,
+        setup.runner,
         setup.tokenizer,
-        max_num_seqs=pick("max_num_seqs"),
-        max_num_batched_tokens=pick("max_num_batched_tokens"),
-        max_model_len=pick("max_model_len"),
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
-        clock=lambda: time.monotonic() / time_scale,  # metrics report simulated seconds
+        clock=setup.clock,  # monotonic / time_scale: metrics report simulated seconds
     )
     return AsyncEngine(engine, model_name=config.model_name, log_stats_interval=config.log_stats_interval)
 
