@@ -1,0 +1,32 @@
+"""Shared helpers for scheduler tests: in-process services with synthetic snapshots."""
+
+from __future__ import annotations
+
+import time
+
+from scheduler.config import SchedulerConfig
+from scheduler.registry import WorkerState
+from scheduler.scrape.snapshot import LoadSnapshot
+from scheduler.service import SchedulerService
+
+
+def make_service(policy: str = "llm_aware", n: int = 3, model: str = "m", **params) -> SchedulerService:
+    svc = SchedulerService(SchedulerConfig(policy=policy, policy_params=params))
+    for i in range(n):
+        w = svc.add_worker(WorkerState(f"http://127.0.0.1:{9000 + i}", worker_id=f"w{i}", models=[model]))
+        w.health.on_success(time.monotonic(), 1)
+        feed(svc, w)
+    return svc
+
+
+def feed(svc: SchedulerService, w: WorkerState, running=0.0, waiting=0.0, kv=0.0, num_blocks=1000,
+         block_size=16, taken_at: float | None = None) -> None:
+    now = time.monotonic() if taken_at is None else taken_at
+    snap = LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, prompt_tps=None, gen_tps=None,
+                        prefix_hit_rate=None, block_size=block_size, num_blocks=num_blocks, ttft_mean_s=None,
+                        itl_mean_s=None, taken_at=now, wall_time=time.time(), dialect="vllm_v1")
+    svc.on_snapshot(w, snap)
+
+
+def worker(svc: SchedulerService, wid: str) -> WorkerState:
+    return svc.registry.workers[wid]
