@@ -1,0 +1,120 @@
+"""Shared helpers for the worker's integration tests: start a real
+`python -m inference_worker` on 127.0.0.1 and talk to its /metrics.
+
+`launch_worker(*flags)` is a context manager; tests use it from module-scoped
+fixtures so each module starts its worker(s) once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180.0  # a cold start converts the GGUF once (~20 s); 2 busy cores can be slow
+
+SIM_AVAILABLE = importlib.util.find_spec("inference_worker.sim") is not None
+SIM_SKIP_REASON = "the sim backend (inference_worker/sim) is not importable yet"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics", timeout=30).text
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample as {(sample name, sorted non-base labels): value}."""
+        return parse_samples(self.metrics_text())
+
+
+def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
+    samples: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name")))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@contextlib.contextmanager
+def launch_worker(*flags: str, model: str = "smollm2") -> Iterator[Worker]:
+    """Start a worker with `flags`, wait for /health, stop it (SIGTERM, then SIGKILL) afterwards."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)
+    log_path = Path(log.name)
+    args = [sys.executable, "-m", "inference_worker", "--model", model, "--served-model-name", model]
+    args += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    worker = Worker(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        _wait_healthy(worker)
+        yield worker
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        log.close()
+        log_path.unlink(missing_ok=True)
+
+
+def _wait_healthy(worker: Worker) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if worker.process.poll() is not None:
+            raise RuntimeError(f"worker exited with {worker.process.returncode}:\n{worker.output()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{worker.base_url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"worker not healthy after {STARTUP_TIMEOUT_S}s:\n{worker.output()[-4000:]}")
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns a truthy value (returned) or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)

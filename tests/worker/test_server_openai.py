@@ -1,0 +1,322 @@
+"""The worker's OpenAI API against a real `python -m inference_worker` (real model, 127.0.0.1),
+driven by the official `openai` client, httpx for bad input and aiohttp for the WebSocket."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import httpx
+import openai
+import pytest
+
+from tests.worker.conftest import launch_worker, wait_for
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+PROMPT = "The three primary colors are"
+MESSAGES = [{"role": "user", "content": "Name a fruit."}]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with launch_worker("--max-num-seqs", "8") as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def client(worker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=worker.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def greedy_completion(client) -> openai.types.Completion:
+    return client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+
+
+def test_completion_non_stream_and_stream_agree(client, greedy_completion) -> None:
+    done = greedy_completion
+    assert done.object == "text_completion" and done.model == MODEL
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 12
+    assert done.usage.prompt_tokens > 0
+    assert done.usage.total_tokens == done.usage.prompt_tokens + 12
+    assert done.choices[0].text
+
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == done.choices[0].text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_non_stream_and_stream_agree(client) -> None:
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert done.object == "chat.completion"
+    message = done.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage.completion_tokens <= 10
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == done.usage.prompt_tokens
+    # Without include_usage there is no usage chunk.
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_stop_string_ends_the_answer_before_it(client, greedy_completion) -> None:
+    full = greedy_completion.choices[0].text
+    # A stop string whose first occurrence is inside the answer, not at its start.
+    k = next(
+        i for i in range(1, len(full) - 1) if full[i : i + 2].strip() and full.find(full[i : i + 2]) == i
+    )
+    stop = full[k : k + 2]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}, stop=[stop]
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:k]
+
+
+def test_token_id_prompt_matches_text_prompt(worker, client, greedy_completion) -> None:
+    tok = httpx.post(f"{worker.base_url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert tok["count"] == len(tok["tokens"]) == greedy_completion.usage.prompt_tokens
+    assert tok["max_model_len"] == 2048
+    out = client.completions.create(
+        model=MODEL, prompt=tok["tokens"], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].text == greedy_completion.choices[0].text
+    detok = httpx.post(f"{worker.base_url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == PROMPT
+
+
+def test_tokenize_messages_counts_the_chat_prompt(worker, client) -> None:
+    tok = httpx.post(f"{worker.base_url}/tokenize", json={"messages": MESSAGES}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+    assert tok["count"] == chat.usage.prompt_tokens
+
+
+def test_seeded_sampling_is_reproducible(client) -> None:
+    def sample() -> str:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=1.0,
+            top_p=0.9,
+            seed=1234,
+            extra_body={"ignore_eos": True},
+        )
+        return out.choices[0].text
+
+    assert sample() == sample()
+
+
+def test_models_and_health(worker, client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{worker.base_url}/health").status_code == 200
+
+
+def test_openai_client_sees_typed_errors(client) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+
+
+LONG_PROMPT = "hello " * 2100  # > 2048 tokens
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def bad(name, path, body, status, param, method="POST"):
+    return pytest.param(method, path, body, status, param, id=name)
+
+
+BAD_INPUTS = [
+    bad("invalid json", CMPL, b"{not json", 400, None),
+    bad("body is a list", CMPL, b"[1, 2]", 400, None),
+    bad("empty body", CHAT, b"", 400, None),
+    bad("max_tokens string", CMPL, {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    bad("max_tokens zero", CMPL, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    bad("max_tokens negative", CHAT, {"messages": MESSAGES, "max_tokens": -3}, 400, "max_tokens"),
+    bad(
+        "max_completion_tokens zero",
+        CHAT,
+        {"messages": MESSAGES, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    bad("temperature string", CMPL, {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    bad("temperature too high", CMPL, {"prompt": "a", "temperature": 9}, 400, "temperature"),
+    bad("top_p zero", CMPL, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    bad("prompt too long", CMPL, {"prompt": LONG_PROMPT, "max_tokens": 4}, 400, "prompt"),
+    bad(
+        "chat prompt too long",
+        CHAT,
+        {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+        "messages",
+    ),
+    bad("max_tokens beyond context", CMPL, {"prompt": "a", "max_tokens": 5000}, 400, "max_tokens"),
+    bad("unknown model", CMPL, {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+    bad("unknown model chat", CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
+    bad("n > 1", CMPL, {"prompt": "a", "n": 2}, 400, "n"),
+    bad("logprobs", CMPL, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    bad("chat logprobs", CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    bad("missing prompt", CMPL, {"max_tokens": 3}, 400, "prompt"),
+    bad("empty token list", CMPL, {"prompt": []}, 400, "prompt"),
+    bad("mixed prompt list", CMPL, {"prompt": [1, "a"]}, 400, "prompt"),
+    bad("batch of prompts", CMPL, {"prompt": ["a", "b"]}, 400, "prompt"),
+    bad("token id outside vocab", CMPL, {"prompt": [1, 999_999_999]}, 400, "prompt"),
+    bad("empty prompt", CMPL, {"prompt": ""}, 400, "prompt"),
+    bad("no messages", CHAT, {"messages": []}, 400, "messages"),
+    bad("missing messages", CHAT, {"max_tokens": 3}, 400, "messages"),
+    bad("bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    bad("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    bad(
+        "stream_options without stream",
+        CMPL,
+        {"prompt": "a", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    bad("empty stop string", CMPL, {"prompt": "a", "stop": [""]}, 400, "stop"),
+    bad("stream not a bool", CMPL, {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    bad("tokenize nothing", "/tokenize", {}, 400, "prompt"),
+    bad("unknown route", "/v1/nothing", None, 404, None, method="GET"),
+    bad("wrong method", CMPL, None, 405, None, method="GET"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "param"), BAD_INPUTS)
+def test_bad_input_gets_openai_error(worker, method, path, body, status, param) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    response = httpx.request(method, f"{worker.base_url}{path}", timeout=60, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and isinstance(error["type"], str)
+    if param is not None:
+        assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_worker_survives_bad_inputs(worker, client) -> None:
+    """After every bad input above, the worker still serves (nothing wedged or crashed)."""
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    assert worker.process.poll() is None
+
+
+async def _receive_until_end(ws: aiohttp.ClientWebSocketResponse) -> tuple[list[dict], dict]:
+    """Chunks of one request and its terminal message (done or error)."""
+    chunks = []
+    while True:
+        msg = await ws.receive(timeout=120)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        body = json.loads(msg.data)
+        if body.get("type") == "done" or "error" in body:
+            return chunks, body
+        chunks.append(body)
+
+
+async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, greedy_completion) -> None:
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{worker.base_url}/v1/ws") as ws:
+        # completions (explicit endpoint) with usage: same text as over HTTP
+        await ws.send_str(
+            json.dumps(
+                {
+                    "endpoint": "completions",
+                    "model": MODEL,
+                    "prompt": PROMPT,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
+        )
+        chunks, end = await _receive_until_end(ws)
+        assert end["type"] == "done" and end["id"] == chunks[0]["id"]
+        assert all(c["object"] == "text_completion" for c in chunks)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert text == greedy_completion.choices[0].text
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+        # a bad message: error object, socket stays open
+        await ws.send_str("{oops")
+        _, end = await _receive_until_end(ws)
+        assert end["error"]["type"] == "invalid_request_error"
+        await ws.send_str(json.dumps({"model": "nope", "messages": MESSAGES}))
+        _, end = await _receive_until_end(ws)
+        assert end["error"]["code"] == "model_not_found"
+        await ws.send_str(json.dumps({"messages": MESSAGES, "max_tokens": 0}))
+        _, end = await _receive_until_end(ws)
+        assert end["error"]["param"] == "max_tokens"
+
+        # chat inferred from "messages"
+        await ws.send_str(json.dumps({"messages": MESSAGES, "max_tokens": 6, "temperature": 0}))
+        chunks, end = await _receive_until_end(ws)
+        assert end == {"type": "done", "id": chunks[0]["id"]}
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+        # cancel a long request after its first chunk
+        await ws.send_str(json.dumps({"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}))
+        first = json.loads((await ws.receive(timeout=120)).data)
+        assert first["object"] == "text_completion"
+        await ws.send_str(json.dumps({"type": "cancel"}))
+        _, end = await _receive_until_end(ws)
+        assert end == {"type": "done", "id": first["id"], "cancelled": True}
+
+    # the cancelled request left the engine
+    def idle() -> bool:
+        text = worker.metrics_text()
+        return 'vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0' in text
+
+    wait_for(idle, timeout_s=60, what="the cancelled request to leave the engine")
+
+
+def test_nothing_above_hit_an_unexpected_error(worker) -> None:
+    """Runs last in this module: no request above produced a 500 or an engine failure in the log."""
+    log = worker.output()
+    assert "unexpected error while serving a request" not in log
+    assert "engine loop died" not in log
+    assert "Traceback" not in log
