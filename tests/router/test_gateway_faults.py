@@ -1,0 +1,164 @@
+"""Failures with real processes: workers SIGKILLed under load (retries before the first byte,
+a clean SSE error after it) and the scheduler killed and restarted (round-robin fallback and
+the return to scheduled routing)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.router.procs import free_port, start_gateway, start_scheduler, start_sim_worker
+
+
+@pytest.fixture
+def three_workers():
+    procs, urls = [], []
+    try:
+        for _ in range(3):
+            p, u = start_sim_worker("m")
+            procs.append(p)
+            urls.append(u)
+        s, su = start_scheduler(urls, "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--retry-count", "2")
+        procs.append(g)
+        yield {
+            "gw": gu,
+            "scheduler": su,
+            "workers": dict(zip(urls, procs[:3], strict=True)),
+            "gw_proc": g,
+        }
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _kill_a_busy_worker(stack) -> str:
+    """SIGKILL a worker that holds leases right now; returns its URL."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for w in httpx.get(stack["scheduler"] + "/v1/workers").json()["workers"]:
+            if w["in_flight_leases"] > 0:
+                stack["workers"][w["url"]].kill()
+                return w["url"]
+        time.sleep(0.02)
+    raise AssertionError("no worker ever had a request in flight")
+
+
+def _retries(gw: str) -> float:
+    text = httpx.get(gw + "/metrics").text
+    return sum(float(v) for v in re.findall(r"^router_retries_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_worker_killed_under_non_stream_load_every_request_still_succeeds(three_workers):
+    gw = three_workers["gw"]
+    body = {"model": "m", "prompt": "retry me", "max_tokens": 120}
+    with ThreadPoolExecutor(12) as ex:
+        futs = [ex.submit(httpx.post, gw + "/v1/completions", json=body, timeout=60) for _ in range(12)]
+        time.sleep(0.25)
+        killed = _kill_a_busy_worker(three_workers)
+        rs = [f.result() for f in futs]
+    assert [r.status_code for r in rs] == [200] * 12
+    assert all(r.json()["usage"]["completion_tokens"] == 120 for r in rs)
+    assert killed not in {r.headers["x-router-worker"] for r in rs}
+    assert _retries(gw) >= 1  # the killed worker had requests: they were retried elsewhere
+
+
+def _read_stream(gw: str) -> dict:
+    events, t0 = [], time.monotonic()
+    body = {"model": "m", "prompt": "stream me", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=30) as r:
+        worker = r.headers["x-router-worker"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return {"worker": worker, "events": events, "secs": time.monotonic() - t0}
+
+
+def test_worker_killed_mid_stream_clients_get_an_error_event_and_the_end(three_workers):
+    gw = three_workers["gw"]
+    with ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(_read_stream, gw) for _ in range(6)]
+        time.sleep(0.4)
+        _kill_a_busy_worker(three_workers)
+        results = [f.result(timeout=60) for f in futs]  # nobody hangs
+    broken = [r for r in results if any(e.startswith('{"error"') for e in r["events"])]
+    assert broken, "the killed worker was streaming: its clients must see an error event"
+    for r in results:
+        assert r["events"][-1] == "[DONE]"  # every stream ends cleanly
+    for r in broken:
+        err = json.loads(r["events"][-2])["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert len(r["events"]) > 2  # it had started: not replayed, not retried
+    ok = [r for r in results if r not in broken]
+    assert all(len(r["events"]) == 201 for r in ok)  # 200 tokens + [DONE]
+
+
+def test_scheduler_killed_then_restarted_fallback_and_back(capsys):
+    procs = []
+    try:
+        w1, u1 = start_sim_worker("m")
+        w2, u2 = start_sim_worker("m")
+        procs += [w1, w2]
+        sport = free_port()
+        s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100", port=sport)
+        procs.append(s)
+        g, gu = start_gateway(
+            "--scheduler",
+            su,
+            "--debug-headers",
+            "--wait-schedule-timeout-ms",
+            "1000",
+            "--wait-schedule-try-period-ms",
+            "200",
+            "--workers-refresh-ms",
+            "300",
+        )
+        procs.append(g)
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+
+        def call() -> httpx.Response:
+            r = httpx.post(gu + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return r
+
+        assert call().headers["x-router-policy"] == "llm_aware"
+        time.sleep(0.5)  # the gateway's cached worker list is refreshed meanwhile
+        s.kill()
+        t_kill = time.monotonic()
+        policies, workers = [], set()
+        while time.monotonic() - t_kill < 15:
+            r = call()  # every request succeeds, also while the gateway is still retrying the scheduler
+            policies.append(r.headers["x-router-policy"])
+            if policies[-1] == "fallback_round_robin":
+                workers.add(r.headers["x-router-worker"])
+                if len(workers) == 2:
+                    break
+        t_fallback = time.monotonic() - t_kill
+        assert len(workers) == 2, policies  # round robin over both last-known workers
+
+        s2, _ = start_scheduler([u1, u2], "--scrape-interval-ms", "100", port=sport)
+        procs.append(s2)
+        t_back0 = time.monotonic()
+        while time.monotonic() - t_back0 < 15:
+            if call().headers["x-router-policy"] == "llm_aware":
+                break
+            time.sleep(0.01)
+        t_back = time.monotonic() - t_back0
+        assert call().headers["x-router-policy"] == "llm_aware"
+        state = httpx.get(gu + "/admin/state").json()
+        assert state["mode"] == "scheduled"
+        with capsys.disabled():
+            print(
+                f"\n[fallback] kill -> both workers served by round robin: {t_fallback * 1000:.0f} ms; "
+                f"gateway's switch: {state['last_switch_s']}; scheduler ready -> scheduled: "
+                f"{t_back * 1000:.0f} ms"
+            )
+    finally:
+        for p in procs:
+            p.stop()
