@@ -1,0 +1,100 @@
+"""Run `python -m deploy.local` as a real process and read what it prints."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
+
+READY = "LLM router ready"
+
+
+@dataclass
+class LocalStack:
+    proc: subprocess.Popen
+    gateway_port: int
+    scheduler_port: int
+    worker_ports: list[int]
+    lines: list[str] = field(default_factory=list)
+    ok_requests: int = 0  # successful requests sent through the gateway by the tests
+    completion_tokens: int = 0  # sum of usage.completion_tokens those requests returned
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler_port}"
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.worker_ports]
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def child_pids(self) -> dict[str, int]:
+        """{name: pid} from the launcher's "started <name> (pid N)" lines."""
+        pids = {}
+        for line in list(self.lines):
+            if m := re.match(r"\[launcher\] started (\S+) \(pid (\d+)\)", line):
+                pids[m.group(1)] = int(m.group(2))
+        return pids
+
+    def wait_for_line(self, needle: str, timeout_s: float) -> bool:
+        return wait_until(lambda: any(needle in line for line in list(self.lines)), timeout_s)
+
+
+def start_stack(workers: int = 2, extra: tuple[str, ...] = ()) -> LocalStack:
+    gateway_port, scheduler_port = free_ports(2)
+    base = consecutive_free_ports(workers)
+    argv = [sys.executable, "-m", "deploy.local", "--backend", "sim", "--workers", str(workers),
+            "--gateway-port", str(gateway_port), "--scheduler-port", str(scheduler_port),
+            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5", *extra]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    stack = LocalStack(proc, gateway_port, scheduler_port, list(range(base, base + workers)))
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            stack.lines.append(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return stack
+
+
+def wait_ready(stack: LocalStack, timeout_s: float = 150) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(READY in line for line in list(stack.lines)):
+            return
+        if stack.proc.poll() is not None:
+            raise AssertionError(f"launcher exited with {stack.proc.returncode}:\n{stack.output()[-4000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"stack not ready after {timeout_s} s:\n{stack.output()[-4000:]}")
+
+
+def stop_stack(stack: LocalStack) -> None:
+    """Safety net for fixtures: SIGINT, then SIGKILL anything (and any group) still alive."""
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGINT)
+        try:
+            stack.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait(10)
+    for pid in stack.child_pids().values():
+        if pid_alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
