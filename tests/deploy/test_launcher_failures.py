@@ -1,0 +1,78 @@
+"""`python -m deploy.local` when something goes wrong: a busy port, a child that cannot
+start, a child that dies later. Real processes (sim workers) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.deploy.helpers import REPO, free_ports, pid_alive, wait_until
+from tests.deploy.stack import start_stack, stop_stack, wait_ready
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_launcher(*flags: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.local", "--backend", "sim", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_busy_port_is_named_before_anything_starts():
+    gateway, scheduler, worker = free_ports(3)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", gateway))
+        sock.listen()
+        out = run_launcher("--workers", "1", "--gateway-port", str(gateway), "--scheduler-port",
+                           str(scheduler), "--base-worker-port", str(worker))
+    assert out.returncode == 2
+    assert f"port {gateway} (gateway) is already in use" in out.stdout
+    assert "started" not in out.stdout
+
+
+def test_bad_flags_are_refused_by_the_launcher():
+    out = run_launcher("--workers", "0")
+    assert out.returncode == 2 and "--workers must be at least 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "deploy.local", "--time-scale", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "need --backend sim" in out.stderr
+
+
+def test_a_child_that_cannot_start_is_named_with_its_last_log_lines():
+    gateway, scheduler, worker = free_ports(3)
+    out = run_launcher("--workers", "1", "--sim-profile", "no-such-profile", "--gateway-port", str(gateway),
+                       "--scheduler-port", str(scheduler), "--base-worker-port", str(worker))
+    assert out.returncode == 1
+    assert "[launcher] error: worker-0 failed to start: exited with code" in out.stdout
+    assert "last log lines of worker-0:" in out.stdout
+    assert "no-such-profile" in out.stdout.split("last log lines of worker-0:")[1]
+    assert "started scheduler" not in out.stdout  # later stages never start
+
+
+def test_a_child_dying_stops_the_rest_and_fails_the_launcher():
+    stack = start_stack(workers=1)
+    try:
+        wait_ready(stack)
+        pids = stack.child_pids()
+        assert set(pids) == {"worker-0", "scheduler", "gateway"}
+        subprocess.run(["kill", "-KILL", str(pids["scheduler"])], check=True)
+        assert stack.proc.wait(60) == 1
+        assert "[launcher] error: scheduler exited with code -9; stopping the rest" in stack.output()
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10)
+    finally:
+        stop_stack(stack)
+
+
+def test_sigterm_stops_the_stack_like_ctrl_c():
+    stack = start_stack(workers=1)
+    try:
+        wait_ready(stack)
+        pids = stack.child_pids()
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(60) == 0
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10)
+    finally:
+        stop_stack(stack)
