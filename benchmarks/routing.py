@@ -25,13 +25,23 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
-from benchmarks.routing_client import run_client, slim_result
+from benchmarks.routing_client import prepare, run_client, slim_result
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
 from benchmarks.routing_report import goal_check, policy_table, summary_table
 from benchmarks.routing_sampler import LoadSampler
 
 ALL_POLICIES = "baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity"
-QUICK = {"profile": "tiny", "workers": 2, "concurrency": 8, "num_prompts": 24, "time_scale": 1.0}
+QUICK = {"profile": "tiny", "profiles": None, "workers": 2, "concurrency": 8, "num_prompts": 24,
+         "time_scale": 1.0}
+# A benchmark must measure routing, not the gateway's protective limits: with 160 clients and
+# requests held while every worker is saturated, the default queue bound (128) and the 60 s
+# first-byte timeout (wall time, so 2x at --time-scale 2) would turn slow requests into failures.
+# The baseline has no such limits either (the client talks to the workers directly).
+GATEWAY_BENCH_ARGS = ("--max-queue-size 4096 --queue-timeout-ms 3600000 --first-byte-timeout-ms 3600000 "
+                      "--idle-stream-timeout-ms 3600000")
+# The tiny profile's context is 512 tokens (and the sim counts tokens a bit differently from the
+# client's tokenizer), so quick runs keep prompts and answers short.
+QUICK_CLIENT = {"max_prompt_len": 200, "max_total_len": 400}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--scheduler-config", default=None, help="scheduler YAML (policy weights/thresholds)")
     p.add_argument("--scrape-interval-ms", type=int, default=100)
-    p.add_argument("--gateway-args", default="", help="extra gateway flags, one shell-quoted string")
+    p.add_argument("--gateway-args", default=GATEWAY_BENCH_ARGS, help="gateway flags, shell-quoted")
     p.add_argument("--client-args", default="", help="extra benchmark-client options as JSON object")
     p.add_argument("--sample-interval", type=float, default=0.5, help="wall seconds between load samples")
     p.add_argument("--output", default="benchmarks/results/routing-homogeneous.json")
@@ -94,7 +104,14 @@ def scenario_of(args: argparse.Namespace) -> dict:
     }
 
 
-async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path) -> tuple[dict, list[dict], float]:
+def client_extra(args: argparse.Namespace) -> dict:
+    extra = dict(QUICK_CLIENT) if args.quick else {}
+    extra.update(json.loads(args.client_args) if args.client_args else {})
+    return extra
+
+
+async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
+                     workload: list) -> tuple[dict, list[dict], float]:
     spec = ClusterSpec(
         profiles=worker_profiles(args), policy=None if policy == "baseline" else policy, model=args.model,
         backend=args.backend, time_scale=args.time_scale,
@@ -109,7 +126,7 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path) -> tu
             result = await run_client(
                 base_urls=targets, model=args.model, dataset=args.dataset, num_prompts=args.num_prompts,
                 concurrency=args.concurrency, seed=args.seed, time_scale=args.time_scale,
-                extra=json.loads(args.client_args) if args.client_args else {},
+                workload=workload, extra=client_extra(args),
             )
     return result, sampler.samples, time.monotonic() - t0
 
@@ -145,10 +162,11 @@ async def main_async(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
     doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "wall_s": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
+    workload = await asyncio.to_thread(prepare, args.dataset, args.num_prompts, args.seed, client_extra(args))
     for policy in policies:
         print(f"[routing] {policy}: starting {len(worker_profiles(args))} workers ...",
               file=sys.stderr, flush=True)
-        result, samples, wall = await run_policy(policy, args, log_dir)
+        result, samples, wall = await run_policy(policy, args, log_dir, workload)
         doc["policies"][policy] = slim_result(result)
         doc["timelines"][policy] = samples
         doc["wall_s"][policy] = round(wall, 1)

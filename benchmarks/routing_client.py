@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 # Per-request lists that are too big to commit for thousands of requests; TPOT per request is
 # kept (derived from the ITLs) so the CDFs can be redrawn from the JSON.
 DROP_KEYS = ("itls", "generated_texts")
@@ -16,19 +14,28 @@ def slim_result(result: dict) -> dict:
     if "tpots" not in slim and "itls" in result:
         tpots_ms = per_request_ms(result, "tpot")
         slim["tpots"] = [round(t / 1000.0, 6) for t in tpots_ms]
-    if "ttfts" in slim:
-        slim["ttfts"] = [None if t is None else round(t, 6) for t in slim["ttfts"]]
+    for key in ("ttfts", "tpots", "e2els", "start_times"):  # microseconds are plenty
+        if isinstance(slim.get(key), list):
+            slim[key] = [round(t, 6) if isinstance(t, float) else t for t in slim[key]]
     return slim
 
 
+def prepare(dataset: str, num_prompts: int, seed: int, extra: dict) -> list:
+    """Sample the workload once per scenario, so every policy replays exactly the same requests."""
+    from benchmarks.serve import prepare_workload
+
+    keys = ("tokenizer", "max_turns", "max_prompt_len", "max_total_len")
+    workload, _tok = prepare_workload(dataset, num_prompts, seed, **{k: extra[k] for k in keys if k in extra})
+    return workload
+
+
 async def run_client(base_urls: list[str], model: str, dataset: str, num_prompts: int, concurrency: int,
-                     seed: int, time_scale: float, extra: dict) -> dict:
-    """One benchmark run; several base URLs are served round robin by the client (the baseline)."""
+                     seed: int, time_scale: float, workload: list, extra: dict) -> dict:
+    """One benchmark run; several base URLs are used round robin per request by the client (baseline)."""
     from benchmarks.serve import run_benchmark
 
-    kwargs = dict(base_urls=base_urls, model=model, dataset=dataset, num_prompts=num_prompts,
-                  max_concurrency=concurrency, seed=seed, time_scale=time_scale, **extra)
-    result = run_benchmark(**kwargs)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
+    return await run_benchmark(
+        base_urls=base_urls, model=model, dataset=dataset, num_prompts=num_prompts,
+        max_concurrency=concurrency, seed=seed, time_scale=time_scale, workload=workload,
+        show_progress=False, print_summary=False, **extra,
+    )

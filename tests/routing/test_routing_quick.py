@@ -1,0 +1,52 @@
+"""`python -m benchmarks.routing --quick` end to end: real sim workers, scheduler and gateway on 127.0.0.1.
+
+No timing assertions: it checks that every policy ran every request, that every table row and
+the goal verdicts are printed, that the JSON has the documented shape and the PNGs exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.routing_report import ROWS
+
+POLICIES = ["baseline", "round_robin", "least_request", "power_of_two", "llm_aware", "prefix_affinity"]
+
+
+@pytest.mark.slow
+def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
+    out = tmp_path / "routing-quick.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.routing", "--quick", "--policies", ",".join(POLICIES),
+         "--output", str(out), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in POLICIES[1:]:
+        assert f"### {name} vs baseline" in proc.stdout
+    for row in ROWS:
+        assert proc.stdout.count(f"| {row.label} |") == len(POLICIES) - 1
+    assert "throughput kept vs baseline" in proc.stdout
+
+    doc = json.loads(out.read_text())
+    assert doc["scenario"]["quick"] is True
+    assert doc["scenario"]["num_prompts"] == 24
+    assert list(doc["policies"]) == POLICIES
+    for name, result in doc["policies"].items():
+        assert result["completed"] == 24, (name, result.get("errors"))
+        assert result.get("failed", 0) == 0, name
+        for key in ("duration", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                    "mean_tpot_ms", "p99_tpot_ms", "total_input_tokens", "ttfts"):
+            assert key in result, (name, key)
+        # The load sampler saw every worker while the run was going.
+        samples = doc["timelines"][name]
+        assert samples and all(len(s["workers"]) == 2 for s in samples)
+        assert any(w.get("running", 0) > 0 for s in samples for w in s["workers"]), name
+    for suffix in ("ttft-cdf", "tpot-cdf", "load"):
+        png = tmp_path / f"routing-quick-{suffix}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG", suffix
