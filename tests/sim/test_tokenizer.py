@@ -123,7 +123,7 @@ def test_counts_are_close_to_a_real_llama_family_tokenizer(monkeypatch):
         ours_total += n_ours
         real_total += n_real
     errors.sort()
-    # Measured on 1,500 held-out prompts: mean 7.6 %, p90 16.7 %; bounds leave room for sampling.
+    # Measured on 3,000 prompts: mean 7.5 %, p90 16.4 %, total +1.9 %; bounds leave room for sampling.
     assert statistics.mean(errors) < 0.12
     assert errors[int(0.9 * len(errors))] < 0.25
     assert abs(ours_total / real_total - 1) < 0.08
