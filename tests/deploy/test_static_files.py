@@ -119,6 +119,38 @@ def test_scheduler_rbac_allows_watching_worker_endpointslices():
     assert config["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
 
 
+def test_scheduler_discovery_selects_the_slices_kubernetes_makes_for_the_worker_service():
+    """The scheduler's own selector parser and slice reader, on the EndpointSlice Kubernetes
+    would create for the worker Service (no API server here: the object is built by hand)."""
+    from lightkube.models.core_v1 import ObjectReference
+    from lightkube.models.discovery_v1 import Endpoint, EndpointConditions, EndpointPort
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.discovery_v1 import EndpointSlice
+
+    from scheduler.discovery.kubernetes import parse_selector, slice_workers
+
+    objs = k8s_objects()
+    config = yaml.safe_load(find(objs, "ConfigMap", "llm-scheduler-config")["data"]["scheduler.yaml"])
+    service = find(objs, "Service", "llm-worker")
+    # What the EndpointSlice controller puts on a Service's slices: its labels + the service name.
+    slice_labels = {**service["metadata"]["labels"],
+                    "kubernetes.io/service-name": service["metadata"]["name"],
+                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    for key, value in parse_selector(config["k8s_label_selector"]).items():
+        assert key in slice_labels and (value is None or slice_labels[key] == value), key
+    port = service["spec"]["ports"][0]
+    eps = EndpointSlice(
+        metadata=ObjectMeta(name="llm-worker-abcde", labels=slice_labels), addressType="IPv4",
+        ports=[EndpointPort(name=port["name"], port=port["port"], protocol="TCP")],
+        endpoints=[
+            Endpoint(addresses=["10.0.0.7"], conditions=EndpointConditions(ready=True),
+                     targetRef=ObjectReference(kind="Pod", name="llm-worker-1")),
+            Endpoint(addresses=["10.0.0.8"], conditions=EndpointConditions(ready=False)),
+        ])
+    urls = slice_workers(eps, config["k8s_port"], "http")
+    assert urls == {f"llm-worker-1:{port['port']}": f"http://10.0.0.7:{port['port']}"}
+
+
 def test_gateway_runs_two_replicas_with_hpa_and_points_at_the_scheduler():
     objs = k8s_objects()
     gateway = find(objs, "Deployment", "llm-gateway")
