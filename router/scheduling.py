@@ -191,7 +191,7 @@ class Scheduling:
         self.down_since = None
         self.fallback_active = False
         if was_fallback:
-            # How late we noticed: at most one probe period after the scheduler came back.
+            # How late we noticed, at most: time since the last failed probe.
             self.metrics.fallback_mode.set(0)
             self.metrics.mode_switches.labels("scheduled").inc()
             lag = time.monotonic() - probe_started if probe_started is not None else 0.0
@@ -206,14 +206,17 @@ class Scheduling:
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
 
     async def _probe_loop(self) -> None:
+        last_failed = time.monotonic()
         while self.down_since is not None:
             t0 = time.monotonic()
             if await self.client.health():
                 if self.down_since is not None:
-                    self._scheduler_back(probe_started=t0)
+                    # The scheduler came back at some point after the last failed probe.
+                    self._scheduler_back(probe_started=last_failed)
                 await self._refresh_workers()
                 return
-            await asyncio.sleep(max(0.0, self.probe_period_s - (time.monotonic() - t0)))
+            last_failed = time.monotonic()
+            await asyncio.sleep(max(0.0, self.probe_period_s - (last_failed - t0)))
 
     # ---- cached worker list -------------------------------------------------------------
     async def _refresh_loop(self) -> None:

@@ -95,12 +95,25 @@ def start_gateway(*args: str, env: dict | None = None) -> tuple[Proc, str]:
 
 
 def start_sim_worker(model: str = "m", *extra: str) -> tuple[Proc, str]:
-    port = free_port()
-    p = Proc(["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny", "--served-model-name",
-              model, "--port", str(port), *extra], f"sim-{port}")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p, timeout_s=120)
-    return p, url
+    return start_sim_workers(1, model, *extra)[0]
+
+
+def start_sim_workers(n: int, model: str = "m", *extra: str) -> list[tuple[Proc, str]]:
+    """n sim workers started in parallel (each takes seconds to import its stack)."""
+    started = []
+    for _ in range(n):
+        port = free_port()
+        p = Proc(["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
+                  "--served-model-name", model, "--port", str(port), *extra], f"sim-{port}")
+        started.append((p, f"http://127.0.0.1:{port}"))
+    try:
+        for p, url in started:
+            wait_http(url + "/health", p, timeout_s=120)
+    except BaseException:
+        for p, _ in started:
+            p.stop()
+        raise
+    return started
 
 
 def start_scheduler(workers: list[str], *extra: str, port: int | None = None) -> tuple[Proc, str]:

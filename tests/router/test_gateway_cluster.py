@@ -12,17 +12,15 @@ import httpx
 import openai
 import pytest
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_worker
+from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     procs = []
     try:
-        w1, u1 = start_sim_worker("m")
-        procs.append(w1)
-        w2, u2 = start_sim_worker("m")
-        procs.append(w2)
+        (w1, u1), (w2, u2) = start_sim_workers(2)
+        procs += [w1, w2]
         s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
         procs.append(s)
         keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"

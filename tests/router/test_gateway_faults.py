@@ -12,15 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.router.procs import free_port, start_gateway, start_scheduler, start_sim_worker
+from tests.router.procs import free_port, start_gateway, start_scheduler, start_sim_workers
 
 
 @pytest.fixture
 def three_workers():
     procs, urls = [], []
     try:
-        for _ in range(3):
-            p, u = start_sim_worker("m")
+        for p, u in start_sim_workers(3):
             procs.append(p)
             urls.append(u)
         s, su = start_scheduler(urls, "--scrape-interval-ms", "100")
@@ -102,8 +101,7 @@ def test_worker_killed_mid_stream_clients_get_an_error_event_and_the_end(three_w
 def test_scheduler_killed_then_restarted_fallback_and_back(capsys):
     procs = []
     try:
-        w1, u1 = start_sim_worker("m")
-        w2, u2 = start_sim_worker("m")
+        (w1, u1), (w2, u2) = start_sim_workers(2)
         procs += [w1, w2]
         sport = free_port()
         s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100", port=sport)

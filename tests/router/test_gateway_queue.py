@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_worker
+from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
 
 QUEUE = 3
 SLOW = {"model": "m", "prompt": "a slow request", "max_tokens": 150}  # ~1 s on the tiny sim profile
@@ -20,8 +20,7 @@ SLOW = {"model": "m", "prompt": "a slow request", "max_tokens": 150}  # ~1 s on 
 def cluster():
     procs = []
     try:
-        w1, u1 = start_sim_worker("m")
-        w2, u2 = start_sim_worker("m")
+        (w1, u1), (w2, u2) = start_sim_workers(2)
         procs += [w1, w2]
         s, su = start_scheduler([u1, u2], "--policy-params", '{"max_running": 1}')
         procs.append(s)
