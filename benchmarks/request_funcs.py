@@ -201,6 +201,7 @@ async def stream_request(
     except (ValueError, UnicodeDecodeError) as exc:
         state.error = f"malformed stream chunk: {exc}"[:_MAX_ERROR_CHARS]
 
+    result.start_time = st
     result.ttft = state.ttft
     result.itl = state.itl
     result.latency = state.last - st

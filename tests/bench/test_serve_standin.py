@@ -77,6 +77,15 @@ async def test_chat_without_usage_counts_text_tokens_and_skips_role_chunk():
     assert all(s.body["messages"][0]["role"] == "user" for s in server.requests)
 
 
+async def test_start_times_are_seconds_since_the_run_began(standin):
+    result = await run_benchmark(standin.url, MODEL, workload=workload(6), max_concurrency=1,
+                                 show_progress=False, print_summary=False)
+    starts, e2els = result["start_times"], result["e2els"]
+    assert 0 <= starts[0] and starts[-1] + e2els[-1] <= result["duration"]
+    for i in range(5):  # one at a time: each starts after the previous one ended
+        assert starts[i + 1] >= starts[i] + e2els[i]
+
+
 async def test_failed_requests_are_counted_with_their_errors(standin):
     reqs = workload(6) + workload(3, prompt="FAIL")
     result = await run_benchmark(standin.url, MODEL, workload=reqs, show_progress=False, print_summary=False)
