@@ -166,6 +166,8 @@ async def run(args: argparse.Namespace) -> int:
         print_line("[launcher] stopping")
         return 0
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C skips the grace period
+            loop.add_signal_handler(sig, supervisor.kill_all)
         await supervisor.stop_all()
         print_line("[launcher] all processes stopped")
 

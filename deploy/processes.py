@@ -138,7 +138,7 @@ class ManagedProcess:
             self.name, f"not healthy after {timeout_s:.0f} s (last: {last_error})", list(self.tail)
         )
 
-    def _signal_group(self, sig: signal.Signals) -> None:
+    def signal_group(self, sig: signal.Signals) -> None:
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -149,19 +149,22 @@ class ManagedProcess:
         if self.proc is None:
             return
         if self.proc.returncode is None:
-            self._signal_group(signal.SIGTERM)
+            self.signal_group(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.wait_exit(), grace_s)
             except TimeoutError:
                 self._emit(f"[launcher] {self.name} ignored SIGTERM for {grace_s:.0f} s; sending SIGKILL")
         # Also reap any grandchild left in the group (the child itself may already be gone).
-        self._signal_group(signal.SIGKILL)
+        self.signal_group(signal.SIGKILL)
         await self.wait()
 
 
 def print_line(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # our reader went away (`| head`): keep supervising
+        pass
 
 
 class Supervisor:
@@ -207,6 +210,13 @@ class Supervisor:
                 task.cancel()
         dead = [waits[t] for t in done if t in waits]
         return dead[0] if dead else None
+
+    def kill_all(self) -> None:
+        """SIGKILL every child's group now (a second Ctrl-C: the user does not want to wait)."""
+        for child in self.children:
+            if child.running:
+                self.emit(f"[launcher] killing {child.name} (pid {child.pid})")
+            child.signal_group(signal.SIGKILL)
 
     async def stop_all(self) -> None:
         """Stop stage by stage in reverse order (front door first, so no new work reaches

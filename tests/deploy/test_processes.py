@@ -105,3 +105,20 @@ async def test_watch_ends_with_none_when_asked_to_stop():
         assert sup.children[0].running
     finally:
         await sup.stop_all()
+
+
+async def test_kill_all_cuts_the_grace_period_short():
+    """A second Ctrl-C: SIGKILL now instead of waiting out a stubborn child's grace period."""
+    lines: list[str] = []
+    sup = Supervisor(grace_s=120.0, emit=lines.append)
+    try:
+        await sup.start_stage([spec("stubborn", "--ignore-sigterm")], timeout_s=30)
+        stopping = asyncio.create_task(sup.stop_all())
+        await asyncio.sleep(0.5)
+        assert not stopping.done()  # still in the grace period: SIGTERM was ignored
+        sup.kill_all()
+        await asyncio.wait_for(stopping, 20)
+    finally:
+        await sup.stop_all()
+    assert sup.children[0].proc.returncode == -9
+    assert any("killing stubborn" in line for line in lines)
