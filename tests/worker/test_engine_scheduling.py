@@ -1,0 +1,264 @@
+"""Block manager and scheduler logic with a deterministic fake runner (no model; see engine_helpers).
+
+The behaviour on the real model (identical greedy output, prefix reuse, preemption)
+is tested in test_engine_model.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_worker.engine.block_manager import BlockManager
+from inference_worker.engine.errors import EngineRequestError, PromptTooLongError
+from inference_worker.engine.llm_engine import LLMEngine
+from inference_worker.engine.sequence import Sequence
+from inference_worker.engine.stats import EngineEventType
+from inference_worker.engine.types import FinishReason, SamplingParams
+from tests.worker.engine_helpers import ArithmeticRunner, CharTokenizer, ManualClock, RecordingLogger
+
+BS = 4
+
+
+def make_engine(num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256, caching=True, clock=None):
+    runner = ArithmeticRunner(BS, num_blocks)
+    engine = LLMEngine(
+        runner,
+        CharTokenizer(),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        enable_prefix_caching=caching,
+        clock=clock or ManualClock(tick=0.001),
+    )
+    logger = RecordingLogger()
+    engine.add_stat_logger(logger)
+    return engine, runner, logger
+
+
+def run_all(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished:
+            return tokens
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    raise AssertionError("engine did not finish in time")
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def seq_of(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", len(tokens), list(tokens), greedy(4), 0.0)
+
+
+# ---- block manager ---------------------------------------------------------------------------
+def test_block_accounting_allocate_free_and_usage():
+    bm = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    a, b = seq_of(list(range(10)), 0), seq_of(list(range(50, 55)), 1)
+    assert bm.allocate(a, 10)  # 3 blocks
+    assert bm.allocate(b, 5)  # 2 blocks
+    assert len(a.block_table) == 3 and len(b.block_table) == 2
+    assert not set(a.block_table) & set(b.block_table)
+    assert bm.num_used_blocks == 5 and bm.usage == pytest.approx(0.5)
+    assert all(bm.ref_counts[x] == 1 for x in a.block_table + b.block_table)
+    assert not bm.allocate(seq_of(list(range(30)), 2), 30)  # 8 blocks > 5 free: refused, nothing taken
+    assert bm.num_used_blocks == 5
+    bm.free(a)
+    assert bm.num_used_blocks == 2 and a.block_table == [] and a.num_computed_tokens == 0
+    bm.free(b)
+    assert bm.usage == 0.0 and bm.num_free_blocks == 10
+
+
+def test_prefix_blocks_shared_with_ref_counts():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prompt = list(range(1, 12))  # 11 tokens: 2 full blocks + 3
+    a = seq_of(prompt, 0)
+    assert bm.match_prefix(a) == []
+    assert bm.allocate(a, len(prompt))
+    b = seq_of([*prompt, 99], 1)
+    cached = bm.match_prefix(b)
+    assert cached == a.block_table[:2]
+    bm.take_cached(b, cached)
+    assert b.num_computed_tokens == 2 * BS
+    assert all(bm.ref_counts[x] == 2 for x in cached)
+    assert bm.allocate(b, b.num_tokens - b.num_computed_tokens)
+    assert bm.num_used_blocks == 3 + 1  # b: 2 shared blocks + 1 of its own
+    # The last token is never served from cache: an exactly block-aligned prompt keeps one block to compute.
+    c = seq_of(prompt[:8], 2)
+    assert len(bm.match_prefix(c)) == 1
+
+
+def test_lru_eviction_of_unreferenced_cached_blocks():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    old, new = seq_of([1] * 9, 0), seq_of([2] * 9, 1)  # 3 blocks each, the first 2 full (cacheable)
+    assert bm.allocate(old, 9)
+    bm.free(old)  # freed first: least recently used
+    assert bm.allocate(new, 9)
+    bm.free(new)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 4
+    grab = seq_of(list(range(100, 116)), 2)
+    assert bm.allocate(grab, 16)  # 4 blocks: 2 never-cached ones, then evict `old`'s, keep `new`'s
+    assert bm.num_cached_blocks == 2 + 4  # `new`'s 2 + the 4 full blocks grab just wrote
+    assert len(bm.match_prefix(seq_of([1] * 9, 3))) == 0
+    assert len(bm.match_prefix(seq_of([2] * 9, 4))) == 2
+    bm.free(grab)
+    # A cached block that is hit again is taken out of the free queue (ref count 1), not evicted.
+    hit = seq_of([2] * 9, 5)
+    cached = bm.match_prefix(hit)
+    bm.take_cached(hit, cached)
+    assert all(bm.ref_counts[x] == 1 for x in cached) and bm.num_used_blocks == 2
+
+
+# ---- engine + scheduler -------------------------------------------------------------------------
+def test_prefix_reuse_skips_cached_tokens_and_counts_queries_and_hits():
+    engine, runner, logger = make_engine()
+    prompt = list(range(3, 30))  # 27 tokens: 6 full blocks
+    engine.add_request("a", prompt, greedy(5))
+    first = run_all(engine)["a"]
+    computed_first = runner.computed_tokens
+    engine.add_request("b", prompt, greedy(5))
+    second = run_all(engine)["b"]
+    assert second == first
+    assert runner.computed_tokens - computed_first == 27 + 4 - 24  # only 3 prompt tokens + 4 decodes
+    pcs = [s.prefix_cache_stats for s, it in logger.records if it is not None]
+    assert sum(p.queries for p in pcs) == 2 * 27
+    assert sum(p.hits for p in pcs) == 24
+    assert sum(p.requests for p in pcs) == 2
+    assert logger.finished[-1].num_cached_tokens == 24
+
+
+def test_chunked_prefill_respects_token_budget():
+    engine, runner, _ = make_engine(max_batched=8, max_num_seqs=4)
+    engine.add_request("long", list(range(3, 23)), greedy(3))  # 20 tokens: chunks 8, 8, 4
+    engine.add_request("short", [5, 6, 7], greedy(3))
+    out = run_all(engine)
+    assert len(out["long"]) == 3 and len(out["short"]) == 3
+    assert runner.computed_tokens == 20 + 2 + 3 + 2
+    solo, _solo_runner, _ = make_engine()
+    solo.add_request("long", list(range(3, 23)), greedy(3))
+    assert run_all(solo)["long"] == out["long"]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_recomputes_to_identical_output(caching):
+    prompts = {f"r{i}": [3 + i, *list(range(10, 18))] for i in range(4)}  # 9 tokens each
+    ref = {}
+    for rid, p in prompts.items():
+        solo, _, _ = make_engine()
+        solo.add_request(rid, p, greedy(16))
+        ref[rid] = run_all(solo)[rid]
+    # 4 x (9 + 16) tokens need 4 x 7 blocks; 12 blocks force preemptions.
+    engine, _, logger = make_engine(num_blocks=12, caching=caching)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, greedy(16))
+    out = run_all(engine)
+    assert out == ref
+    preempted = sum(it.num_preempted_reqs for it in logger.iterations)
+    assert preempted > 0
+    fin = {f.num_preemptions for f in logger.finished}
+    assert max(fin) > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_preemption_picks_the_newest_running_request():
+    engine, _, _ = make_engine(num_blocks=6, caching=False, max_num_seqs=2)
+    engine.add_request("old", [3] * 7, greedy(12))  # 2 blocks, grows to 5
+    engine.add_request("new", [4] * 7, greedy(12))
+    events = {}
+    for _ in range(200):
+        if not engine.has_unfinished:
+            break
+        for rid in ("old", "new"):
+            seq = engine.sequence(rid)
+            if seq is not None:
+                events[rid] = [e.type for e in seq.events]
+        engine.step()
+    assert EngineEventType.PREEMPTED in events["new"]
+    assert EngineEventType.PREEMPTED not in events["old"]
+
+
+def test_abort_frees_blocks_at_next_step_and_counts_as_abort():
+    engine, _, logger = make_engine()
+    engine.add_request("x", list(range(3, 20)), greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort_request("x")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == "x"] == [FinishReason.ABORT]
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished
+    assert logger.finished[-1].finish_reason is FinishReason.ABORT
+
+
+def test_stop_string_stop_token_eos_and_length():
+    engine, _, _ = make_engine()
+    prompt = list(range(3, 12))
+    engine.add_request("len", prompt, greedy(12))
+    full = run_all(engine)["len"]
+    text = CharTokenizer().decode(full)
+    stop = text[5:7]
+    engine.add_request("stop", prompt, greedy(12, stop=(stop,)))
+    engine.add_request("tok", prompt, greedy(12, stop_token_ids=(full[3],)))
+    outs: dict[str, list] = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    s = outs["stop"]
+    assert s[-1].finish_reason is FinishReason.STOP and s[-1].matched_stop == stop
+    assert "".join(o.text for o in s) == text[: text.index(stop)]
+    t = outs["tok"]
+    assert t[-1].finish_reason is FinishReason.STOP and t[-1].num_output_tokens == full.index(full[3]) + 1
+
+
+def test_request_validation():
+    engine, _, _ = make_engine(max_model_len=32)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("a", list(range(3, 40)), greedy(1))
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("b", list(range(3, 20)), greedy(20))
+    with pytest.raises(EngineRequestError):
+        engine.add_request("c", [], greedy(1))
+    with pytest.raises(ValueError):
+        engine.add_request("d", [5], SamplingParams(max_tokens=0))
+
+
+def test_stats_intervals_follow_the_event_timestamps():
+    clock = ManualClock(start=0.0, tick=0.0)
+    engine, _, logger = make_engine(clock=clock, max_num_seqs=1)
+    engine.add_request("a", list(range(3, 10)), greedy(4), arrival_time=-0.5)
+    clock.advance(1.0)
+    engine.add_request("b", list(range(3, 10)), greedy(2))  # queued at 1.0, waits for "a"
+    for _ in range(50):
+        if not engine.has_unfinished:
+            break
+        clock.advance(1.0)
+        engine.step()
+    a, b = logger.finished
+    # a: scheduled at 2 (first step), tokens at 2, 3, 4, 5.
+    assert a.queued_time == pytest.approx(2.0)  # QUEUED at 0, first SCHEDULED at 2
+    assert a.prefill_time == pytest.approx(0.0)
+    assert a.decode_time == pytest.approx(3.0) and a.inference_time == pytest.approx(3.0)
+    assert a.e2e_latency == pytest.approx(5.5)  # from arrival (-0.5) to the finishing iteration (5)
+    assert a.mean_time_per_output_token == pytest.approx(1.0)
+    # b: queued at 1, scheduled at 6 once a left, tokens at 6 and 7.
+    assert b.queued_time == pytest.approx(5.0) and b.decode_time == pytest.approx(1.0)
+    its = logger.iterations
+    assert sum(it.num_generation_tokens for it in its) == 6
+    assert sum(it.num_prompt_tokens for it in its) == 14
+    assert sorted(x for it in its for x in it.time_to_first_tokens_iter) == pytest.approx([2.5, 5.0])
+    assert len([x for it in its for x in it.inter_token_latencies_iter]) == 3 + 1
+    engine.record_idle()
+    idle, none = logger.records[-1]
+    assert none is None and idle.num_running_reqs == 0 and idle.kv_cache_usage == 0.0
+
+
+def test_step_cost_stays_flat_with_many_streams():
+    """160 concurrent sequences: a step must not be quadratic in the number of sequences."""
+    engine, runner, _ = make_engine(num_blocks=4000, max_num_seqs=256, max_batched=4096, max_model_len=512)
+    for i in range(160):
+        engine.add_request(f"s{i}", [3 + i % 40, 4, 5, 6], greedy(8))
+    out = run_all(engine)
+    assert len(out) == 160 and all(len(v) == 8 for v in out.values())
+    assert max(runner.batch_sizes) == 160
