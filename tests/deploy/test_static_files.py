@@ -203,6 +203,13 @@ def test_helm_templates_reference_only_defined_values():
         validate_config(service, injected | values[service]["config"])
 
 
+def test_helm_chart_alert_rules_are_the_shipped_ones():
+    copy = CHART / "files" / "alerts.yml"
+    assert copy.read_text() == (DEPLOY / "prometheus" / "alerts.yml").read_text(), \
+        "cp deploy/prometheus/alerts.yml deploy/helm/llm-router/files/alerts.yml"
+    assert '.Files.Get "files/alerts.yml"' in (CHART / "templates" / "prometheusrule.yaml").read_text()
+
+
 def test_helm_includes_are_defined():
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     defined = set(re.findall(r'define "([^"]+)"', helpers))
