@@ -291,6 +291,7 @@ async def run_benchmark(
         offsets = arrival_offsets(len(jobs), request_rate, burstiness, seed)
 
         tasks: set[asyncio.Task] = set()
+        cpu0 = time.process_time()
         run.t0 = time.perf_counter()
         driver = asyncio.create_task(_dispatch(jobs, offsets, time_scale, tasks))
         stopper = asyncio.create_task(stop_event.wait())
@@ -305,6 +306,7 @@ async def run_benchmark(
             driver.result()  # surface a bug in our own code rather than hide it
         stopper.cancel()
         duration = (time.perf_counter() - run.t0) / time_scale
+        client_cpu_s = time.process_time() - cpu0
     if progress is not None:
         progress.close()
 
@@ -331,6 +333,8 @@ async def run_benchmark(
         "stopped": run.stop_reason or None,
         "num_requests_sent": len(outputs),
         "num_requests_planned": n_requests,
+        # CPU seconds this process spent while the requests ran (wall clock, not scaled)
+        "client_cpu_s": client_cpu_s,
     }
     result.update(metrics)
     result.update(per_request_lists(outputs, metrics["output_lens"]))
