@@ -19,6 +19,7 @@ from router.fallback import FallbackRouter
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.queue import AdmissionQueue
+from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
 from router.ws_proxy import handle_ws
 from scheduler.client import SchedulerClient
@@ -78,6 +79,8 @@ class Gateway:
             schedule_wait_ms=cfg.schedule_wait_ms,
             workers_refresh_s=cfg.workers_refresh_ms / 1000,
         )
+        if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
+            self.sched.pipe = SchedulerPipe(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
         self.sched.start()
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
         self._tasks.append(

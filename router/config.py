@@ -32,6 +32,9 @@ class RouterConfig(BaseSettings):
     scheduler: str | None = Field(None, description="scheduler base URL, e.g. http://127.0.0.1:8090")
     workers: str = Field("", description="comma-separated worker URLs always usable in fallback mode")
     scheduler_timeout_ms: int = Field(2000, ge=10, description="timeout of one scheduler call")
+    scheduler_pipelining: bool = Field(
+        True, description="send schedule/release calls pipelined on one connection (fewer syscalls)"
+    )
     scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")
     models_cache_ms: int = Field(1000, ge=0, description="how long GET /v1/models answers are cached")

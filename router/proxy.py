@@ -323,7 +323,7 @@ class Proxy:
             rel["ttft_ms"] = round(rec.ttft_ms, 3)
         if error:
             rel["error"] = error
-        self.sched.client.release_nowait(rel)
+        self.sched.release_nowait(rel)
 
     # ---- non-stream -----------------------------------------------------------------------
     async def _forward(

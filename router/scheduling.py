@@ -21,6 +21,7 @@ from typing import Any
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
+from router.sched_pipe import SchedulerPipe
 from scheduler.client import SchedulerClient, SchedulerUnavailableError
 
 log = logging.getLogger("router.scheduling")
@@ -51,6 +52,8 @@ class Scheduling:
         workers_refresh_s: float,
     ) -> None:
         self.client = client
+        # Optional pipelined channel for the non-waiting schedule call and releases.
+        self.pipe: SchedulerPipe | None = None
         self.fallback = fallback
         self.queue = queue
         self.metrics = metrics
@@ -70,11 +73,19 @@ class Scheduling:
         metrics.fallback_mode.set(1 if self.fallback_active else 0)
 
     # ---- lifecycle -----------------------------------------------------------------
+    def release_nowait(self, rel: dict[str, Any]) -> None:
+        if self.pipe is not None:
+            self.pipe.release_nowait(rel)
+        elif self.client is not None:
+            self.client.release_nowait(rel)
+
     def start(self) -> None:
         if self.client is not None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     async def stop(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
         for t in (self._probe, self._refresher):
             if t is not None:
                 t.cancel()
@@ -122,7 +133,10 @@ class Scheduling:
             del body["wait_ms"]
         t0 = time.perf_counter()
         try:
-            status, payload = await self.client.schedule_raw(body, wait_ms)
+            if wait_ms == 0 and self.pipe is not None:
+                status, payload = await self.pipe.schedule_raw(body)
+            else:
+                status, payload = await self.client.schedule_raw(body, wait_ms)
         except SchedulerUnavailableError as exc:
             self.metrics.scheduler_errors.labels("schedule").inc()
             await self._scheduler_failed(exc)
