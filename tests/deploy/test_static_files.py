@@ -1,7 +1,7 @@
 """The deployment files as files: they parse, agree with each other and with the services' configs.
 
-No cluster, Docker daemon or Grafana runs here: Kubernetes manifests, the compose file and
-the Helm chart are checked for structure and cross-references, not applied.
+No Docker daemon or Grafana runs here: the Dockerfile, compose file and dashboards are
+checked for structure and cross-references (Kubernetes and Helm: test_k8s_and_helm.py).
 Prometheus files go through the real `promtool` when it is installed.
 """
 
@@ -22,25 +22,8 @@ from scheduler.config import SchedulerConfig
 from tests.deploy.helpers import DEPLOY, REPO
 from tests.deploy.promql import metric_names, shipped_queries
 
-K8S = DEPLOY / "k8s"
-CHART = DEPLOY / "helm" / "llm-router"
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
 ENV_PREFIX = {"WORKER_": WorkerConfig, "SCHEDULER_": SchedulerConfig, "ROUTER_": RouterConfig}
-
-
-def load_all(path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def k8s_objects() -> list[dict]:
-    names = ("namespace", "worker", "scheduler", "gateway")
-    return [doc for name in names for doc in load_all(K8S / f"{name}.yaml")]
-
-
-def find(objs: list[dict], kind: str, name: str) -> dict:
-    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
-    return matches[0]
 
 
 def validate_config(service: str, values: dict) -> None:
@@ -64,159 +47,6 @@ def test_every_shipped_query_names_a_metric():
     assert len(queries) > 40
     empty = [where for where, expr in queries.items() if not metric_names(expr)]
     assert not empty
-
-
-# ---------------------------------------------------------------- Kubernetes
-
-
-def test_manifests_parse_and_selectors_match_pod_labels():
-    objs = k8s_objects()
-    assert {o["metadata"].get("namespace", "llm-router") for o in objs} == {"llm-router"}
-    for dep in (o for o in objs if o["kind"] == "Deployment"):
-        selector = dep["spec"]["selector"]["matchLabels"]
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert selector.items() <= labels.items(), dep["metadata"]["name"]
-        services = [o for o in objs
-                    if o["kind"] == "Service" and o["spec"]["selector"].items() <= labels.items()]
-        assert len(services) == 1, f"{dep['metadata']['name']} needs exactly one Service"
-        container = dep["spec"]["template"]["spec"]["containers"][0]
-        port = container["ports"][0]
-        assert services[0]["spec"]["ports"][0]["targetPort"] == port["name"]
-        annotations = dep["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/port"] == str(port["containerPort"])
-        # Every ConfigMap-mounted config file is a valid config of that service.
-        service = container["args"][0]
-        cm_name = dep["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
-        data = find(objs, "ConfigMap", cm_name)["data"]
-        config_file = container["args"][container["args"].index("--config") + 1].rsplit("/", 1)[1]
-        values = yaml.safe_load(data[config_file])
-        assert values["port"] == port["containerPort"]
-        validate_config(service, values)
-
-
-def test_scheduler_rbac_allows_watching_worker_endpointslices():
-    objs = k8s_objects()
-    sched = find(objs, "Deployment", "llm-scheduler")["spec"]["template"]["spec"]
-    account = sched["serviceAccountName"]
-    find(objs, "ServiceAccount", account)
-    bindings = [o for o in objs if o["kind"] == "RoleBinding"
-                and any(s["kind"] == "ServiceAccount" and s["name"] == account for s in o["subjects"])]
-    assert bindings
-    allowed = set()
-    for binding in bindings:
-        role = find(objs, binding["roleRef"]["kind"], binding["roleRef"]["name"])
-        for rule in role["rules"]:
-            if "discovery.k8s.io" in rule["apiGroups"] and "endpointslices" in rule["resources"]:
-                allowed.update(rule["verbs"])
-    assert {"list", "watch"} <= allowed
-    # The scheduler selects the EndpointSlices of the worker Service, in its own namespace.
-    config = yaml.safe_load(find(objs, "ConfigMap", "llm-scheduler-config")["data"]["scheduler.yaml"])
-    key, value = config["k8s_label_selector"].split("=")
-    assert key == "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice of a Service
-    worker_service = find(objs, "Service", value)
-    assert worker_service["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
-    assert config["k8s_namespace"] == worker_service["metadata"]["namespace"]
-    assert config["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
-
-
-def test_scheduler_discovery_selects_the_slices_kubernetes_makes_for_the_worker_service():
-    """The scheduler's own selector parser and slice reader, on the EndpointSlice Kubernetes
-    would create for the worker Service (no API server here: the object is built by hand)."""
-    from lightkube.models.core_v1 import ObjectReference
-    from lightkube.models.discovery_v1 import Endpoint, EndpointConditions, EndpointPort
-    from lightkube.models.meta_v1 import ObjectMeta
-    from lightkube.resources.discovery_v1 import EndpointSlice
-
-    from scheduler.discovery.kubernetes import parse_selector, slice_workers
-
-    objs = k8s_objects()
-    config = yaml.safe_load(find(objs, "ConfigMap", "llm-scheduler-config")["data"]["scheduler.yaml"])
-    service = find(objs, "Service", "llm-worker")
-    # What the EndpointSlice controller puts on a Service's slices: its labels + the service name.
-    slice_labels = {**service["metadata"]["labels"],
-                    "kubernetes.io/service-name": service["metadata"]["name"],
-                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
-    for key, value in parse_selector(config["k8s_label_selector"]).items():
-        assert key in slice_labels and (value is None or slice_labels[key] == value), key
-    port = service["spec"]["ports"][0]
-    eps = EndpointSlice(
-        metadata=ObjectMeta(name="llm-worker-abcde", labels=slice_labels), addressType="IPv4",
-        ports=[EndpointPort(name=port["name"], port=port["port"], protocol="TCP")],
-        endpoints=[
-            Endpoint(addresses=["10.0.0.7"], conditions=EndpointConditions(ready=True),
-                     targetRef=ObjectReference(kind="Pod", name="llm-worker-1")),
-            Endpoint(addresses=["10.0.0.8"], conditions=EndpointConditions(ready=False)),
-        ])
-    urls = slice_workers(eps, config["k8s_port"], "http")
-    assert urls == {f"llm-worker-1:{port['port']}": f"http://10.0.0.7:{port['port']}"}
-
-
-def test_gateway_runs_two_replicas_with_hpa_and_points_at_the_scheduler():
-    objs = k8s_objects()
-    gateway = find(objs, "Deployment", "llm-gateway")
-    assert gateway["spec"]["replicas"] == 2
-    hpa = find(objs, "HorizontalPodAutoscaler", "llm-gateway")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == "llm-gateway"
-    assert hpa["spec"]["minReplicas"] == 2
-    config = yaml.safe_load(find(objs, "ConfigMap", "llm-gateway-config")["data"]["gateway.yaml"])
-    sched_service = find(objs, "Service", "llm-scheduler")
-    assert config["scheduler"] == f"http://llm-scheduler:{sched_service['spec']['ports'][0]['port']}"
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert all((K8S / r).is_file() for r in kustomization["resources"])
-
-
-def test_prometheus_rule_copy_matches_alert_rules():
-    monitor, rule = load_all(K8S / "servicemonitors.yaml")
-    assert monitor["kind"] == "ServiceMonitor" and rule["kind"] == "PrometheusRule"
-    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    assert rule["spec"]["groups"] == alerts["groups"]
-
-
-# ---------------------------------------------------------------- Helm chart
-
-
-def _values_paths(values: dict, prefix: str = "") -> set[str]:
-    paths = set()
-    for key, value in values.items():
-        path = f"{prefix}.{key}" if prefix else key
-        paths.add(path)
-        if isinstance(value, dict):
-            paths |= _values_paths(value, path)
-    return paths
-
-
-def test_helm_templates_reference_only_defined_values():
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["apiVersion"] == "v2" and chart["name"] == "llm-router"
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    defined = _values_paths(values)
-    used = set()
-    for template in (CHART / "templates").iterdir():
-        text = template.read_text()
-        assert text.count("{{") == text.count("}}"), template.name
-        used |= set(re.findall(r"\.Values\.([A-Za-z0-9_.]+)", text))
-    assert used, "templates use no values?"
-    assert used <= defined, f"undefined values: {sorted(used - defined)}"
-    # The chart's per-service config blocks are valid configs of those services.
-    for service in ("worker", "scheduler", "gateway"):
-        injected = {"workers": "http://w:1"} if service == "gateway" else {}  # set by the template
-        validate_config(service, injected | values[service]["config"])
-
-
-def test_helm_chart_alert_rules_are_the_shipped_ones():
-    copy = CHART / "files" / "alerts.yml"
-    assert copy.read_text() == (DEPLOY / "prometheus" / "alerts.yml").read_text(), \
-        "cp deploy/prometheus/alerts.yml deploy/helm/llm-router/files/alerts.yml"
-    assert '.Files.Get "files/alerts.yml"' in (CHART / "templates" / "prometheusrule.yaml").read_text()
-
-
-def test_helm_includes_are_defined():
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    defined = set(re.findall(r'define "([^"]+)"', helpers))
-    used = set()
-    for template in (CHART / "templates").iterdir():
-        used |= set(re.findall(r'include "([^"]+)"', template.read_text()))
-    assert used <= defined
 
 
 # ---------------------------------------------------------------- Docker

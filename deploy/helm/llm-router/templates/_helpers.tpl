@@ -23,7 +23,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "llm-router.podAnnotations" -}}
-{{- if .root.Values.metrics.podAnnotations }}
+{{- if .root.Values.metrics.podAnnotations -}}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics

@@ -1,0 +1,239 @@
+"""Kubernetes manifests and the Helm chart, checked as objects (no cluster runs here).
+
+The same checks run on the raw manifests of deploy/k8s/ and on the Helm chart rendered by
+the real Helm engine (the `helm-python-sdk` package binds Helm's Go SDK; the render test
+skips when it is not installed). The scheduler's own EndpointSlice reader is run on the
+slice Kubernetes would create for the worker Service, built here by hand.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from inference_worker.config import WorkerConfig
+from router.config import RouterConfig
+from scheduler.config import SchedulerConfig
+from tests.deploy.helpers import DEPLOY
+
+K8S = DEPLOY / "k8s"
+CHART = DEPLOY / "helm" / "llm-router"
+CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
+ALERTS = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+
+
+def load_all(text: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def raw_objects() -> list[dict]:
+    return [doc for name in ("namespace", "worker", "scheduler", "gateway")
+            for doc in load_all((K8S / f"{name}.yaml").read_text())]
+
+
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def validate_config(service: str, values: dict) -> None:
+    """Build the service's real pydantic config from these values (raises on a wrong field)."""
+    CONFIGS[service](**values)
+
+
+def config_of(objs: list[dict], prefix: str, service: str) -> dict:
+    data = find(objs, "ConfigMap", f"{prefix}-{service}-config")["data"]
+    return yaml.safe_load(data[f"{service}.yaml"])
+
+
+def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
+    """What must hold for any rendering of the stack: names are `{prefix}-{component}`."""
+    # Deployments: selectors match their pods, one Service each, configs valid for the service.
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == {f"{prefix}-{c}" for c in CONFIGS}
+    for dep in deployments:
+        selector = dep["spec"]["selector"]["matchLabels"]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), dep["metadata"]["name"]
+        services = [o for o in objs
+                    if o["kind"] == "Service" and o["spec"]["selector"].items() <= labels.items()]
+        assert len(services) == 1, f"{dep['metadata']['name']} needs exactly one Service"
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        port = container["ports"][0]
+        assert services[0]["spec"]["ports"][0]["targetPort"] == port["name"]
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(port["containerPort"])
+        service = container["args"][0]
+        assert dep["metadata"]["name"] == f"{prefix}-{service}"
+        mount = container["volumeMounts"][0]["mountPath"]
+        assert container["args"][1:] == ["--config", f"{mount}/{service}.yaml"]
+        values = config_of(objs, prefix, service)
+        assert values["port"] == port["containerPort"] and values["host"] == "0.0.0.0"
+        validate_config(service, values)
+
+    # The scheduler may list/watch EndpointSlices, through the account its pod runs as.
+    pod = find(objs, "Deployment", f"{prefix}-scheduler")["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    find(objs, "ServiceAccount", account)
+    allowed = set()
+    for binding in (o for o in objs if o["kind"] == "RoleBinding"):
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account for s in binding["subjects"]):
+            continue
+        role = find(objs, binding["roleRef"]["kind"], binding["roleRef"]["name"])
+        for rule in role["rules"]:
+            if "discovery.k8s.io" in rule["apiGroups"] and "endpointslices" in rule["resources"]:
+                allowed.update(rule["verbs"])
+    assert {"list", "watch"} <= allowed
+
+    # It selects the worker Service's slices, in its namespace, by the Service's port name.
+    sched = config_of(objs, prefix, "scheduler")
+    assert sched["k8s_label_selector"] == f"kubernetes.io/service-name={prefix}-worker"
+    assert sched["k8s_namespace"] == namespace
+    worker_service = find(objs, "Service", f"{prefix}-worker")
+    assert sched["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
+    check_slice_discovery(sched, worker_service)
+
+    # The gateway talks to the scheduler Service; falls back to the worker Service.
+    gateway = config_of(objs, prefix, "gateway")
+    sched_port = find(objs, "Service", f"{prefix}-scheduler")["spec"]["ports"][0]["port"]
+    assert gateway["scheduler"] == f"http://{prefix}-scheduler:{sched_port}"
+    assert gateway["workers"] == f"http://{prefix}-worker:{worker_service['spec']['ports'][0]['port']}"
+
+
+def check_slice_discovery(sched_config: dict, worker_service: dict) -> None:
+    """The scheduler's own selector parser and slice reader on the EndpointSlice Kubernetes
+    creates for the worker Service (built by hand: no API server here)."""
+    from lightkube.models.core_v1 import ObjectReference
+    from lightkube.models.discovery_v1 import Endpoint, EndpointConditions, EndpointPort
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.discovery_v1 import EndpointSlice
+
+    from scheduler.discovery.kubernetes import parse_selector, slice_workers
+
+    name = worker_service["metadata"]["name"]
+    # The EndpointSlice controller puts the Service's labels and its name on every slice.
+    slice_labels = {**worker_service["metadata"]["labels"], "kubernetes.io/service-name": name,
+                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    for key, value in parse_selector(sched_config["k8s_label_selector"]).items():
+        assert key in slice_labels and (value is None or slice_labels[key] == value), key
+    port = worker_service["spec"]["ports"][0]
+    eps = EndpointSlice(
+        metadata=ObjectMeta(name=f"{name}-abcde", labels=slice_labels), addressType="IPv4",
+        ports=[EndpointPort(name=port["name"], port=port["port"], protocol="TCP")],
+        endpoints=[
+            Endpoint(addresses=["10.0.0.7"], conditions=EndpointConditions(ready=True),
+                     targetRef=ObjectReference(kind="Pod", name=f"{name}-1")),
+            Endpoint(addresses=["10.0.0.8"], conditions=EndpointConditions(ready=False)),
+        ])
+    urls = slice_workers(eps, sched_config["k8s_port"], "http")
+    assert urls == {f"{name}-1:{port['port']}": f"http://10.0.0.7:{port['port']}"}
+
+
+# ---------------------------------------------------------------- raw manifests
+
+
+def test_raw_manifests_hold_together():
+    objs = raw_objects()
+    assert {o["metadata"].get("namespace", "llm-router") for o in objs} == {"llm-router"}
+    check_cluster(objs, "llm", "llm-router")
+
+
+def test_raw_gateway_runs_two_replicas_with_an_hpa():
+    objs = raw_objects()
+    assert find(objs, "Deployment", "llm-gateway")["spec"]["replicas"] == 2
+    hpa = find(objs, "HorizontalPodAutoscaler", "llm-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "llm-gateway" and hpa["spec"]["minReplicas"] == 2
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert all((K8S / r).is_file() for r in kustomization["resources"])
+
+
+def test_raw_monitoring_objects_match_the_prometheus_files():
+    monitor, rule = load_all((K8S / "servicemonitors.yaml").read_text())
+    assert monitor["kind"] == "ServiceMonitor" and rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == ALERTS["groups"]
+    # Without jobLabel the job is the Service name: the job names of prometheus.yml.
+    assert "jobLabel" not in monitor["spec"]
+    services = {o["metadata"]["name"] for o in raw_objects() if o["kind"] == "Service"}
+    jobs = {j["job_name"] for j in yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+            ["scrape_configs"]}
+    assert services == jobs
+
+
+# ---------------------------------------------------------------- Helm chart, statically
+
+
+def _values_paths(values: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in values.items():
+        path = f"{prefix}.{key}" if prefix else key
+        paths.add(path)
+        if isinstance(value, dict):
+            paths |= _values_paths(value, path)
+    return paths
+
+
+def test_helm_templates_reference_only_defined_values_and_includes():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "llm-router"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    defined = _values_paths(values)
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    includes = set(re.findall(r'define "([^"]+)"', helpers))
+    used, used_includes = set(), set()
+    for template in (CHART / "templates").iterdir():
+        text = template.read_text()
+        assert text.count("{{") == text.count("}}"), template.name
+        used |= set(re.findall(r"\.Values\.([A-Za-z0-9_.]+)", text))
+        used_includes |= set(re.findall(r'include "([^"]+)"', text))
+    assert used and used <= defined, f"undefined values: {sorted(used - defined)}"
+    assert used_includes <= includes
+    # The per-service config blocks are valid configs of those services.
+    for service in CONFIGS:
+        injected = {"workers": "http://w:1"} if service == "gateway" else {}  # set by the template
+        validate_config(service, injected | values[service]["config"])
+
+
+def test_helm_chart_alert_rules_are_the_shipped_ones():
+    copy = CHART / "files" / "alerts.yml"
+    assert copy.read_text() == (DEPLOY / "prometheus" / "alerts.yml").read_text(), \
+        "cp deploy/prometheus/alerts.yml deploy/helm/llm-router/files/alerts.yml"
+
+
+# ---------------------------------------------------------------- Helm chart, rendered by Helm
+
+
+def render(values: dict | None) -> list[dict]:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK) is not installed")
+    manifests = helm.Chart.load(str(CHART)).render(values, name="prod", namespace="llm", is_install=True)
+    return [doc for path, text in manifests.items() if path.endswith(".yaml") for doc in load_all(text)]
+
+
+def test_helm_chart_renders_a_working_stack_with_defaults():
+    objs = render(None)
+    check_cluster(objs, "prod", "llm")
+    assert find(objs, "HorizontalPodAutoscaler", "prod-gateway")["spec"]["minReplicas"] == 2
+    assert "replicas" not in find(objs, "Deployment", "prod-gateway")["spec"]  # the HPA owns it
+    assert not [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
+    # Prometheus job names survive any release name through the Services' job label.
+    jobs = {o["metadata"]["labels"]["llm-router.io/job"] for o in objs if o["kind"] == "Service"}
+    assert jobs == {"llm-worker", "llm-scheduler", "llm-gateway"}
+
+
+def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
+    objs = render({"metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
+                               "extraLabels": {"release": "kps"}},
+                   "gateway": {"replicas": 3, "autoscaling": {"enabled": False}},
+                   "worker": {"replicas": 5, "config": {"backend": "sim", "sim_profile": "llama2-7b-a10"}}})
+    check_cluster(objs, "prod", "llm")
+    assert find(objs, "Deployment", "prod-gateway")["spec"]["replicas"] == 3
+    assert find(objs, "Deployment", "prod-worker")["spec"]["replicas"] == 5
+    assert config_of(objs, "prod", "worker")["sim_profile"] == "llama2-7b-a10"
+    assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
+    monitor = find(objs, "ServiceMonitor", "prod-llm-router")
+    assert monitor["spec"]["jobLabel"] == "llm-router.io/job"
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    rule = find(objs, "PrometheusRule", "prod-llm-router")
+    assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
