@@ -6,8 +6,9 @@ HTTP client each costs more CPU than the rest of the gateway's work together, mo
 per-call client machinery and one send() system call per call. Here calls made in the
 same event-loop iteration are written together with one send() on one persistent
 connection (HTTP/1.1 pipelining; the scheduler's aiohttp server answers in order), and
-answers are parsed with a few bytes operations. Nothing waits to be batched: a lone
-call goes out at the end of the current iteration.
+answers are parsed with a few bytes operations. A schedule call never waits to be
+batched (it goes out at the end of the current iteration); a release may wait up to
+2 ms to ride along with the next schedule call.
 
 Long-polls (wait_ms > 0) must not hold up the pipeline, so they, /v1/workers, health
 probes and failure reports keep using `scheduler.client.SchedulerClient`.
@@ -29,6 +30,9 @@ from scheduler.client import SchedulerRequestError, SchedulerUnavailableError, U
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _loads = json.loads
+# How long a release may wait to share a send() with the next schedule call. The lease
+# is returned that much later at worst, far below the scheduler's scrape interval.
+RELEASE_DELAY_S = 0.002
 
 
 def _error_message(raw: bytes) -> str:
@@ -49,6 +53,7 @@ class _Pipe(asyncio.Protocol):
         self.buf = bytearray()
         self.out: list[bytes] = []
         self.flush_scheduled = False
+        self.lazy_timer: asyncio.TimerHandle | None = None
         self.closed = False
 
     def connection_made(self, transport) -> None:
@@ -64,8 +69,19 @@ class _Pipe(asyncio.Protocol):
             self.flush_scheduled = True
             self.owner.loop.call_soon(self._flush)
 
+    def send_lazy(self, data: bytes) -> None:
+        """A fire-and-forget call that may wait up to RELEASE_DELAY_S to share a send()
+        with the next urgent call (under load it always does)."""
+        self.out.append(data)
+        self.pending.append((None, time.monotonic()))
+        if not self.flush_scheduled and self.lazy_timer is None:
+            self.lazy_timer = self.owner.loop.call_later(RELEASE_DELAY_S, self._flush)
+
     def _flush(self) -> None:
         self.flush_scheduled = False
+        if self.lazy_timer is not None:
+            self.lazy_timer.cancel()
+            self.lazy_timer = None
         if self.out and not self.closed:
             data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
             self.out.clear()
@@ -110,6 +126,9 @@ class _Pipe(asyncio.Protocol):
     def abort(self, exc: Exception) -> None:
         if not self.closed:
             self.closed = True
+            if self.lazy_timer is not None:
+                self.lazy_timer.cancel()
+                self.lazy_timer = None
             if self.transport is not None:
                 self.transport.abort()
         while self.pending:
@@ -204,7 +223,7 @@ class SchedulerPipe:
         pipe = self._pipe
         frame = self._frame(self._release_head, _dumps(rel).encode())
         if pipe is not None and not pipe.closed:
-            pipe.send(frame, None)
+            pipe.send_lazy(frame)
         else:
             self.loop.create_task(self._release_later(frame))
 
