@@ -237,3 +237,29 @@ def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
     assert monitor["metadata"]["labels"]["release"] == "kps"
     rule = find(objs, "PrometheusRule", "prod-llm-router")
     assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
+
+
+# ---------------------------------------------------------------- official Kubernetes schemas
+
+KUBE_VERSION = "1.30.0"
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # Prometheus operator CRDs: no bundled schema
+
+
+def validate_against_kubernetes_schemas(objs: list[dict]) -> int:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    checked = 0
+    for obj in objs:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        kv.validate(obj, KUBE_VERSION, strict=True)  # raises on any unknown or mistyped field
+        checked += 1
+    return checked
+
+
+def test_raw_manifests_match_the_kubernetes_schemas():
+    assert validate_against_kubernetes_schemas(raw_objects()) == len(raw_objects())
+
+
+def test_rendered_helm_chart_matches_the_kubernetes_schemas():
+    objs = render({"metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}})
+    assert validate_against_kubernetes_schemas(objs) == len([o for o in objs if o["kind"] not in CRD_KINDS])

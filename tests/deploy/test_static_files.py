@@ -101,6 +101,18 @@ def test_compose_file_parses_and_env_vars_are_real_config_fields():
         assert (DEPLOY / "docker" / volume.split(":")[0]).resolve().exists(), volume
 
 
+def test_compose_file_matches_the_compose_spec_schema():
+    """The compose-spec JSON schema vendored by check-jsonschema (skips when not installed)."""
+    pytest.importorskip("check_jsonschema", reason="check-jsonschema is not installed")
+    jsonschema = pytest.importorskip("jsonschema")
+    from importlib.resources import files
+
+    vendored = files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads(vendored.joinpath("compose-spec.json").read_text())
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    jsonschema.validate(compose, schema)
+
+
 # ---------------------------------------------------------------- Grafana
 
 
