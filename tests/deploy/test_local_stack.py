@@ -175,7 +175,7 @@ def test_prometheus_scrapes_every_service_of_the_stack(stack, prometheus):
     send_chat(stack, 3)
     # After a scrape, Prometheus holds exactly what the tests sent through the gateway.
     def totals_match() -> bool:
-        ok = query(prometheus, 'sum(router_requests_total{status="200"})')
+        ok = query(prometheus, 'sum(router_requests_total{status="200", worker!=""})')
         gen = query(prometheus, "sum(vllm:generation_tokens_total)")
         return (bool(ok) and float(ok[0]["value"][1]) == stack.ok_requests
                 and bool(gen) and float(gen[0]["value"][1]) == stack.completion_tokens)
