@@ -24,9 +24,11 @@ import math
 import signal
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -96,6 +98,8 @@ class _Run:
         self.stop_reason = ""
         self.t0 = time.perf_counter()
         self._rr = 0
+        # unique per run, so ids never collide with a previous run's stragglers
+        self.id_prefix = f"bench-{uuid.uuid4().hex[:8]}-"
 
     def _next_url(self) -> str:
         url = self.api_urls[self._rr % len(self.api_urls)]
@@ -117,7 +121,7 @@ class _Run:
         inp = RequestInput(
             api_url=self._next_url(), model=self.model, prompt_len=prompt_len, max_tokens=max_tokens,
             prompt=prompt, messages=messages, ignore_eos=self.ignore_eos, extra_body=self.extra_body,
-            request_id=f"bench-{index}",
+            request_id=f"{self.id_prefix}{index}",
         )
         sent = time.perf_counter()
         try:
@@ -169,9 +173,15 @@ async def _dispatch(start_jobs: Sequence[Callable[[], Any]], offsets: Sequence[f
 
 
 def _tokenizer_cache_key(tokenizer: str | None) -> dict:
+    """What a cached sample depends on: the dataset file and the tokenizer's identity."""
     dataset = datasets.sharegpt_path()
     key: dict[str, Any] = {"dataset": str(dataset), "size": dataset.stat().st_size}
-    key["tokenizer"] = tokenizer or "smollm2-gguf"
+    if tokenizer:
+        folder = Path(tokenizer).resolve()
+        stamps = [f.stat().st_mtime for f in folder.glob("tokenizer*")] if folder.is_dir() else []
+        key["tokenizer"] = [str(folder), max(stamps, default=0.0)]
+    else:
+        key["tokenizer"] = str(datasets.smollm2_gguf())
     return key
 
 
@@ -238,6 +248,8 @@ async def run_benchmark(
     """
     if time_scale <= 0:
         raise ValueError("time_scale must be positive")
+    if dataset not in ("sharegpt", "sharegpt-multiturn"):
+        raise ValueError(f"unknown dataset {dataset!r}: use sharegpt or sharegpt-multiturn")
     for name in percentile_metrics:
         if name not in METRIC_NAMES:
             raise ValueError(f"unknown percentile metric {name!r}; choose from {METRIC_NAMES}")
@@ -261,6 +273,9 @@ async def run_benchmark(
     if workload is None:
         workload, tok = await asyncio.to_thread(
             prepare_workload, dataset, num_prompts, seed, tokenizer, max_turns, max_prompt_len, max_total_len)
+    expected = datasets.Conversation if multiturn else datasets.SampleRequest
+    if not all(isinstance(item, expected) for item in workload):
+        raise ValueError(f"dataset {dataset!r} needs a workload of {expected.__name__} items")
     if multiturn:
         n_requests = sum(len(c.turns) for c in workload)
     else:
