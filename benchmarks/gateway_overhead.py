@@ -187,7 +187,10 @@ async def main_async(args) -> list[dict]:
         procs.append(sched)
         surl = f"http://127.0.0.1:{sport}"
         await wait_ready(surl + "/health", sched)
-        return await _run_targets(args, wurls, wpids, sched, surl, logs, procs)
+        rows = await _run_targets(args, wurls, wpids, sched, surl, logs, procs)
+        if not args.skip_fallback:
+            rows.append(await _fallback_switch(args, wurls, sched, sport, logs, procs))
+        return rows
     finally:
         for p in procs:
             p.terminate()
@@ -249,6 +252,73 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
     return rows
 
 
+async def _fallback_switch(args, wurls, sched, sport, logs, procs) -> dict:
+    """Kill the scheduler under a steady trickle of requests, then restart it; time both switches.
+    The gateway runs with the reference defaults (5000 ms timeout, 500 ms try period)."""
+    gport = free_port()
+    gw = spawn(
+        [
+            "-m",
+            "router",
+            "--port",
+            str(gport),
+            "--scheduler",
+            f"http://127.0.0.1:{sport}",
+            "--debug-headers",
+            "--no-access-log",
+        ],
+        logs / "gateway_fallback.log",
+    )
+    procs.append(gw)
+    url = f"http://127.0.0.1:{gport}"
+    await wait_ready(url + "/health", gw)
+    body = {"model": "m", "prompt": "x", "max_tokens": 4}
+    out: dict = {"target": "fallback switch", "failed_requests": 0}
+    async with aiohttp.ClientSession() as s:
+
+        async def call() -> tuple[str, float]:
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+                if r.status != 200:
+                    out["failed_requests"] += 1
+                return r.headers.get("x-router-policy", ""), time.perf_counter() - t0
+
+        await asyncio.sleep(2.5)  # the gateway has fetched the scheduler's worker list
+        assert (await call())[0] != "fallback_round_robin"
+        sched.kill()
+        sched.wait()
+        t_kill = time.perf_counter()
+        slowest = 0.0
+        while time.perf_counter() - t_kill < 30:
+            policy, took = await call()
+            slowest = max(slowest, took)
+            if policy == "fallback_round_robin":
+                break
+        out["kill_to_fallback_ms"] = round((time.perf_counter() - t_kill) * 1000, 1)
+        out["slowest_request_during_switch_ms"] = round(slowest * 1000, 1)
+        n_fb = 0
+        t_fb = time.perf_counter()
+        while time.perf_counter() - t_fb < 1.0:
+            n_fb += (await call())[0] == "fallback_round_robin"
+        out["fallback_requests_in_1s"] = n_fb
+        new = spawn(
+            ["-m", "scheduler", "--port", str(sport), "--workers", ",".join(wurls)],
+            logs / "scheduler_restarted.log",
+        )
+        procs.append(new)
+        await wait_ready(f"http://127.0.0.1:{sport}/health", new)
+        t_up = time.perf_counter()
+        while time.perf_counter() - t_up < 30:
+            if (await call())[0] not in ("fallback_round_robin", ""):
+                break
+        out["scheduler_ready_to_scheduled_ms"] = round((time.perf_counter() - t_up) * 1000, 1)
+        async with s.get(url + "/admin/state") as r:
+            out["gateway_measured_switch_s"] = (await r.json())["last_switch_s"]
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     cols = [
         "target",
@@ -266,7 +336,11 @@ def print_table(rows: list[dict]) -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+        if "n" in r:
+            print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    for r in rows:
+        if r.get("target") == "fallback switch":
+            print("fallback switch:", json.dumps(r))
 
 
 def main() -> None:
@@ -280,6 +354,7 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/gateway_overhead")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-scheduler", action="store_true", help="only direct and round-robin gateway")
+    ap.add_argument("--skip-fallback", action="store_true", help="skip the scheduler kill/restart phase")
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     try:
