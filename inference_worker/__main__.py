@@ -81,7 +81,10 @@ async def run_worker(config: WorkerConfig) -> None:
     registrar = registrar_task = None
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
         log.info(
             "serving model %s (backend %s) on http://%s:%d",
             config.model_name,
