@@ -154,7 +154,9 @@ def router_dashboard() -> dict:
             (f"sum(rate(router_generation_tokens_total{m}[{RATE}]))", "OUT (generated tokens/s)")],
             "short", description="From the usage the workers return, counted at the gateway"),
         row("Latency seen by clients (measured at the gateway)"),
-        panel(ts, "Time to first token", max_avg_min("router_time_to_first_token_seconds", m), "s"),
+        panel(ts, "Time to first token", max_avg_min("router_time_to_first_token_seconds", m), "s",
+              description="Arrival at the gateway to the first streamed chunk (streamed requests); "
+              "max/min are bucket bounds"),
         panel(ts, "Time per output token", max_avg_min("router_time_per_output_token_seconds", m), "s",
               description="(e2e - TTFT) / (output tokens - 1), streamed requests"),
         panel(ts, "End-to-end latency", quantiles("router_e2e_request_latency_seconds", "", m), "s"),
