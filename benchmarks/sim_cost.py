@@ -185,6 +185,8 @@ def main() -> None:
     try:
         bases = [base for _, base in procs]
         asyncio.run(wait_healthy(bases))
+        # For attaching a profiler (py-spy record --pid ...) to a worker during the run.
+        print("workers: " + " ".join(f"{p.pid}={base}" for p, base in procs), file=sys.stderr, flush=True)
         urls = [f"{b}/v1/completions" for b in bases]
 
         async def run() -> tuple[Window, float, float, float]:

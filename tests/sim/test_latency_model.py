@@ -85,3 +85,13 @@ def test_roofline_takes_the_larger_bound():
     # 1 ms of memory; compute is 1 ms per token: 1 token ties, 5 tokens are compute bound.
     assert model.step_time(StepShape(1, 1, 0, 0)) == pytest.approx(1e-3)
     assert model.step_time(StepShape(5, 1, 0, 0)) == pytest.approx(5e-3)
+
+
+def test_describe_prints_the_derived_figures():
+    from inference_worker.sim.describe import describe
+
+    text = describe(load_profile("llama2-7b-a10"))
+    assert "965 blocks x 16 = 15440 tokens" in text
+    assert "batch    1 x  512 ctx:    30.09 ms/step         33 tok/s" in text
+    # Batches the KV cache cannot hold at 512 tokens each are shown with the context that fits.
+    assert "batch  256 x   60 ctx" in text
