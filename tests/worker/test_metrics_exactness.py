@@ -21,6 +21,7 @@ from tests.worker.conftest import (
     sample,
     wait_for,
 )
+from tests.worker.test_metrics_prometheus import FIXTURE_FILES, LEGACY, REQUIRED, by_exposed, label_names
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -299,7 +300,8 @@ async def test_aborted_stream_counts_as_abort(busy_worker) -> None:
 def tiny_kv_worker(request):
     backend = request.param
     # 6 blocks of 16 tokens: two 60-token answers cannot both fit, so one is preempted.
-    flags = ["--num-kv-blocks", "6", "--block-size", "16", "--max-num-seqs", "4", *BACKEND_FLAGS[backend]]
+    flags = ["--num-kv-blocks", "6", "--block-size", "16", "--max-num-seqs", "4", "--hide-legacy-metrics"]
+    flags += BACKEND_FLAGS[backend]
     with launch_worker(*flags) as worker:
         yield backend, worker
 
@@ -319,3 +321,26 @@ async def test_forced_preemption_moves_the_counter(tiny_kv_worker) -> None:
     # Recomputing a preempted request does not count its tokens twice.
     assert delta(after, before, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta(after, before, "vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+
+
+def test_hide_legacy_metrics_flag_removes_the_v0_aliases(tiny_kv_worker) -> None:
+    _, worker = tiny_kv_worker
+    exposed = by_exposed(worker.metrics_text())
+    assert "vllm:kv_cache_usage_perc" in exposed and "vllm:num_preemptions_total" in exposed
+    for name in LEGACY:
+        assert name not in exposed
+
+
+@pytest.mark.parametrize("fixture_file", FIXTURE_FILES, ids=lambda p: p.name)
+def test_live_metrics_have_the_real_vllm_families(busy_worker, fixture_file) -> None:
+    """The served /metrics (not just the logger): every required family, with vLLM's type and labels."""
+    _, worker = busy_worker
+    ours = by_exposed(worker.metrics_text())
+    real = by_exposed(fixture_file.read_text())
+    for name in REQUIRED:
+        assert name in ours and name in real, name
+        assert ours[name].type == real[name].type, name
+        if name != "vllm:cache_config_info":
+            assert label_names(ours[name]) == label_names(real[name]), name
+    for name in LEGACY:
+        assert name in ours, name
