@@ -81,7 +81,7 @@ class Gateway:
         )
         if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
             self.sched.pipe = SchedulerPipe(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
-        self.sched.start()
+        self.sched.start(self.session)
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
         self._tasks.append(
             asyncio.get_running_loop().create_task(

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 
 
 class NoWorkerError(Exception):
-    """No usable worker for the model."""
+    """No usable worker for the model (unknown_model: no known worker serves it at all)."""
+
+    def __init__(self, message: str, unknown_model: bool = False) -> None:
+        super().__init__(message)
+        self.unknown_model = unknown_model
 
 
 @dataclass
@@ -56,6 +60,16 @@ class FallbackRouter:
         self._all = fresh + [w for w in self._static if w.url not in urls]
         self._by_url = {w.url: w for w in self._all}
 
+    @property
+    def static_urls(self) -> list[str]:
+        return [w.url for w in self._static]
+
+    def set_static_models(self, url: str, models: list[str]) -> None:
+        """Models a static worker listed at its /v1/models (until then: any model)."""
+        for w in self._static:
+            if w.url == url:
+                w.models = frozenset(models)
+
     def models(self) -> set[str]:
         out: set[str] = set()
         for w in self._all:
@@ -65,12 +79,20 @@ class FallbackRouter:
 
     def pick(self, model: str, exclude: list[str]) -> KnownWorker:
         ws = self._all
+        if any(w.models is not None for w in ws) and not any(w.models and model in w.models for w in ws):
+            # Workers whose models are still unknown (never answered /v1/models) are not
+            # taken as proof that someone serves a model no known worker lists.
+            raise NoWorkerError(f"no known worker serves model {model!r}", unknown_model=True)
         n = len(ws)
         now = time.monotonic()
         resting: KnownWorker | None = None
+        serving = 0
         for i in range(n):
             w = ws[(self._next + i) % n]
-            if w.worker_id in exclude or w.url in exclude or not w.serves(model):
+            if not w.serves(model):
+                continue
+            serving += 1
+            if w.worker_id in exclude or w.url in exclude:
                 continue
             if w.down_until > now:
                 if resting is None or w.down_until < resting.down_until:
@@ -80,7 +102,9 @@ class FallbackRouter:
             return w
         if resting is not None:  # everyone is resting: try the one resting longest rather than fail
             return resting
-        raise NoWorkerError(f"no known worker serves model {model!r}")
+        if serving == 0:
+            raise NoWorkerError(f"no known worker serves model {model!r}", unknown_model=True)
+        raise NoWorkerError(f"every worker serving model {model!r} failed this request")
 
     def mark_failed(self, url: str) -> None:
         w = self._by_url.get(url.rstrip("/"))

@@ -228,6 +228,10 @@ class Proxy:
                     param="model",
                 )
             except NoWorkerError as exc:
+                if exc.unknown_model:
+                    return error_response(404, str(exc), code="model_not_found", param="model")
+                if attempt > 0:  # every worker of the model was tried: the last failure tells
+                    break
                 self.metrics.rejected.labels("no_worker").inc()
                 return error_response(
                     503, str(exc), "service_unavailable", code="no_worker", headers={"Retry-After": "1"}

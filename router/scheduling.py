@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
@@ -68,6 +70,7 @@ class Scheduling:
         self.last_switch_s: dict[str, float] = {}
         self._probe: asyncio.Task | None = None
         self._refresher: asyncio.Task | None = None
+        self._static: asyncio.Task | None = None
         self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
         self.worker_views_at = 0.0
         metrics.fallback_mode.set(1 if self.fallback_active else 0)
@@ -79,13 +82,18 @@ class Scheduling:
         elif self.client is not None:
             self.client.release_nowait(rel)
 
-    def start(self) -> None:
+    def start(self, session: aiohttp.ClientSession | None = None) -> None:
+        loop = asyncio.get_running_loop()
         if self.client is not None:
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+            self._refresher = loop.create_task(self._refresh_loop())
+        if session is not None and self.fallback.static_urls:
+            self._static = loop.create_task(self._static_models_loop(session))
 
     async def stop(self) -> None:
         if self.pipe is not None:
             self.pipe.close()
+        if self._static is not None:
+            self._static.cancel()
         for t in (self._probe, self._refresher):
             if t is not None:
                 t.cancel()
@@ -253,6 +261,25 @@ class Scheduling:
         self.worker_views_at = time.monotonic()
         self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy])
         return True
+
+    async def _static_models_loop(self, session: aiohttp.ClientSession) -> None:
+        """Learn what the static --workers serve (for /v1/models and model filtering)."""
+        timeout = aiohttp.ClientTimeout(total=2)
+        while True:
+            for url in self.fallback.static_urls:
+                try:
+                    async with session.get(url + "/v1/models", timeout=timeout) as r:
+                        data = await r.json(content_type=None) if r.status == 200 else None
+                    if isinstance(data, dict) and isinstance(data.get("data"), list):
+                        ids = [
+                            m["id"]
+                            for m in data["data"]
+                            if isinstance(m, dict) and isinstance(m.get("id"), str)
+                        ]
+                        self.fallback.set_static_models(url, ids)
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                    pass
+            await asyncio.sleep(self.workers_refresh_s)
 
     async def models(self, max_age_s: float) -> list[str]:
         """Union of models of healthy workers (scheduler's view, cached; fallback's when down)."""

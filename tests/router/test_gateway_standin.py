@@ -5,7 +5,10 @@ retries on a dead worker, metrics and the WebSocket proxy."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
+import time
 
 import httpx
 import openai
@@ -160,3 +163,38 @@ async def test_websocket_round_trip(stack):
                 if msg.get("type") in ("done", "end") or "error" in msg:
                     break
             assert len(msgs) == 4 and msgs[-1]["type"] in ("done", "end")
+
+
+def test_models_of_static_workers_are_discovered(stack):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ids = [m["id"] for m in httpx.get(stack["gw"] + "/v1/models").json()["data"]]
+        if ids:
+            break
+        time.sleep(0.2)
+    assert ids == ["m"]
+
+
+def _chunk_gaps(url: str) -> list[float]:
+    body = {"model": "m", "prompt": "p", "max_tokens": 12, "stream": True}
+    times = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(times[:-1])]  # [DONE] follows the last chunk at once
+
+
+def test_chunks_are_forwarded_as_they_come_no_nagle_delay():
+    """A worker that spaces its chunks 5 ms apart: through the gateway the spacing stays about
+    the same (Nagle + delayed ACK would make it ~40 ms; buffering would bunch them up)."""
+    w, wu = start_echo_worker(token_delay_ms=5)
+    g, gu = start_gateway("--workers", wu)
+    try:
+        direct = statistics.median(_chunk_gaps(wu) + _chunk_gaps(wu))
+        through = statistics.median(_chunk_gaps(gu) + _chunk_gaps(gu))
+        assert through < 3 * direct, (direct, through)
+        assert through > 0.3 * direct  # not bunched up
+    finally:
+        g.stop()
+        w.stop()

@@ -126,6 +126,12 @@ def test_fallback_round_robin_passive_health_and_models():
     assert fb.models() == {"m", "n"}
     with pytest.raises(NoWorkerError):
         FallbackRouter([], 1).pick("m", [])
+    with pytest.raises(NoWorkerError) as e:
+        fb.pick("unknown", [])
+    assert e.value.unknown_model
+    with pytest.raises(NoWorkerError) as e:
+        fb.pick("n", ["w2", "http://s1"])  # served, but every server of it already failed
+    assert not e.value.unknown_model
 
 
 def test_api_keys():
