@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from inference_worker.config import WorkerConfig, load_worker_config
 from inference_worker.metrics.log_line import LoggingStatLogger
 from inference_worker.metrics.prometheus import PrometheusStatLogger
+from inference_worker.registration import Registrar
 from inference_worker.server.app import build_app
 
 log = logging.getLogger("inference_worker")
@@ -51,18 +52,14 @@ def attach_stat_loggers(engine, config: WorkerConfig, registry: CollectorRegistr
     return prometheus
 
 
-async def _start_registrar(config: WorkerConfig):
-    """The scheduler registration client, when asked for and available; None otherwise."""
+async def _start_registrar(config: WorkerConfig) -> Registrar | None:
+    """Register with the scheduler (--register-with); start() returns at once and keeps
+    retrying and heart-beating in the background."""
     if not config.register_with:
-        return None, None
-    try:
-        from inference_worker.registration import Registrar
-    except ImportError:
-        log.error("--register-with is set but inference_worker.registration is not available")
-        return None, None
+        return None
     registrar = Registrar(config)
-    # start() may register and then keep heartbeating: run it beside the server.
-    return registrar, asyncio.create_task(registrar.start(), name="registrar")
+    await registrar.start()
+    return registrar
 
 
 async def run_worker(config: WorkerConfig) -> None:
@@ -78,7 +75,7 @@ async def run_worker(config: WorkerConfig) -> None:
     app = build_app(engine, config.model_name, registry)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    registrar = registrar_task = None
+    registrar = None
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
         try:
@@ -92,17 +89,13 @@ async def run_worker(config: WorkerConfig) -> None:
             config.host,
             config.port,
         )
-        registrar, registrar_task = await _start_registrar(config)
+        registrar = await _start_registrar(config)
         await stop.wait()
         log.info("shutting down")
     finally:
-        if registrar is not None:
+        if registrar is not None:  # deregister first, so no new traffic is routed here
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(registrar.stop(), timeout=5.0)
-        if registrar_task is not None and not registrar_task.done():
-            registrar_task.cancel()
-            with contextlib.suppress(BaseException):
-                await registrar_task
         await runner.cleanup()
         await engine.shutdown()
 
