@@ -236,6 +236,7 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
             {"gateway": rr.pid},
         )
     )
+    targets += await _external_routers(args, wurls, logs, procs)
     rows = []
     for stream, n in ((False, args.requests), (True, args.streams)):
         for name, urls, pids in targets:
@@ -250,6 +251,58 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _spawn_exe(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def _external_cmd(name: str, exe: str, port: int, wurls: list[str]) -> list[str]:
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *wurls,
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    return [exe, "launch", *common] if name == "sglang-router" else [exe, *common]
+
+
+async def _external_routers(args, wurls, logs, procs) -> list[tuple[str, list[str], dict]]:
+    """Rust routers installed in a separate venv (--sglang-router / --vllm-router PATH), in
+    round-robin mode, in front of the same workers. Any tokenizer download goes to a dead port."""
+    out = []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    for name, exe in (("sglang-router", args.sglang_router), ("vllm-router", args.vllm_router)):
+        if not exe:
+            continue
+        port = free_port()
+        p = _spawn_exe(_external_cmd(name, exe, port, wurls), logs / f"{name}.log", env)
+        procs.append(p)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                try:
+                    async with s.post(
+                        url + "/v1/completions",
+                        json={"model": "m", "prompt": "x", "max_tokens": 1},
+                        timeout=aiohttp.ClientTimeout(total=2),
+                    ) as r:
+                        if r.status == 200:
+                            break
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    pass
+                await asyncio.sleep(0.2)
+        out.append((f"{name} (round robin)", [url + "/v1/completions"], {"gateway": p.pid}))
+    return out
 
 
 async def _fallback_switch(args, wurls, sched, sport, logs, procs) -> dict:
@@ -354,6 +407,10 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/gateway_overhead")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-scheduler", action="store_true", help="only direct and round-robin gateway")
+    ap.add_argument(
+        "--sglang-router", default=None, help="path of an installed sglang-router executable"
+    )
+    ap.add_argument("--vllm-router", default=None, help="path of an installed vllm-router executable")
     ap.add_argument("--skip-fallback", action="store_true", help="skip the scheduler kill/restart phase")
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
