@@ -5,6 +5,8 @@ replicas, bad input."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -162,3 +164,30 @@ def test_wrong_types_rejected_by_worker_stay_4xx(cluster):
         timeout=30,
     )
     assert 400 <= r.status_code < 500 and "error" in r.json()
+
+
+def _aborted(worker_url: str) -> float:
+    text = httpx.get(worker_url + "/metrics").text
+    return sum(
+        float(v)
+        for v in re.findall(
+            r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M
+        )
+    )
+
+
+def test_client_disconnect_mid_stream_aborts_the_request_on_the_worker(cluster):
+    before = {u: _aborted(u) for u in cluster["workers"]}
+    body = {"model": "m", "prompt": "a long answer", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", cluster["gw"] + "/v1/completions", json=body, timeout=30) as r:
+        worker_id = r.headers["x-router-worker"]
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    # The client hung up after a few chunks: the gateway closes its upstream request and the
+    # worker aborts the request (long before its 400 tokens would be done).
+    worker = next(u for u in cluster["workers"] if u.endswith(worker_id.split("//")[-1]))
+    deadline = time.monotonic() + 10
+    while _aborted(worker) == before[worker] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(worker) == before[worker] + 1

@@ -115,3 +115,20 @@ def test_disconnect_while_queued_frees_the_place(cluster):
         # The queue has room again: three more wait (no 429) and finish.
         later = [ex.submit(_post, cluster, {**SLOW, "max_tokens": 20}) for _ in range(QUEUE)]
         assert [f.result().status_code for f in running + later] == [200] * (2 + QUEUE)
+
+
+def test_queue_timeout_gets_429(cluster):
+    """A second gateway on the same scheduler whose queue timeout is short."""
+    _wait_queue_empty(cluster)
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    g, gu = start_gateway("--scheduler", scheduler, "--queue-timeout-ms", "300")
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            running = [ex.submit(_post, cluster, SLOW) for _ in range(2)]
+            time.sleep(0.2)
+            r = _post(gu, SLOW)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
+            assert int(r.headers["Retry-After"]) >= 1
+            assert [f.result().status_code for f in running] == [200, 200]
+    finally:
+        g.stop()
