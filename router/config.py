@@ -6,7 +6,7 @@ wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -73,16 +73,25 @@ class RouterConfig(BaseSettings):
     log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
     log_level: str = "INFO"
 
+    @field_validator("scheduler", "workers")
+    @classmethod
+    def _http_urls(cls, v: str | None) -> str | None:
+        for url in (v or "").split(","):
+            if url.strip() and not url.strip().startswith(("http://", "https://")):
+                raise ValueError(f"not an http(s) URL: {url.strip()!r}")
+        return v
+
+    @field_validator("base_path")
+    @classmethod
+    def _base_path(cls, v: str) -> str:
+        if v and not v.startswith("/"):
+            raise ValueError("must start with '/'")
+        return v.rstrip("/")
+
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
         if not self.scheduler and not self.worker_urls:
             raise ValueError("give --scheduler or --workers (or both)")
-        if self.base_path and not self.base_path.startswith("/"):
-            raise ValueError("base_path must start with '/'")
-        self.base_path = self.base_path.rstrip("/")
-        for url in self.worker_urls + ([self.scheduler] if self.scheduler else []):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"not an http(s) URL: {url!r}")
         return self
 
     @property
