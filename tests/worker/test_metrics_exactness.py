@@ -8,7 +8,9 @@ constants. Parametrised over the real model ("torch") and the sim latency model.
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import httpx
 import openai
 import pytest
@@ -294,6 +296,24 @@ async def test_aborted_stream_counts_as_abort(busy_worker) -> None:
     assert delta(after, before, "vllm:e2e_request_latency_seconds_count") == 1
     assert delta(after, before, "vllm:request_generation_tokens_sum") == generated
     wait_for(lambda: sample(worker.metrics(), "vllm:num_requests_running") == 0, 30, what="abort to free")
+
+
+async def test_disconnects_of_non_stream_and_websocket_clients_abort(busy_worker) -> None:
+    """A non-stream client that gives up and a WebSocket closed mid-answer both abort in the engine."""
+    _, worker = busy_worker
+    before = worker.metrics()
+    body = {"model": MODEL, "prompt": "Write an essay about rivers.", "max_tokens": 300, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{worker.api_url}/completions", json=body)
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{worker.base_url}/v1/ws") as ws:
+        await ws.send_str(json.dumps(body))
+        first = json.loads((await ws.receive(timeout=120)).data)
+        assert first["object"] == "text_completion"
+    after = settled(worker, before, 2)
+    assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 2
+    assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 0
+    wait_for(lambda: sample(worker.metrics(), "vllm:num_requests_running") == 0, 30, what="aborts to free")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
