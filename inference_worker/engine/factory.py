@@ -122,6 +122,7 @@ def build_sim_engine(config: WorkerConfig) -> AsyncEngine:
         max_model_len=setup.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         clock=setup.clock,  # monotonic / time_scale: metrics report simulated seconds
+        num_kv_blocks=setup.num_kv_blocks,
     )
     return AsyncEngine(engine, model_name=config.model_name, log_stats_interval=config.log_stats_interval)
 

@@ -62,12 +62,16 @@ class LLMEngine:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        num_kv_blocks: int | None = None,
     ) -> None:
+        """num_kv_blocks: use only the first N blocks of the runner's pool (default: all of it)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.clock = clock
         self.block_size = runner.block_size
-        self.num_kv_blocks = runner.num_kv_blocks
+        if num_kv_blocks is not None and num_kv_blocks > runner.num_kv_blocks:
+            raise ValueError(f"num_kv_blocks {num_kv_blocks} > the runner's pool ({runner.num_kv_blocks})")
+        self.num_kv_blocks = num_kv_blocks or runner.num_kv_blocks
         # A sequence must fit in the pool on its own, or preempting everyone else could not help it.
         self.max_model_len = min(max_model_len, self.num_kv_blocks * self.block_size)
         self.max_num_batched_tokens = max_num_batched_tokens
