@@ -198,3 +198,42 @@ def test_chunks_are_forwarded_as_they_come_no_nagle_delay():
     finally:
         g.stop()
         w.stop()
+
+
+def test_access_log_line_per_request(stack):
+    r = httpx.post(
+        stack["gw"] + "/v1/completions",
+        json={"model": "m", "prompt": "log me", "max_tokens": 3, "stream": True},
+    )
+    rid = r.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    line = ""
+    while time.monotonic() < deadline and not line:
+        line = next((x for x in stack["procs"][0].output().splitlines() if f"id={rid} " in x), "")
+        time.sleep(0.05)
+    for field in (
+        "model=m",
+        "worker=http://",
+        "status=200",
+        "queue_ms=",
+        "ttft_ms=",
+        "tokens_in=",
+        "tokens_out=3",
+    ):
+        assert field in line, (field, line)
+
+
+def test_metrics_on_their_own_port_or_off():
+    w, wu = start_echo_worker()
+    mport = free_port()
+    g1, gu1 = start_gateway("--workers", wu, "--metrics-port", str(mport))
+    g2, gu2 = start_gateway("--workers", wu, "--no-allow-metrics")
+    try:
+        httpx.post(gu1 + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 1})
+        assert httpx.get(gu1 + "/metrics").status_code == 404
+        m = httpx.get(f"http://127.0.0.1:{mport}/metrics")
+        assert m.status_code == 200 and 'router_requests_total{model="m",status="200"' in m.text
+        assert httpx.get(gu2 + "/metrics").status_code == 404
+    finally:
+        for p in (g1, g2, w):
+            p.stop()
