@@ -1,0 +1,126 @@
+"""Request parsing and the OpenAI error mapping, without a model (fast unit tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from inference_worker.engine.errors import EngineDeadError, PromptTooLongError
+from inference_worker.engine.types import FinishReason, RequestOutput
+from inference_worker.server.chunks import ChatChunks, CompletionChunks
+from inference_worker.server.errors import APIError, exception_to_api_error
+from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
+from inference_worker.server.websocket import _is_cancel
+
+
+def test_completion_defaults_follow_openai_and_vllm() -> None:
+    req = CompletionRequest.model_validate_json('{"prompt": "hi"}')
+    params = req.sampling_params(prompt_len=3, max_model_len=100, prompt_param="prompt")
+    assert params.max_tokens == 16 and params.max_tokens_param == 16  # OpenAI's completions default
+    assert (params.temperature, params.top_p, params.top_k, params.n) == (1.0, 1.0, -1, 1)
+    assert params.stop == () and not params.ignore_eos
+
+
+def test_chat_without_max_tokens_gets_the_rest_of_the_context() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    params = req.sampling_params(prompt_len=30, max_model_len=100, prompt_param="messages")
+    assert params.max_tokens == 70
+    assert params.max_tokens_param is None  # not observed in vllm:request_params_max_tokens
+
+
+def test_chat_max_completion_tokens_wins_and_options_map() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_tokens": 50,
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_k": 0,
+            "stop": "END",
+            "seed": 3,
+            "ignore_eos": True,
+        }
+    )
+    params = req.sampling_params(prompt_len=5, max_model_len=100, prompt_param="messages")
+    assert (params.max_tokens, params.max_tokens_param) == (7, 7)
+    assert params.greedy and params.top_k == -1 and params.stop == ("END",) and params.seed == 3
+    assert params.ignore_eos
+    assert req.template_messages() == [{"role": "system", "content": "ab"}]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("text", "text"), ([1, 2, 3], [1, 2, 3]), (["one"], "one"), ([[4, 5]], [4, 5])],
+)
+def test_prompt_forms(prompt, expected) -> None:
+    assert normalize_prompt(prompt) == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], ["a", "b"], [[1], [2]], [-1], [True], {"a": 1}, 5])
+def test_bad_prompt_forms(prompt) -> None:
+    with pytest.raises(APIError) as err:
+        normalize_prompt(prompt)
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_context_length_checks() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 10})
+    with pytest.raises(APIError) as too_long:
+        req.sampling_params(prompt_len=100, max_model_len=100, prompt_param="prompt")
+    assert too_long.value.param == "prompt" and too_long.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as too_many:
+        req.sampling_params(prompt_len=95, max_model_len=100, prompt_param="prompt")
+    assert too_many.value.param == "max_tokens"
+    assert req.sampling_params(prompt_len=90, max_model_len=100, prompt_param="prompt").max_tokens == 10
+
+
+def test_exceptions_map_to_statuses() -> None:
+    with pytest.raises(ValidationError) as bad:
+        CompletionRequest.model_validate_json('{"prompt": "x", "top_p": 1.5}')
+    err = exception_to_api_error(bad.value)
+    assert (err.status, err.param) == (400, "top_p")
+    with pytest.raises(ValidationError) as not_json:
+        CompletionRequest.model_validate_json("{")
+    assert exception_to_api_error(not_json.value).code == "invalid_json"
+    assert exception_to_api_error(PromptTooLongError("too long")).status == 400
+    assert exception_to_api_error(EngineDeadError("gone")).status == 503
+    boom = exception_to_api_error(RuntimeError("boom"))
+    assert boom.status == 500 and boom.type == "server_error" and "boom" in boom.message
+    assert set(boom.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def _out(text: str, finished: bool, reason: FinishReason | None) -> RequestOutput:
+    return RequestOutput(
+        "r", text, [1], finished, reason, num_prompt_tokens=4, num_output_tokens=2, num_cached_tokens=1
+    )
+
+
+def test_chunks_are_valid_json_with_escaping() -> None:
+    tricky = 'quote " backslash \\ newline \n unicode é 漢'
+    comp = CompletionChunks("cmpl-1", 'model "x"')
+    body = json.loads(comp.delta(tricky, None))
+    assert body["choices"][0]["text"] == tricky and body["model"] == 'model "x"'
+    assert json.loads(comp.delta("", FinishReason.LENGTH))["choices"][0]["finish_reason"] == "length"
+    usage = json.loads(comp.usage(_out("", True, FinishReason.STOP)))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
+    assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+    chat = ChatChunks("chatcmpl-1", "m")
+    assert json.loads(chat.first())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert json.loads(chat.delta(tricky, None))["choices"][0]["delta"]["content"] == tricky
+    assert json.loads(chat.delta("", FinishReason.STOP))["choices"][0]["delta"] == {}
+    full = chat.full("hello", _out("", True, FinishReason.STOP))
+    assert full["choices"][0]["message"]["content"] == "hello" and full["usage"]["completion_tokens"] == 2
+
+
+def test_websocket_cancel_message_detection() -> None:
+    assert _is_cancel('{"type": "cancel"}')
+    assert not _is_cancel('{"type": "cancel", "prompt": "x"}')
+    assert not _is_cancel('{"prompt": "cancel"}')
+    assert not _is_cancel("cancel")
