@@ -48,7 +48,7 @@ class SchedulerConfig(BaseSettings):
                         "least_kv, prefix_affinity, llm_aware")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="policy knobs (YAML or JSON)")
     lease_ttl_s: float = Field(600.0, gt=0, description="a lease never released expires after this")
-    visibility_lag_ms: float = Field(10.0, ge=0, description="leases this close before a scrape: unseen")
+    visibility_lag_ms: float = Field(50.0, ge=0, description="leases this close before a scrape: unseen")
     retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")
 
     @field_validator("policy")

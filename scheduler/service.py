@@ -11,7 +11,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.health import HALF_OPEN
 from scheduler.leases import LeaseTable
 from scheduler.metrics import SchedulerMetrics
-from scheduler.policies import PolicyEnv, Request, make_policy
+from scheduler.policies import Pick, PolicyEnv, Request, make_policy
 from scheduler.registry import Registry, WorkerState
 from scheduler.scrape.snapshot import LoadSnapshot
 
@@ -41,6 +41,8 @@ class SchedulerService:
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
         self._changed: asyncio.Future | None = None
+        # Workers on probation: each gets one trial request before any policy choice.
+        self.half_open: set[str] = set()
         self.registry.listeners.append(self.capacity_changed)
 
     # ---- events that can free capacity -----------------------------------------------
@@ -66,6 +68,10 @@ class SchedulerService:
 
     def on_health_change(self, w: WorkerState) -> None:
         log.info("worker %s is %s (%s)", w.worker_id, w.health.state, w.health.last_error or "ok")
+        if w.health.state == HALF_OPEN:
+            self.half_open.add(w.worker_id)
+        else:
+            self.half_open.discard(w.worker_id)
         self.policy.refresh(w)
         self.capacity_changed()
 
@@ -79,6 +85,7 @@ class SchedulerService:
         if w is None:
             return False
         self.leases.drop_worker(w)
+        self.half_open.discard(w.worker_id)
         self.env.prefix_index.forget(w.worker_id)
         return True
 
@@ -99,7 +106,13 @@ class SchedulerService:
             cands = [w for w in pool if w.routable]
         if not cands:
             return Wait(self._retry_after_ms, "no_routable_worker")
-        pick = self.policy.choose(req, cands, now)
+        pick = None
+        if self.half_open:
+            trial = next((w for w in cands if w.worker_id in self.half_open), None)
+            if trial is not None:
+                pick = Pick(trial, trial.score, {"trial": True})
+        if pick is None:
+            pick = self.policy.choose(req, cands, now)
         if pick is None:
             return Wait(self._retry_after_ms, "saturated")
         w = pick.worker

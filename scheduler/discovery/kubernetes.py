@@ -1,0 +1,116 @@
+"""Kubernetes discovery: EndpointSlices matching a label selector in one namespace,
+watched with lightkube. Each ready endpoint address becomes a worker
+(`{scheme}://{address}:{port}`); a slice update adds and removes workers, a deleted
+slice removes all of its own. The watch reconnects by itself (lightkube keeps the
+resourceVersion); on any other error we back off and start a fresh watch, which
+replays the current slices as ADDED events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from scheduler.config import SchedulerConfig
+from scheduler.registry import WorkerState
+from scheduler.service import SchedulerService
+
+log = logging.getLogger(__name__)
+SOURCE = "kubernetes"
+
+
+def parse_selector(selector: str) -> dict[str, str | None]:
+    """'app=vllm,tier' -> {'app': 'vllm', 'tier': None} (equality and existence terms)."""
+    labels: dict[str, str | None] = {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term or " in " in term or " notin " in term:
+            raise ValueError(f"unsupported selector term {term!r} (use key=value or key)")
+        key, _, value = term.partition("=")
+        labels[key.strip().rstrip("=")] = value.strip().lstrip("=") or None if "=" in term else None
+    return labels
+
+
+def slice_workers(obj, port_spec: str | None, scheme: str) -> dict[str, str]:
+    """worker_id -> URL for the ready endpoints of one EndpointSlice."""
+    ports = list(obj.ports or [])
+    port = None
+    for p in ports:
+        if port_spec is None or p.name == port_spec or str(p.port) == port_spec:
+            port = p.port
+            break
+    if port is None and port_spec and port_spec.isdigit():
+        port = int(port_spec)
+    if port is None:
+        return {}
+    out: dict[str, str] = {}
+    for ep in obj.endpoints or []:
+        cond = ep.conditions
+        if cond is not None and cond.ready is False:
+            continue
+        for address in ep.addresses[:1]:  # the addresses of one endpoint are fungible
+            host = f"[{address}]" if ":" in address else address
+            url = f"{scheme}://{host}:{port}"
+            wid = f"{ep.targetRef.name}:{port}" if ep.targetRef is not None and ep.targetRef.name else None
+            out[wid or f"{host}:{port}"] = url
+    return out
+
+
+class KubernetesDiscovery:
+    def __init__(self, service: SchedulerService, cfg: SchedulerConfig) -> None:
+        self.service = service
+        self.cfg = cfg
+        self.labels = parse_selector(cfg.k8s_label_selector or "")
+        self.slices: dict[str, dict[str, str]] = {}  # slice name -> {worker_id: url}
+
+    def apply(self, op: str, obj) -> None:
+        name = obj.metadata.name
+        old = self.slices.get(name, {})
+        new = {} if op == "DELETED" else slice_workers(obj, self.cfg.k8s_port, self.cfg.k8s_scheme)
+        for wid in old.keys() - new.keys():
+            self.service.remove_worker(wid, source=SOURCE)
+        for wid, url in new.items():
+            if wid not in old or old[wid] != url:
+                self.service.add_worker(WorkerState(url, worker_id=wid, source=SOURCE))
+        if new:
+            self.slices[name] = new
+        else:
+            self.slices.pop(name, None)
+        log.info("endpointslice %s %s: %d ready worker(s)", name, op.lower(), len(new))
+
+    def _kubeconfig(self, kube_config_cls):
+        if not self.cfg.k8s_api_server:
+            return kube_config_cls.from_env()  # in-cluster service account, else ~/.kube/config
+        # An explicit API server (tests, kubectl proxy): no credentials.
+        return kube_config_cls.from_dict({
+            "clusters": [{"name": "api", "cluster": {"server": self.cfg.k8s_api_server}}],
+            "users": [{"name": "anonymous", "user": {}}],
+            "contexts": [{"name": "api", "context": {"cluster": "api", "user": "anonymous",
+                                                     "namespace": self.cfg.k8s_namespace}}],
+            "current-context": "api",
+        })
+
+    async def run(self) -> None:
+        from lightkube import AsyncClient, KubeConfig
+        from lightkube.resources.discovery_v1 import EndpointSlice
+
+        backoff = 0.5
+        while True:
+            client = None
+            try:
+                # trust_env=False: an HTTP(S)_PROXY in the environment must not capture API
+                # traffic meant for a local or in-cluster API server.
+                client = AsyncClient(config=self._kubeconfig(KubeConfig), namespace=self.cfg.k8s_namespace,
+                                     trust_env=False)
+                async for op, obj in client.watch(EndpointSlice, namespace=self.cfg.k8s_namespace,
+                                                  labels=self.labels):
+                    self.apply(op, obj)
+                    backoff = 0.5
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # API server unreachable, 4xx/5xx, malformed event
+                log.warning("kubernetes watch failed (%r); retrying in %.1fs", exc, backoff)
+            finally:
+                if client is not None:
+                    await client.close()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,277 @@
+"""The scheduler as a real process in front of real sim workers (python -m inference_worker
+--backend sim) on 127.0.0.1: discovery, dialect, model filtering, a burst between two
+scrapes, saturation hold + release, SIGKILL/restart, gateway failure reports,
+registration with and without the token, and Kubernetes discovery against a stand-in
+API server (no cluster here: see fake_kube.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from scheduler.client import SchedulerClient, UnknownModelError
+from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait
+from tests.scheduler.fake_kube import FakeKubeApi
+from tests.scheduler.procs import (
+    free_port,
+    get_json,
+    start_scheduler,
+    start_sim_worker,
+    wait_http,
+    wait_until,
+    workers_by_id,
+)
+
+TOKEN = "s3cret"
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    sched_port = free_port()
+    base = f"http://127.0.0.1:{sched_port}"
+    ports = [free_port() for _ in range(3)]
+    reg_port = free_port()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    sched = start_scheduler(sched_port, "--workers", ",".join(urls), "--scrape-interval-ms", "100",
+                            "--registration-token", TOKEN, "--registration-ttl-s", "3")
+    # Slow steps (time-scale 3) and 2 sequences per worker so that saturation is easy to reach.
+    workers = {p: start_sim_worker(p, "m", "--max-num-seqs", "2", "--time-scale", "3") for p in ports}
+    reg = start_sim_worker(reg_port, "other", "--register-with", base, "--registration-token", TOKEN)
+    procs = [sched, *workers.values(), reg]
+    try:
+        wait_http(f"{base}/health", sched)
+        for p, proc in workers.items():
+            wait_http(f"http://127.0.0.1:{p}/health", proc)
+        wait_http(f"http://127.0.0.1:{reg_port}/health", reg)
+
+        def all_up():
+            ws = workers_by_id(base)
+            return len(ws) == 4 and all(w["state"] == "up" and w["models"] for w in ws.values())
+
+        wait_until(all_up, 30, "all workers up", sched)
+        yield {"base": base, "ports": ports, "workers": workers, "sched": sched, "reg": reg,
+               "reg_port": reg_port, "procs": procs}
+    finally:
+        for proc in [*procs, *[w for w in workers.values() if w not in procs]]:
+            proc.stop()
+
+
+def wid(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+def post(url: str, body: dict | bytes, token: str | None = None, method: str = "POST"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_discovery_dialect_and_models(cluster):
+    ws = workers_by_id(cluster["base"])
+    for p in cluster["ports"]:
+        w = ws[wid(p)]
+        assert w["dialect"] == "vllm_v1" and w["models"] == ["m"] and w["healthy"]
+        assert w["snapshot"]["num_blocks"] == 64 and w["snapshot"]["block_size"] == 16
+    reg = ws[wid(cluster["reg_port"])]
+    assert reg["models"] == ["other"] and reg["sources"] == ["registration"]
+
+
+async def test_model_filtering(cluster):
+    async with SchedulerClient(cluster["base"]) as client:
+        for _ in range(5):
+            d = await client.schedule(ScheduleRequest(model="other", prompt_tokens=5, max_tokens=5))
+            assert d.worker_id == wid(cluster["reg_port"])
+            await client.release(LeaseRelease(lease_id=d.lease_id, ok=True))
+        for _ in range(6):
+            d = await client.schedule(ScheduleRequest(model="m", prompt_tokens=5, max_tokens=5))
+            assert d.worker_id in {wid(p) for p in cluster["ports"]}
+            await client.release(LeaseRelease(lease_id=d.lease_id, ok=True))
+        with pytest.raises(UnknownModelError):
+            await client.schedule(ScheduleRequest(model="nobody-serves-this"))
+
+
+async def test_burst_between_two_scrapes_spreads(cluster):
+    async with SchedulerClient(cluster["base"]) as client:
+        req = ScheduleRequest(model="m", prompt_tokens=10, max_tokens=20)
+        decisions = await asyncio.gather(*(client.schedule(req) for _ in range(30)))
+        counts = collections.Counter(d.worker_id for d in decisions)
+        assert all(isinstance(d, ScheduleDecision) for d in decisions)
+        assert len(counts) == 3, counts
+        assert max(counts.values()) <= 15, counts  # no herd onto one "least loaded" worker
+        await asyncio.gather(*(client.release(LeaseRelease(lease_id=d.lease_id, ok=True)) for d in decisions))
+
+
+def test_registration_needs_the_token(cluster):
+    base = cluster["base"]
+    ghost = {"url": f"http://127.0.0.1:{free_port()}", "models": ["ghost"], "engine": "vllm"}
+    assert post(f"{base}/v1/workers", ghost)[0] == 401
+    status, body = post(f"{base}/v1/workers", ghost, token="wrong")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert all(w["models"] != ["ghost"] for w in workers_by_id(base).values())
+    assert post(f"{base}/v1/workers", {"url": "ftp://x"}, token=TOKEN)[0] == 400
+    status, body = post(f"{base}/v1/workers", ghost, token=TOKEN)
+    assert status == 201
+    ghost_id = body["worker_id"]
+    assert ghost_id in workers_by_id(base)
+    assert post(f"{base}/v1/workers/{ghost_id}", b"", method="DELETE")[0] == 401
+    # No heartbeat: the registration expires (ttl 3 s); the real worker's registrar keeps heart-beating.
+    wait_until(lambda: ghost_id not in workers_by_id(base), 10, "registration expiry")
+    assert wid(cluster["reg_port"]) in workers_by_id(base)
+
+
+async def test_saturation_holds_then_answers_when_a_lease_is_released(cluster):
+    """A second scheduler over the same workers, scraping once a minute and capping each
+    worker at 2 running requests: its only changing load signal is then the leases, so
+    the held call can only be woken by the release itself (event-driven, no scrape)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    urls = ",".join(f"http://127.0.0.1:{p}" for p in cluster["ports"])
+    sched = start_scheduler(port, "--workers", urls, "--scrape-interval-ms", "60000",
+                            "--stale-after-ms", "600000", "--dead-after-ms", "600000",
+                            "--policy-params", json.dumps({"max_running": 2}))
+    try:
+        await asyncio.to_thread(wait_http, f"{base}/health", sched)
+        await asyncio.to_thread(wait_until, lambda: len(workers_by_id(base)) == 3 and all(
+            w["state"] == "up" and w["models"] for w in workers_by_id(base).values()), 20, "up", sched)
+        async with SchedulerClient(base) as client:
+            req = ScheduleRequest(model="m", prompt_tokens=4, max_tokens=100)
+            leases = [await client.schedule(req) for _ in range(6)]
+            assert sorted(collections.Counter(d.worker_id for d in leases).values()) == [2, 2, 2]
+            wait = await client.schedule(req)  # wait_ms=0: the 503 wait answer at once
+            assert isinstance(wait, ScheduleWait) and wait.retry_after_ms > 0
+            held = asyncio.create_task(client.schedule(req.model_copy(update={"wait_ms": 20_000})))
+            await asyncio.sleep(0.5)
+            assert not held.done(), "a saturated cluster must hold the call"
+            victim = leases[3]
+            t0 = time.monotonic()
+            await client.release(LeaseRelease(lease_id=victim.lease_id, ok=True, output_tokens=100))
+            out = await asyncio.wait_for(held, 10)
+            elapsed = time.monotonic() - t0
+            assert isinstance(out, ScheduleDecision) and out.worker_id == victim.worker_id
+            print(f"held call answered {1000 * elapsed:.1f} ms after the release")
+            async with aiohttp.ClientSession() as session, session.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            assert 'scheduler_wait_seconds_count{outcome="scheduled"} 1.0' in text
+    finally:
+        sched.stop()
+
+
+def test_gateway_failure_report_takes_worker_out_then_half_open_trial(cluster):
+    base, port = cluster["base"], cluster["ports"][1]
+
+    async def report():
+        async with SchedulerClient(base) as client:
+            await client.report_failure(wid(port), "connect")
+
+    asyncio.run(report())
+    assert workers_by_id(base)[wid(port)]["state"] == "down"  # at once, not after a scrape
+    wait_until(lambda: workers_by_id(base)[wid(port)]["state"] == "half_open", 10, "half-open")
+    _trial_until_up(base, port)
+
+
+def _trial_until_up(base: str, port: int) -> None:
+    for _ in range(30):
+        status, d = post(f"{base}/v1/schedule", {"model": "m", "prompt_tokens": 1, "max_tokens": 1})
+        assert status == 200, d
+        post(f"{base}/v1/release", {"lease_id": d["lease_id"], "ok": True})
+        if d["worker_id"] == wid(port):
+            break
+    assert workers_by_id(base)[wid(port)]["state"] == "up"
+
+
+def test_sigkill_removes_worker_fast_and_restart_brings_it_back(cluster):
+    base, port = cluster["base"], cluster["ports"][2]
+    cluster["workers"][port].kill()
+    t0 = time.monotonic()
+    wait_until(lambda: not workers_by_id(base)[wid(port)]["healthy"], 5, "eviction", step=0.01)
+    out_after = time.monotonic() - t0
+    print(f"SIGKILLed worker out of rotation after {out_after * 1000:.0f} ms")
+    assert out_after < 2.0  # 3 refused scrapes at 100 ms; generous bound for a loaded CI box
+    for _ in range(10):
+        status, d = post(f"{base}/v1/schedule", {"model": "m", "prompt_tokens": 1, "max_tokens": 1})
+        assert status == 200 and d["worker_id"] != wid(port)
+        post(f"{base}/v1/release", {"lease_id": d["lease_id"], "ok": True})
+    proc = start_sim_worker(port, "m", "--max-num-seqs", "2", "--time-scale", "3")
+    cluster["workers"][port] = proc
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    wait_until(lambda: workers_by_id(base)[wid(port)]["state"] == "half_open", 10, "half-open")
+    _trial_until_up(base, port)
+
+
+def test_bad_input_gets_openai_errors(cluster):
+    base = cluster["base"]
+    for body, param in ((b"{not json", None), ({"model": 3}, "model"),
+                        ({"model": "m", "prompt_tokens": -1}, "prompt_tokens"),
+                        ({"model": "m", "wait_ms": 10**9}, "wait_ms"),
+                        ({"model": "m", "prefix_hashes": ["a"]}, "prefix_hashes")):
+        status, err = post(f"{base}/v1/schedule", body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    assert post(f"{base}/v1/release", {"lease_id": "nope", "ok": True})[0] == 404
+    assert post(f"{base}/v1/release", {"ok": True})[0] == 400
+    assert post(f"{base}/v1/workers/nope/failure", {"error": "x"})[0] == 404
+    status, err = post(f"{base}/v1/nothing-here", {})
+    assert status in (404, 405) and "error" in err
+
+
+def test_metrics_and_health(cluster):
+    base = cluster["base"]
+    assert get_json(f"{base}/health")["status"] == "ok"
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for name in ("scheduler_decisions_total{outcome=\"scheduled\",policy=\"llm_aware\"}",
+                 "scheduler_decision_latency_seconds_bucket", "scheduler_waits_total",
+                 "scheduler_scrape_latency_seconds_bucket", "scheduler_scrape_failures_total",
+                 "scheduler_worker_healthy", "scheduler_worker_data_age_seconds"):
+        assert name in text, name
+
+
+def test_registered_worker_leaves_on_shutdown(cluster):
+    base, reg = cluster["base"], cluster["reg"]
+    reg.stop()  # SIGTERM: the worker's registrar sends DELETE
+    t0 = time.monotonic()
+    assert wid(cluster["reg_port"]) not in workers_by_id(base)
+    assert time.monotonic() - t0 < 3  # removed by DELETE, before the 3 s registration ttl
+    assert post(f"{base}/v1/schedule", {"model": "other"})[0] == 404
+
+
+async def test_kubernetes_endpointslices(cluster):
+    """Kubernetes discovery against a stand-in API server replaying recorded watch events."""
+    a, b = cluster["ports"][0], cluster["ports"][1]
+    api = FakeKubeApi({"PORT_A": a, "PORT_B": b})
+    await api.start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    sched = start_scheduler(port, "--k8s-namespace", "llm", "--k8s-label-selector", "app=sim",
+                            "--k8s-api-server", api.url)
+
+    async def until(pred, what):
+        await asyncio.to_thread(wait_until, pred, 20, what, sched)
+
+    try:
+        await until(lambda: {w["worker_id"]: w["state"] for w in get_json(f"{base}/v1/workers")["workers"]}
+                    == {f"sim-a-0:{a}": "up", f"sim-b-0:{b}": "up"}, "two slices discovered")
+        assert "labelSelector=app%3Dsim" in api.requests[0] or "labelSelector=app=sim" in api.requests[0]
+        ws = workers_by_id(base)
+        assert ws[f"sim-a-0:{a}"]["url"] == f"http://127.0.0.1:{a}" and ws[f"sim-a-0:{a}"]["models"] == ["m"]
+        api.release_next()  # sim-b's endpoint turns not ready
+        await until(lambda: set(workers_by_id(base)) == {f"sim-a-0:{a}"}, "not-ready endpoint removed")
+        api.release_next()  # slice sim-a deleted
+        await until(lambda: workers_by_id(base) == {}, "deleted slice removed")
+    finally:
+        sched.stop()
+        await api.stop()
