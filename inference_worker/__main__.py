@@ -68,7 +68,10 @@ async def run_worker(config: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = await _build_engine(config)
+    try:
+        engine = await _build_engine(config)
+    except (ValueError, OSError) as exc:  # bad --model / --sim-profile / sizes: one line, no traceback
+        raise SystemExit(f"error: cannot start the engine: {exc}") from None
     registry = CollectorRegistry()
     attach_stat_loggers(engine, config, registry)
     await engine.start()
