@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=ALL_POLICIES)
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--scheduler-config", default=None, help="scheduler YAML (policy weights/thresholds)")
+    p.add_argument("--scheduler-config", default=None,
+                   help="scheduler YAML with policy_params: a bare PATH applies to llm_aware; "
+                   "POLICY=PATH[,POLICY=PATH] names the policy each file tunes")
     p.add_argument("--scrape-interval-ms", type=int, default=100)
     p.add_argument("--gateway-args", default=GATEWAY_BENCH_ARGS, help="gateway flags, shell-quoted")
     p.add_argument("--client-args", default="", help="extra benchmark-client options as JSON object")
@@ -87,8 +89,25 @@ def worker_profiles(args: argparse.Namespace) -> list[str]:
     return [args.profile] * args.workers
 
 
+def scheduler_configs(spec: str | None) -> dict[str, str]:
+    """'path.yaml' -> {'llm_aware': path}; 'a=x.yaml,b=y.yaml' -> {'a': x, 'b': y}.
+
+    Policy parameters are validated per policy by the scheduler, so one file cannot serve all.
+    """
+    if not spec:
+        return {}
+    if "=" not in spec:
+        return {"llm_aware": spec}
+    out = {}
+    for item in spec.split(","):
+        name, _, path = item.partition("=")
+        out[name.strip()] = path.strip()
+    return out
+
+
 def scenario_of(args: argparse.Namespace) -> dict:
-    config_text = Path(args.scheduler_config).read_text() if args.scheduler_config else None
+    configs = scheduler_configs(args.scheduler_config)
+    config_text = {name: Path(path).read_text() for name, path in configs.items()} or None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
     return {
@@ -115,7 +134,8 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
     spec = ClusterSpec(
         profiles=worker_profiles(args), policy=None if policy == "baseline" else policy, model=args.model,
         backend=args.backend, time_scale=args.time_scale,
-        worker_args=[shlex.split(a) for a in args.worker_args], scheduler_config=args.scheduler_config,
+        worker_args=[shlex.split(a) for a in args.worker_args],
+        scheduler_config=scheduler_configs(args.scheduler_config).get(policy),
         scrape_interval_ms=args.scrape_interval_ms, gateway_args=shlex.split(args.gateway_args),
         log_dir=log_dir,
     )

@@ -1,0 +1,110 @@
+"""The tuned llm_aware settings used by the routing experiment (benchmarks/configs/), pinned down.
+
+These run the real scheduler decision core in process (no HTTP) with synthetic load snapshots:
+what made llm_aware win must stay true of the committed config.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scheduler.config import SchedulerConfig
+from scheduler.policies import Request
+from scheduler.registry import WorkerState
+from scheduler.scrape.snapshot import LoadSnapshot
+from scheduler.service import SchedulerService, Wait
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("llm_aware*.yaml"))
+
+
+def service(config: Path, n: int = 3) -> SchedulerService:
+    params = yaml.safe_load(config.read_text())["policy_params"]
+    svc = SchedulerService(SchedulerConfig(policy="llm_aware", policy_params=params))
+    for i in range(n):
+        w = svc.add_worker(WorkerState(f"http://127.0.0.1:{9000 + i}", worker_id=f"w{i}", models=["m"]))
+        w.health.on_success(time.monotonic(), 1)
+        feed(svc, f"w{i}")
+    return svc
+
+
+def feed(svc: SchedulerService, wid: str, running: float = 0, waiting: float = 0, kv: float = 0.0,
+         prompt_tps: float | None = None) -> None:
+    """A scrape of a 965-block pool (llama2-7b on a 24 GB card), taken now."""
+    snap = LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, prompt_tps=prompt_tps, gen_tps=None,
+                        prefix_hit_rate=None, block_size=16, num_blocks=965, ttft_mean_s=None,
+                        itl_mean_s=None, taken_at=time.monotonic(), wall_time=time.time(), dialect="vllm_v1")
+    svc.on_snapshot(svc.registry.workers[wid], snap)
+
+
+def decide(svc: SchedulerService, prompt: int = 250, out: int = 200, hashes: list[int] | None = None):
+    return svc.decide(Request("m", prompt, out, prefix_hashes=hashes), time.monotonic())
+
+
+@pytest.fixture(params=CONFIGS, ids=lambda p: p.name)
+def config(request) -> Path:
+    return request.param
+
+
+def test_configs_exist():
+    assert CONFIGS, "benchmarks/configs/llm_aware*.yaml missing"
+
+
+def test_kv_load_outweighs_request_count(config):
+    # Decode time grows with the KV read, not with the number of sequences: 30 short requests
+    # at 40% KV are a lighter worker than 10 long ones at 88%.
+    svc = service(config)
+    feed(svc, "w0", running=10, kv=0.88)
+    feed(svc, "w1", running=30, kv=0.40)
+    feed(svc, "w2", running=30, kv=0.60)
+    assert decide(svc)["worker_id"] == "w1"
+
+
+def test_queueing_or_full_worker_not_chosen_while_another_has_headroom(config):
+    svc = service(config)
+    feed(svc, "w0", running=2, waiting=1, kv=0.2)  # a request already waits there
+    feed(svc, "w1", running=2, kv=0.97)  # about to preempt
+    feed(svc, "w2", running=40, kv=0.8)
+    for _ in range(3):
+        out = decide(svc)
+        assert out["worker_id"] == "w2"
+        svc.release(out["lease_id"], True)
+
+
+def test_request_bigger_than_free_kv_is_not_sent_there(config):
+    svc = service(config, n=2)
+    feed(svc, "w0", running=5, kv=0.85)  # 965 * 16 * 0.15 = 2316 free tokens
+    feed(svc, "w1", running=40, kv=0.88)
+    # 1000 + (0.5 to 1.0) x 3000 tokens fit neither in w0's 2316 free tokens nor in w1: hold.
+    assert isinstance(decide(svc, prompt=1000, out=3000), Wait)
+    assert decide(svc, prompt=100, out=100)["worker_id"] == "w0"
+
+
+def test_burst_between_scrapes_spreads(config):
+    svc = service(config)
+    counts = collections.Counter(decide(svc)["worker_id"] for _ in range(30))
+    assert len(counts) == 3 and max(counts.values()) <= 12, counts
+
+
+def test_every_worker_saturated_means_hold(config):
+    svc = service(config)
+    for wid in ("w0", "w1", "w2"):
+        feed(svc, wid, running=30, waiting=3, kv=0.9)
+    assert isinstance(decide(svc), Wait)
+
+
+def test_shared_prefix_goes_back_to_its_worker_unless_that_one_is_saturated(config):
+    svc = service(config)
+    for wid in ("w0", "w1", "w2"):
+        feed(svc, wid, running=20, kv=0.5)
+    hashes = list(range(1, 21))
+    first = decide(svc, hashes=hashes)["worker_id"]
+    feed(svc, first, running=21, kv=0.55)  # a little busier now: its cache still wins
+    assert decide(svc, hashes=hashes)["worker_id"] == first
+    feed(svc, first, running=21, waiting=2, kv=0.96)  # saturated: affinity must not pile on
+    assert decide(svc, hashes=hashes)["worker_id"] != first
