@@ -20,10 +20,11 @@ from inference_worker.engine.types import FinishReason
 from inference_worker.metrics import buckets
 from inference_worker.metrics.prometheus import PrometheusStatLogger
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
-if not FIXTURES.is_dir():  # the repo may live elsewhere; the captures are at /work/shared
-    FIXTURES = Path("/work/shared/fixtures")
+# Real vLLM 0.32.0 /metrics captures (CPU build serving SmolLM2-135M): idle, 20 running,
+# and 4 running + 8 waiting. Copied verbatim from the project's shared reference material.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_FILES = sorted(FIXTURES.glob("vllm-0.32-*.txt"))
+assert len(FIXTURE_FILES) == 3, f"the vLLM captures are missing from {FIXTURES}"
 
 # The families the issue names (exposed names; counters keep their _total here).
 REQUIRED = [
@@ -133,7 +134,6 @@ def ours() -> dict[str, object]:
 
 @pytest.mark.parametrize("fixture_file", FIXTURE_FILES, ids=lambda p: p.name)
 def test_required_families_match_real_vllm(fixture_file: Path, ours: dict) -> None:
-    assert FIXTURE_FILES, "no vLLM captures found"
     real = by_exposed(fixture_file.read_text())
     for name in REQUIRED:
         assert name in real, f"{name} missing from the real capture"
