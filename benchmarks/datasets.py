@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -160,11 +161,11 @@ def load_tokenizer(tokenizer_dir: str | None = None):
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tmp = cached.with_name(f"smollm2.tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
     try:
+        tok.save_pretrained(str(tmp))
         tmp.rename(cached)  # atomic; a concurrent writer may have won, which is fine
     except OSError:
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
