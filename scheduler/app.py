@@ -1,5 +1,6 @@
-"""HTTP API of the scheduler (aiohttp). Request bodies are decoded with json + explicit
-checks rather than pydantic: the schedule call is on every request's path."""
+"""HTTP API of the scheduler (aiohttp). The schedule and release bodies are validated with
+pydantic-core straight from bytes and answers encoded with pydantic_core.to_json: both
+measured cheaper than the stdlib json module (benchmarks/scheduler_bench.py, `wire`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import logging
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from pydantic_core import to_json
 
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
+from scheduler.protocol import LeaseRelease, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)
@@ -41,35 +45,28 @@ def _json(raw: bytes) -> dict:
     return body
 
 
-def _int(body: dict, key: str, default, lo: int, hi: int | None = None):
-    v = body.get(key, default)
-    if v is None and default is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"{key} must be an integer {rng}", key)
-    return v
+def _validation_error(exc: ValidationError) -> BadRequest:
+    err = exc.errors()[0]
+    loc = err.get("loc") or ()
+    param = str(loc[0]) if loc else None
+    if err.get("type") == "json_invalid":
+        return BadRequest("body is not valid JSON")
+    if param is None and err.get("type") == "model_type":
+        return BadRequest("body must be a JSON object")
+    return BadRequest(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
 
 
 def parse_schedule(raw: bytes) -> tuple[Request, int]:
-    body = _json(raw)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    """pydantic-core's JSON validation is cheaper here than json.loads plus hand checks
+    (measured in benchmarks/scheduler_bench.py, part `wire`)."""
+    try:
+        r = ScheduleRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if not r.model:
         raise BadRequest("model is required", "model")
-    hashes = body.get("prefix_hashes") or []
-    if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
-        raise BadRequest("prefix_hashes must be a list of integers", "prefix_hashes")
-    lora = body.get("lora")
-    if lora is not None and not isinstance(lora, str):
-        raise BadRequest("lora must be a string", "lora")
-    exclude = body.get("exclude") or None
-    if exclude is not None:
-        if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude):
-            raise BadRequest("exclude must be a list of worker ids", "exclude")
-        exclude = frozenset(exclude)
-    req = Request(model, _int(body, "prompt_tokens", 0, 0), _int(body, "max_tokens", None, 1),
-                  hashes, lora, exclude)
-    return req, _int(body, "wait_ms", 0, 0, 60_000)
+    exclude = frozenset(r.exclude) if r.exclude else None
+    return Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora, exclude), r.wait_ms
 
 
 async def schedule(request: web.Request) -> web.Response:
@@ -80,7 +77,7 @@ async def schedule(request: web.Request) -> web.Response:
         return error_response(400, str(exc), exc.param)
     out = await svc.schedule(req, wait_ms)
     if isinstance(out, dict):
-        return web.Response(body=_dumps(out), content_type="application/json")
+        return web.Response(body=to_json(out), content_type="application/json")
     if out == UNKNOWN_MODEL:
         return error_response(404, f"no worker serves model {req.model!r}", "model", "model_not_found")
     assert isinstance(out, Wait)
@@ -92,18 +89,11 @@ async def schedule(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     try:
-        body = _json(await request.read())
-        lease_id = body.get("lease_id")
-        if not isinstance(lease_id, str) or not lease_id:
-            raise BadRequest("lease_id is required", "lease_id")
-        ok = body.get("ok", True)
-        if not isinstance(ok, bool):
-            raise BadRequest("ok must be a boolean", "ok")
-        error = body.get("error")
-        if error is not None and not isinstance(error, str):
-            raise BadRequest("error must be a string", "error")
-    except BadRequest as exc:
-        return error_response(400, str(exc), exc.param)
+        rel = LeaseRelease.model_validate_json(await request.read())
+    except ValidationError as exc:
+        bad = _validation_error(exc)
+        return error_response(400, str(bad), bad.param)
+    lease_id, ok, error = rel.lease_id, rel.ok, rel.error
     found = svc.release(lease_id, ok, error)
     svc.metrics.releases.labels("ok" if ok else "failed" if found else "unknown").inc()
     if not found:

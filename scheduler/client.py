@@ -2,9 +2,10 @@
 
 The scheduler is on every request's path, so this client keeps one aiohttp
 session with persistent keep-alive connections (TCP_NODELAY, no per-request
-connection set-up) and encodes/decodes the wire types by hand with the stdlib
-json module: pydantic validation of a response we produced ourselves costs
-more than the rest of the call (see benchmarks/scheduler_bench.py).
+connection set-up) and encodes/decodes the wire types with
+pydantic-core (Rust): measured, its JSON validation and encoding are cheaper than the
+stdlib json module plus hand checks or `model_construct` (benchmarks/scheduler_bench.py,
+part `wire`).
 
 Errors:
 - `UnknownModelError`: no known worker serves the model (HTTP 404).
@@ -22,12 +23,13 @@ import socket
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
+from pydantic_core import from_json, to_json
 
 from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerView
 
 log = logging.getLogger(__name__)
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
 _loads = json.loads
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -49,37 +51,28 @@ class SchedulerRequestError(SchedulerError):
 
 
 def encode_schedule_request(req: ScheduleRequest | dict[str, Any]) -> bytes:
-    """Compact JSON; empty optional fields are left out."""
+    """Compact JSON; fields at their defaults are left out."""
     if isinstance(req, dict):
-        return _dumps(req).encode()
-    body: dict[str, Any] = {"model": req.model, "prompt_tokens": req.prompt_tokens}
-    if req.max_tokens is not None:
-        body["max_tokens"] = req.max_tokens
-    if req.prefix_hashes:
-        body["prefix_hashes"] = req.prefix_hashes
-    if req.lora:
-        body["lora"] = req.lora
-    if req.exclude:
-        body["exclude"] = req.exclude
-    if req.wait_ms:
-        body["wait_ms"] = req.wait_ms
-    return _dumps(body).encode()
+        return to_json(req)
+    return req.model_dump_json(exclude_defaults=True).encode()
 
 
 def encode_release(rel: LeaseRelease | dict[str, Any]) -> bytes:
     if isinstance(rel, dict):
-        return _dumps(rel).encode()
-    body: dict[str, Any] = {
-        "lease_id": rel.lease_id,
-        "ok": rel.ok,
-        "prompt_tokens": rel.prompt_tokens,
-        "output_tokens": rel.output_tokens,
-    }
-    if rel.ttft_ms is not None:
-        body["ttft_ms"] = rel.ttft_ms
-    if rel.error is not None:
-        body["error"] = rel.error
-    return _dumps(body).encode()
+        return to_json(rel)
+    return rel.model_dump_json(exclude_none=True).encode()
+
+
+def _wait_payload(raw: bytes) -> dict:
+    """A 503 is the scheduler's "wait" answer only when it says so; else it is unavailable."""
+    try:
+        payload = from_json(raw)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and payload.get("wait"):
+        payload.setdefault("retry_after_ms", 0)
+        return payload
+    raise SchedulerUnavailableError(f"scheduler answered 503: {_error_message(raw)}")
 
 
 def _error_message(raw: bytes) -> str:
@@ -129,44 +122,33 @@ class SchedulerClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise SchedulerUnavailableError(f"scheduler {url}: {type(exc).__name__}: {exc}") from exc
 
-    async def schedule_raw(self, body: dict[str, Any] | bytes, wait_ms: int = 0) -> tuple[int, dict]:
-        """Lowest-cost call: a dict (or pre-encoded bytes) in, (status, decoded JSON) out."""
-        data = body if isinstance(body, bytes) else _dumps(body).encode()
+    async def _schedule_bytes(self, data: bytes, wait_ms: int) -> tuple[int, bytes]:
         status, raw = await self._post(self._schedule_url, data, self.timeout_s + wait_ms / 1000.0)
-        if status == 200:
-            return status, _loads(raw)
-        if status == 503:
-            try:
-                payload = _loads(raw)
-            except ValueError:
-                payload = None
-            if isinstance(payload, dict) and payload.get("wait"):
-                return status, payload
-            raise SchedulerUnavailableError(f"scheduler answered 503: {_error_message(raw)}")
+        if status in (200, 503):
+            return status, raw
         if status == 404:
             raise UnknownModelError(_error_message(raw))
         if 400 <= status < 500:
             raise SchedulerRequestError(f"scheduler answered {status}: {_error_message(raw)}")
         raise SchedulerUnavailableError(f"scheduler answered {status}: {_error_message(raw)}")
 
+    async def schedule_raw(self, body: dict[str, Any] | bytes, wait_ms: int = 0) -> tuple[int, dict]:
+        """A dict (or pre-encoded bytes) in, (200 or 503, decoded JSON) out."""
+        data = body if isinstance(body, bytes) else to_json(body)
+        status, raw = await self._schedule_bytes(data, wait_ms)
+        payload = _wait_payload(raw) if status == 503 else from_json(raw)
+        return status, payload
+
     async def schedule(self, req: ScheduleRequest | dict[str, Any]) -> ScheduleDecision | ScheduleWait:
         """Ask for a worker. Returns a decision (with a lease to release) or a wait answer."""
         wait_ms = req.get("wait_ms", 0) if isinstance(req, dict) else req.wait_ms
-        status, payload = await self.schedule_raw(encode_schedule_request(req), int(wait_ms or 0))
+        status, raw = await self._schedule_bytes(encode_schedule_request(req), int(wait_ms or 0))
+        if status == 503:
+            return ScheduleWait.model_validate(_wait_payload(raw))
         try:
-            if status == 200:
-                # model_construct: the scheduler produced this JSON, skip re-validation.
-                return ScheduleDecision.model_construct(
-                    worker_id=payload["worker_id"],
-                    url=payload["url"],
-                    lease_id=payload["lease_id"],
-                    policy=payload.get("policy", ""),
-                    reason=payload.get("reason") or {},
-                )
-            retry_after_ms = int(payload.get("retry_after_ms", 0))
-            return ScheduleWait.model_construct(wait=True, retry_after_ms=retry_after_ms)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SchedulerUnavailableError(f"malformed scheduler answer: {payload!r}") from exc
+            return ScheduleDecision.model_validate_json(raw)
+        except ValidationError as exc:
+            raise SchedulerUnavailableError(f"malformed scheduler answer: {raw[:200]!r}") from exc
 
     async def release(self, rel: LeaseRelease | dict[str, Any]) -> None:
         """Close a lease. Never raises (safe to fire and forget); failures are logged,
@@ -187,7 +169,7 @@ class SchedulerClient:
         Never raises."""
         url = f"{self._workers_url}/{worker_id}/failure"
         try:
-            status, raw = await self._post(url, _dumps({"error": error}).encode(), self.timeout_s)
+            status, raw = await self._post(url, to_json({"error": error}), self.timeout_s)
             if status >= 400 and status != 404:
                 log.warning("scheduler failure report answered %s: %s", status, _error_message(raw))
         except SchedulerUnavailableError as exc:

@@ -43,7 +43,14 @@ class SchedulerService:
         self._changed: asyncio.Future | None = None
         # Workers on probation: each gets one trial request before any policy choice.
         self.half_open: set[str] = set()
-        self.registry.listeners.append(self.capacity_changed)
+        # model -> routable workers serving it; rebuilt lazily after any health or membership
+        # change, so a decision does not test every worker's health.
+        self._routable: dict[str, list[WorkerState]] = {}
+        self.registry.listeners.append(self._membership_changed)
+
+    def _membership_changed(self) -> None:
+        self._routable.clear()
+        self.capacity_changed()
 
     # ---- events that can free capacity -----------------------------------------------
 
@@ -68,6 +75,7 @@ class SchedulerService:
 
     def on_health_change(self, w: WorkerState) -> None:
         log.info("worker %s is %s (%s)", w.worker_id, w.health.state, w.health.last_error or "ok")
+        self._routable.clear()
         if w.health.state == HALF_OPEN:
             self.half_open.add(w.worker_id)
         else:
@@ -94,16 +102,16 @@ class SchedulerService:
     def decide(self, req: Request, now: float):
         """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light."""
         by_model = self.registry.by_model
-        pool = by_model.get(req.lora) if req.lora else None
-        if pool is None:
-            pool = by_model.get(req.model)
+        key = req.lora if req.lora and req.lora in by_model else req.model
+        cands = self._routable.get(key)
+        if cands is None:
+            pool = by_model.get(key)
             if pool is None:
                 return UNKNOWN_MODEL
+            cands = self._routable[key] = [w for w in pool if w.routable]
         excl = req.exclude
         if excl:
-            cands = [w for w in pool if w.routable and w.worker_id not in excl]
-        else:
-            cands = [w for w in pool if w.routable]
+            cands = [w for w in cands if w.worker_id not in excl]
         if not cands:
             return Wait(self._retry_after_ms, "no_routable_worker")
         pick = None
@@ -117,7 +125,10 @@ class SchedulerService:
             return Wait(self._retry_after_ms, "saturated")
         w = pick.worker
         max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
-        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=w.health.state == HALF_OPEN)
+        trial = w.health.state == HALF_OPEN
+        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial)
+        if trial:
+            self._routable.clear()  # one trial at a time: out of the candidates until it ends
         self.policy.on_issued(req, w, now)
         self.policy.refresh(w)
         snap = w.snapshot
@@ -168,6 +179,8 @@ class SchedulerService:
         if lease is None:
             return False
         w = lease.worker
+        if lease.trial:
+            self._routable.clear()
         if lease.trial and w.health.trial_result(ok and not error):
             self.on_health_change(w)
         else:
@@ -188,6 +201,7 @@ class SchedulerService:
         for lease in expired:
             self.policy.refresh(lease.worker)
         if expired:
+            self._routable.clear()  # an expired trial lease lets the next trial through
             log.warning("%d lease(s) expired without release", len(expired))
             self.capacity_changed()
         return len(expired)

@@ -158,7 +158,8 @@ def test_gateway_failure_report_then_half_open_single_trial():
     assert "w1" not in {decide(svc)["worker_id"] for _ in range(6)}
     now = time.monotonic()
     w1.health.on_success(now, 2)
-    w1.health.on_success(now, 2)
+    assert w1.health.on_success(now, 2)  # state changed: the scraper tells the service
+    svc.on_health_change(w1)
     assert w1.health.state == HALF_OPEN
     picks = [decide(svc) for _ in range(9)]
     trials = [d for d in picks if d["worker_id"] == "w1"]
@@ -172,6 +173,7 @@ def test_failed_trial_goes_back_down():
     w1 = worker(svc, "w1")
     svc.report_failure("w1", "connect")
     w1.health.on_success(time.monotonic(), 1)
+    svc.on_health_change(w1)
     trial = next(d for d in (decide(svc) for _ in range(3)) if d["worker_id"] == "w1")
     svc.release(trial["lease_id"], False, "connect")
     assert w1.health.state == DOWN
