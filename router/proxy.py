@@ -248,6 +248,10 @@ class Proxy:
                         request, rec, route, path, raw, headers, strip_usage
                     )
                 return await self._forward(request, rec, route, path, raw, headers)
+            except asyncio.CancelledError:
+                # The client went away: the worker was not at fault; give the lease back.
+                self._release(route, rec, ok=True)
+                raise
             except _Retry as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
                 self._failed(route, r.reason, rec)
@@ -315,8 +319,9 @@ class Proxy:
         self._release(route, rec, ok=False, error=reason)
 
     def _release(self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None) -> None:
-        if route.lease_id is None or self.sched.client is None:
+        if route.lease_id is None or route.released or self.sched.client is None:
             return
+        route.released = True
         rel: dict[str, Any] = {
             "lease_id": route.lease_id,
             "ok": ok,

@@ -114,8 +114,11 @@ class _Pipe(asyncio.Protocol):
                 self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
                 return
             fut, _ = self.pending.popleft()
-            if fut is not None and not fut.done():
-                fut.set_result((status, body))
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result((status, body))
+                elif fut.cancelled() and status == 200:
+                    self.owner._orphan(body)
             if b"\r\nconnection: close" in head:
                 self.abort(SchedulerUnavailableError("scheduler closed the connection"))
                 return
@@ -233,6 +236,15 @@ class SchedulerPipe:
         except SchedulerUnavailableError:
             return
         pipe.send(frame, None)
+
+    def _orphan(self, raw: bytes) -> None:
+        """A decision whose caller was cancelled meanwhile (its client went away): the lease
+        would otherwise count as load until it expires, so give it back at once."""
+        try:
+            lease_id = _loads(raw)["lease_id"]
+        except (ValueError, KeyError, TypeError):
+            return
+        self.release_nowait({"lease_id": lease_id, "ok": True, "prompt_tokens": 0, "output_tokens": 0})
 
     def close(self) -> None:
         if self._watchdog is not None:

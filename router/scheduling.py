@@ -37,6 +37,7 @@ class Route:
     policy: str
     reason: dict
     fallback: bool = False
+    released: bool = False
 
 
 class Scheduling:

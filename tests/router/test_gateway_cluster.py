@@ -191,3 +191,22 @@ def test_client_disconnect_mid_stream_aborts_the_request_on_the_worker(cluster):
     while _aborted(worker) == before[worker] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _aborted(worker) == before[worker] + 1
+
+
+def test_client_gone_before_the_answer_gives_the_lease_back(cluster):
+    def leases() -> int:
+        return sum(
+            w["in_flight_leases"]
+            for w in httpx.get(cluster["scheduler"] + "/v1/workers").json()["workers"]
+        )
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            cluster["gw"] + "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 300},
+            timeout=0.3,
+        )
+    deadline = time.monotonic() + 5
+    while leases() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leases() == 0

@@ -83,3 +83,26 @@ async def test_parser_handles_answers_split_anywhere():
         proto.data_received(answers[i : i + 5])
     assert [f.result() for f in futs] == [(200, b'{"a":"one"}'), (503, b'{"wait":true}'), (404, b"{}")]
     assert not proto.pending and not proto.buf
+
+
+async def test_decision_for_a_cancelled_call_is_given_back(scheduler):
+    pipe = SchedulerPipe(scheduler, timeout_s=5)
+    try:
+        await pipe.schedule_raw({"model": "m"})  # connect first
+        async with httpx.AsyncClient() as c:
+
+            async def leases() -> int:
+                return sum(
+                    w["in_flight_leases"]
+                    for w in (await c.get(scheduler + "/v1/workers")).json()["workers"]
+                )
+
+            base = await leases()
+            task = asyncio.ensure_future(pipe.schedule_raw({"model": "m"}))
+            for _ in range(3):  # the call is written, its answer not read yet
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.sleep(0.2)
+            assert await leases() == base
+    finally:
+        pipe.close()
