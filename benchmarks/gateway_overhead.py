@@ -203,7 +203,7 @@ async def main_async(args) -> list[dict]:
 
 async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dict]:
     gport, rport = free_port(), free_port()
-    common = ["--no-access-log", "--log-stats-interval", "60"]
+    common: list[str] = []  # defaults: access log and 5 s stats line on, as deployed
     gw = None
     if sched is not None:
         gw = spawn(

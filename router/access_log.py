@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
+from typing import TextIO
 
-access_log = logging.getLogger("router.access")
 stats_log = logging.getLogger("router.stats")
 
 
@@ -69,29 +70,54 @@ class Stats:
             self.ttft_n += 1
 
 
-def log_request(rec: RequestRecord) -> None:
-    if not access_log.isEnabledFor(logging.INFO):
-        return
-    e2e_ms = (time.perf_counter() - rec.start) * 1000
-    ttft = f"{rec.ttft_ms:.1f}" if rec.ttft_ms is not None else "-"
-    access_log.info(
-        "id=%s %s %s model=%s worker=%s status=%d stream=%d queue_ms=%.1f ttft_ms=%s e2e_ms=%.1f "
-        "tokens_in=%d tokens_out=%d retries=%d%s",
-        rec.id,
-        rec.method,
-        rec.path,
-        rec.model,
-        rec.worker,
-        rec.status,
-        rec.stream,
-        rec.queue_ms,
-        ttft,
-        e2e_ms,
-        rec.prompt_tokens,
-        rec.output_tokens,
-        rec.retries,
-        f" error={rec.error}" if rec.error else "",
-    )
+class AccessLog:
+    """The per-request line, written in batches: going through `logging` costs ~25 µs and a
+    write() per line, a noticeable share of the gateway's per-request budget. Lines are
+    formatted with one f-string and flushed together every `flush_s` (and at exit), in the
+    same layout as the other log lines."""
+
+    def __init__(self, stream: TextIO | None = None, flush_s: float = 0.1) -> None:
+        self.stream = stream or sys.stderr
+        self.flush_s = flush_s
+        self.lines: list[str] = []
+        self._sec = -1
+        self._sec_text = ""
+
+    def _stamp(self) -> str:
+        now = time.time()
+        sec = int(now)
+        if sec != self._sec:
+            self._sec, self._sec_text = sec, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sec))
+        return f"{self._sec_text},{int((now - sec) * 1000):03d}"
+
+    def add(self, rec: RequestRecord) -> None:
+        e2e_ms = (time.perf_counter() - rec.start) * 1000
+        ttft = f"{rec.ttft_ms:.1f}" if rec.ttft_ms is not None else "-"
+        err = f" error={rec.error}" if rec.error else ""
+        self.lines.append(
+            f"{self._stamp()} INFO router.access: id={rec.id} {rec.method} {rec.path} model={rec.model} "
+            f"worker={rec.worker} status={rec.status} stream={int(rec.stream)} queue_ms={rec.queue_ms:.1f} "
+            f"ttft_ms={ttft} e2e_ms={e2e_ms:.1f} tokens_in={rec.prompt_tokens} "
+            f"tokens_out={rec.output_tokens} retries={rec.retries}{err}\n"
+        )
+
+    def flush(self) -> None:
+        if self.lines:
+            text = "".join(self.lines)
+            self.lines.clear()
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.flush_s)
+                self.flush()
+        finally:
+            self.flush()
 
 
 async def stats_loop(stats: Stats, gauges, interval_s: float) -> None:

@@ -11,7 +11,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from router.access_log import Stats, stats_loop
+from router.access_log import AccessLog, Stats, stats_loop
 from router.auth import KeyChecker, load_api_keys
 from router.config import RouterConfig
 from router.errors import error_response
@@ -83,6 +83,9 @@ class Gateway:
             self.sched.pipe = SchedulerPipe(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
         self.sched.start(self.session)
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
+        if cfg.access_log:
+            self.proxy.access_log = AccessLog()
+            self._tasks.append(asyncio.get_running_loop().create_task(self.proxy.access_log.run()))
         self._tasks.append(
             asyncio.get_running_loop().create_task(
                 stats_loop(self.stats, self._gauges, cfg.log_stats_interval)

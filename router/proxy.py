@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.access_log import RequestRecord, Stats, log_request
+from router.access_log import AccessLog, RequestRecord, Stats
 from router.auth import KeyChecker
 from router.config import RouterConfig
 from router.errors import error_response, sse_error_event
@@ -97,6 +97,7 @@ class Proxy:
         self.idle_s = cfg.idle_stream_timeout_ms / 1000
         self._ids = count(1)
         self._id_prefix = f"{int(time.time()) & 0xFFFFFF:06x}"
+        self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
 
     # ---- entry points ------------------------------------------------------------------
@@ -131,8 +132,8 @@ class Proxy:
                 if rec.output_tokens > 1:
                     tpot_h.observe((e2e - rec.ttft_ms / 1000) / (rec.output_tokens - 1))
         self.stats.add(rec)
-        if self.cfg.access_log:
-            log_request(rec)
+        if self.access_log is not None:
+            self.access_log.add(rec)
 
     # ---- one request ---------------------------------------------------------------------
     async def _handle(self, request: web.Request, rec: RequestRecord, path: str) -> web.StreamResponse:
