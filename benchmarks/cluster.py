@@ -162,12 +162,12 @@ class Cluster:
             if spec.policy is None:
                 return
             if spec.policy.startswith("peer:"):
-                from benchmarks.peers import peer_argv  # optional Rust routers, same role as the gateway
+                from benchmarks.routing_peers import peer_argv, peer_env  # optional Rust routers
 
                 port = free_port()
                 self.gateway_url = f"http://{HOST}:{port}"
                 argv, ready_path = peer_argv(spec.policy, port, self.worker_urls)
-                self.gateway = ManagedProcess(tag, argv, log_dir / "peer.log")
+                self.gateway = ManagedProcess(tag, argv, log_dir / "peer.log", env=peer_env())
                 await self.gateway.start()
                 await self.gateway.wait_ready(self.gateway_url + ready_path, spec.startup_timeout_s, session)
                 return

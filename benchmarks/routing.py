@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny profile, 2 workers, 24 prompts, concurrency 8 (< 3 min)")
     p.add_argument("--replot", action="store_true", help="only redraw tables and PNGs from --output")
+    p.add_argument("--append", action="store_true",
+                   help="add (or re-run) these policies in an existing --output of the same scenario")
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -151,6 +153,23 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
     return result, sampler.samples, time.monotonic() - t0
 
 
+SAME_SCENARIO = ("profiles", "backend", "dataset", "num_prompts", "concurrency", "seed", "time_scale",
+                 "worker_args", "scrape_interval_ms")
+
+
+def merge_into(old: dict, scenario: dict) -> dict:
+    """An earlier run's document, ready to take more policies of exactly the same scenario."""
+    diff = [k for k in SAME_SCENARIO if old["scenario"].get(k) != scenario.get(k)]
+    if diff:
+        raise SystemExit(f"--append: {', '.join(diff)} differ from the existing file's scenario")
+    merged = old["scenario"]
+    merged.setdefault("appended", []).append({k: scenario[k] for k in (
+        "command", "policies", "scheduler_config", "scheduler_config_text", "gateway_args", "git_commit")})
+    for key in ("policies", "timelines", "wall_s"):
+        old.setdefault(key, {})
+    return old
+
+
 def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> None:
     results = doc["policies"]
     if "baseline" in results:
@@ -176,11 +195,13 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     print("figures: " + ", ".join(str(p) for p in paths))
 
 
-async def main_async(args: argparse.Namespace) -> int:
+async def main_async(args: argparse.Namespace, previous: dict | None = None) -> int:
     out = Path(args.output)
     policies = [s for s in args.policies.split(",") if s]
     log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
     doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "wall_s": {}}
+    if previous is not None:
+        doc = merge_into(previous, doc["scenario"])
     out.parent.mkdir(parents=True, exist_ok=True)
     workload = await asyncio.to_thread(prepare, args.dataset, args.num_prompts, args.seed, client_extra(args))
     for policy in policies:
@@ -206,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.output)
         report(json.loads(out.read_text()), out, not args.no_plots, args.timeline_policies.split(","))
         return 0
-    return asyncio.run(main_async(args))
+    out = Path(args.output)
+    previous = json.loads(out.read_text()) if args.append and out.exists() else None
+    return asyncio.run(main_async(args, previous))
 
 
 if __name__ == "__main__":
