@@ -50,14 +50,11 @@ def _split_line(line: str) -> tuple[str, str, str] | None:
     return line[:space], "", line[space:]
 
 
-def parse_selected(text: str, wanted: dict[str, str]) -> dict[str, list[Sample]]:
-    """Samples of the wanted series names, keyed by the canonical key `wanted` maps them to.
-
-    Malformed lines are skipped (a scrape must not fail on one odd line). Values that do
-    not parse as floats are skipped too.
-    """
-    out: dict[str, list[Sample]] = {}
-    for line in text.splitlines():
+def _parse_region(
+    text: str, start: int, end: int, wanted: dict[str, str], out: dict[str, list[Sample]]
+) -> None:
+    """Line by line over text[start:end]; comment lines and unwanted names are skipped."""
+    for line in text[start:end].splitlines():
         if not line or line[0] == "#":
             continue
         parts = _split_line(line)
@@ -75,6 +72,93 @@ def parse_selected(text: str, wanted: dict[str, str]) -> dict[str, list[Sample]]
         except ValueError:
             continue
         out.setdefault(key, []).append((parse_labels(labels) if labels else {}, value))
+
+
+_FAMILY_CACHE: dict[int, tuple[dict[str, str], dict[str, tuple[str, ...] | None]]] = {}
+
+
+def _families(wanted: dict[str, str]) -> dict[str, tuple[str, ...] | None]:
+    """Family names (as in `# TYPE` lines) whose samples may carry a wanted series name ->
+    the wanted `_sum`/`_count` series of that histogram family, or None (read every line)."""
+    hit = _FAMILY_CACHE.get(id(wanted))
+    if hit is not None and hit[0] is wanted:
+        return hit[1]
+    fams: dict[str, tuple[str, ...] | None] = {}
+    for name in wanted:
+        fams[name] = None
+        for suffix in ("_total", "_bucket"):
+            if name.endswith(suffix):
+                fams[name[: -len(suffix)]] = None
+    summary: dict[str, tuple[str, ...]] = {}
+    for name in wanted:
+        for suffix in ("_sum", "_count"):
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                summary[base] = (*summary.get(base, ()), name)
+    for base, series in summary.items():
+        if base not in fams:  # a family read whole (e.g. buckets wanted) stays whole
+            fams[base] = series
+    _FAMILY_CACHE[id(wanted)] = (wanted, fams)
+    return fams
+
+
+def _summary_lines(text: str, start: int, end: int, names: tuple[str, ...], wanted: dict[str, str],
+                   out: dict[str, list[Sample]]) -> None:
+    """Only the `_sum`/`_count` lines of a histogram block: found with str.find, the
+    bucket lines in between are never split."""
+    for name in names:
+        needle = "\n" + name
+        i = text.find(needle, start - 1, end)
+        while i != -1:
+            nl = text.find("\n", i + 1, end)
+            line_end = end if nl == -1 else nl
+            _parse_region(text, i + 1, line_end, wanted, out)
+            i = text.find(needle, line_end, end)
+
+
+def parse_selected(text: str, wanted: dict[str, str]) -> dict[str, list[Sample]]:
+    """Samples of the wanted series names, keyed by the canonical key `wanted` maps them to.
+
+    The text format groups each family's samples after its `# TYPE` line, so the blocks of
+    unwanted families (most of vLLM's exposition: histogram buckets) are jumped over with
+    str.find instead of being split into lines. A block whose last line does not belong to
+    its family (an untyped family appended to it) and every stretch outside typed blocks is
+    read line by line. Malformed lines and values that are not floats are skipped.
+    """
+    out: dict[str, list[Sample]] = {}
+    fams = _families(wanted)
+    n = len(text)
+    pos = 0
+    while pos < n:
+        head = text.find("# TYPE ", pos)
+        if head == -1 or (head > 0 and text[head - 1] != "\n"):
+            if head == -1:
+                _parse_region(text, pos, n, wanted, out)
+                break
+            # "# TYPE " inside a line (e.g. a label value): read up to there line by line.
+            eol = text.find("\n", head)
+            end = n if eol == -1 else eol + 1
+            _parse_region(text, pos, end, wanted, out)
+            pos = end
+            continue
+        if head > pos and not (text[pos] == "#" and text.find("\n", pos, head) == head - 1):
+            _parse_region(text, pos, head, wanted, out)  # untyped samples (a lone HELP line is skipped)
+        eol = text.find("\n", head)
+        if eol == -1:
+            break
+        family = text[head + 7 : eol].split(" ", 1)[0]
+        nxt = text.find("\n#", eol)
+        end = n if nxt == -1 else nxt + 1
+        only = fams.get(family, ())
+        if only is None:
+            _parse_region(text, eol + 1, end, wanted, out)
+        elif end - 1 > eol + 1:
+            last = text.rfind("\n", eol, end - 1) + 1
+            if not text.startswith(family, last):
+                _parse_region(text, eol + 1, end, wanted, out)  # an untyped family follows
+            elif only:
+                _summary_lines(text, eol + 1, end, only, wanted, out)
+        pos = end
     return out
 
 
