@@ -75,11 +75,16 @@ class SchedulerConfig(BaseSettings):
     def _join_list(cls, v: Any) -> Any:
         return ",".join(str(x) for x in v) if isinstance(v, list | tuple) else v
 
+    @field_validator("workers")
+    @classmethod
+    def _check_urls(cls, v: str) -> str:
+        for url in (u.strip() for u in v.split(",")):
+            if url and not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://: {url}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> SchedulerConfig:
-        for url in self.worker_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https://: {url}")
         if bool(self.k8s_namespace) != bool(self.k8s_label_selector):
             raise ValueError("k8s_namespace and k8s_label_selector go together")
         return self

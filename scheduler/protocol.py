@@ -7,8 +7,12 @@ POST /v1/schedule   ScheduleRequest  -> 200 ScheduleDecision
                                       -> 404 OpenAI error   (no worker serves the model)
 POST /v1/release    LeaseRelease     -> 204
 GET  /v1/workers    -> {"workers": [WorkerView, ...]}
-POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>)
-DELETE /v1/workers/{worker_id}
+POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>); posting
+                    again is the heartbeat -> 201 created / 200 refreshed
+DELETE /v1/workers/{worker_id}                  (same token) -> 204
+POST /v1/workers/{worker_id}/failure {"error"}  gateway saw a connection failure -> 204
+
+prefix_hashes: cumulative fingerprints (hash i covers the prompt up to chunk i).
 """
 
 from __future__ import annotations
@@ -69,3 +73,8 @@ class WorkerView(BaseModel):
     data_age_ms: float | None = None
     in_flight_leases: int = 0
     score: float | None = None
+    # Added by the scheduler: circuit state ("up", "half_open", "down", "unknown"), why the
+    # policy counts it saturated (None when it has room), and leases its data cannot show yet.
+    state: str | None = None
+    saturated: str | None = None
+    unseen_leases: int = 0

@@ -1,0 +1,87 @@
+"""Configuration (CLI, SCHEDULER_* env, YAML, one-line errors) and the health state machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scheduler.config import load_scheduler_config
+from scheduler.health import DOWN, HALF_OPEN, UP, Health
+from tests.scheduler.procs import ROOT
+
+
+def test_cli_env_yaml_precedence(tmp_path, monkeypatch):
+    cfg_file = tmp_path / "scheduler.yaml"
+    cfg_file.write_text("scrape_interval_ms: 250\npolicy: least_request\nworkers: [http://a:1, http://b:2]\n"
+                        "policy_params: {}\n")
+    cfg = load_scheduler_config(["--config", str(cfg_file)])
+    assert (cfg.scrape_interval_ms, cfg.policy, cfg.worker_urls) == (250, "least_request", ["http://a:1", "http://b:2"])
+    monkeypatch.setenv("SCHEDULER_SCRAPE_INTERVAL_MS", "300")
+    assert load_scheduler_config(["--config", str(cfg_file)]).scrape_interval_ms == 300  # env > YAML
+    cfg = load_scheduler_config(["--config", str(cfg_file), "--scrape-interval-ms", "50"])
+    assert cfg.scrape_interval_ms == 50  # CLI > env
+
+
+def test_policy_params_from_yaml(tmp_path):
+    cfg_file = tmp_path / "s.yaml"
+    cfg_file.write_text("policy: llm_aware\npolicy_params: {max_waiting: 3, w_kv: 2.5}\n")
+    cfg = load_scheduler_config(["--config", str(cfg_file)])
+    assert cfg.policy_params == {"max_waiting": 3, "w_kv": 2.5}
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--scrape-interval-ms", "fast"], "scrape-interval-ms"),
+    (["--policy", "best"], "policy"),
+    (["--policy-params", '{"w_nonsense": 1}'], "policy-params"),
+    (["--workers", "127.0.0.1:8101"], "workers"),
+])
+def test_invalid_value_is_one_line_naming_the_field(args, field):
+    proc = subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: invalid value for {field}"), proc.stderr
+
+
+def test_busy_is_not_dead_but_refused_connections_are():
+    h = Health()
+    assert h.on_success(0.0, 2) and h.state == UP
+    for _ in range(10):  # timeouts under load: never evict on their own
+        h.on_failure("timeout", fail_streak=3, connection_level=False)
+    assert h.state == UP
+    h.on_failure("refused", 3, True)
+    h.on_failure("refused", 3, True)
+    assert h.state == UP
+    assert h.on_failure("refused", 3, True) and h.state == DOWN
+
+
+def test_silence_evicts_after_dead_after():
+    h = Health()
+    h.on_success(0.0, 2)
+    assert not h.check_silence(5.0, dead_after_s=10.0)
+    assert h.check_silence(10.5, dead_after_s=10.0) and h.state == DOWN
+
+
+def test_recovery_needs_a_streak_then_a_trial():
+    h = Health()
+    h.on_success(0.0, 2)
+    h.force_down("gateway: connect")
+    assert h.state == DOWN
+    h.on_success(1.0, 2)
+    assert h.state == DOWN
+    h.on_failure("refused", 3, True)  # a failure resets the streak
+    h.on_success(1.2, 2)
+    assert h.state == DOWN
+    h.on_success(1.3, 2)
+    assert h.state == HALF_OPEN
+    assert h.trial_result(True) and h.state == UP
+
+
+def test_never_reached_worker_comes_up_on_first_success():
+    h = Health()
+    for _ in range(3):
+        h.on_failure("refused", 3, True)
+    assert h.state == DOWN
+    assert h.on_success(1.0, 2) and h.state == UP  # e.g. started after the scheduler
