@@ -105,3 +105,21 @@ def test_preempted_output_is_the_same_as_alone(worker):
     assert usage["completion_tokens"] == MAX_TOKENS
     assert text == results[BURST - 1][0]
     assert len(text.split()) >= MAX_TOKENS // 2  # readable words, not empty deltas
+
+
+def _decode_seconds(scale: str) -> tuple[float, float]:
+    """(simulated decode seconds from /metrics, wall seconds) of one 60-token request."""
+    with launch_worker("--backend", "sim", "--sim-profile", "tiny", "--time-scale", scale, model=MODEL) as w:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}
+        started = time.monotonic()
+        response = httpx.post(f"{w.base_url}/v1/completions", json=body, timeout=60)
+        wall = time.monotonic() - started
+        assert response.json()["usage"]["completion_tokens"] == 60
+        return sample(w.metrics(), "vllm:request_decode_time_seconds_sum"), wall
+
+
+def test_time_scale_stretches_wall_time_but_metrics_report_simulated_seconds():
+    simulated_1, wall_1 = _decode_seconds("1")
+    simulated_3, wall_3 = _decode_seconds("3")
+    assert 0.8 < simulated_3 / simulated_1 < 1.25  # same simulated time
+    assert 2.0 < wall_3 / wall_1 < 4.0  # three times the wall time (server overhead aside)
