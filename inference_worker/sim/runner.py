@@ -83,6 +83,8 @@ class SimModelRunner:
         self._end = float("-inf")  # modelled end of the previous step, on `clock`
 
     def execute(self, batch: StepBatch) -> list[int | None]:
+        if not batch.sequences:
+            return []  # nothing ran on the "GPU": no time, and the timeline is not moved
         start_call = self._clock()
         computed = context = pairs = 0
         out: list[int | None] = []

@@ -125,7 +125,7 @@ def test_empty_batch_takes_no_time():
     fake = FakeTime()
     runner, _ = make_runner(fake=fake)
     assert runner.execute(StepBatch([])) == []
-    assert fake.sleeps == []
+    assert fake.sleeps == [] and runner.stats.steps == 0 and runner.stats.late_steps == 0
 
 
 def test_time_scale_stretches_real_step_time():
