@@ -104,7 +104,7 @@ class Gateway:
             await self.session.close()
 
     def _gauges(self) -> tuple[int, int, bool]:
-        in_flight = int(self.metrics.in_flight._value.get())
+        in_flight = int(self.metrics.in_flight.value)
         return in_flight, self.queue.size, bool(self.sched and self.sched.fallback_active)
 
     # ---- handlers ------------------------------------------------------------------------

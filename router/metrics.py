@@ -7,14 +7,11 @@ request costs a dict hit plus the observe/inc itself (prometheus_client's
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+
+from router.fast_metrics import FastCounter as Counter
+from router.fast_metrics import FastGauge as Gauge
+from router.fast_metrics import FastHistogram as Histogram
 
 # The *_created series double the exposition size and no dashboard uses them.
 disable_created_metrics()

@@ -161,6 +161,10 @@ class Scheduling:
                 payload.get("policy", ""),
                 payload.get("reason") or {},
             )
+        if payload.get("reason") == "no_routable_worker":
+            # Nobody to wait for (every worker of the model is down or already failed this
+            # request): answer now rather than hold the client until the queue timeout.
+            raise NoWorkerError(f"no healthy worker serves model {body['model']!r} right now")
         if not wait_ms:
             return None
         # A long poll that ended without capacity: go round again (no sleep: the next

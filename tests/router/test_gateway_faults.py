@@ -160,3 +160,26 @@ def test_scheduler_killed_then_restarted_fallback_and_back(capsys):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_every_worker_down_answers_503_at_once_not_after_the_queue_timeout():
+    procs = []
+    try:
+        [(w, wu)] = start_sim_workers(1)
+        procs.append(w)
+        s, su = start_scheduler([wu], "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--queue-timeout-ms", "60000")
+        procs.append(g)
+        w.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not any(x["healthy"] for x in httpx.get(su + "/v1/workers").json()["workers"]):
+                break
+            time.sleep(0.05)
+        r = httpx.post(gu + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=20)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        assert int(r.headers["Retry-After"]) >= 1
+    finally:
+        for p in procs:
+            p.stop()

@@ -12,12 +12,24 @@ from router.auth import KeyChecker, bearer_token
 from router.fallback import FallbackRouter, NoWorkerError
 from router.queue import AdmissionQueue, QueueFull
 from router.sse import StreamTap, usage_of_body
-from router.tokens import PREFIX_CHUNK_CHARS, estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+from router.tokens import (
+    PREFIX_CHUNK_CHARS,
+    estimate_tokens,
+    max_tokens_of,
+    prefix_hashes,
+    render_prompt,
+)
 
 
 def test_render_and_estimate_chat_and_completion():
-    text, ids = render_prompt({"messages": [{"role": "user", "content": "hello world"},
-                                            {"role": "user", "content": [{"type": "text", "text": "abc"}]}]})
+    text, ids = render_prompt(
+        {
+            "messages": [
+                {"role": "user", "content": "hello world"},
+                {"role": "user", "content": [{"type": "text", "text": "abc"}]},
+            ]
+        }
+    )
     assert "hello world" in text and "abc" in text and ids == 0
     assert estimate_tokens("a" * 40) == 10
     assert render_prompt({"prompt": [1, 2, 3]}) == ("", 3)
@@ -122,7 +134,9 @@ def test_fallback_round_robin_passive_health_and_models():
     assert {fb.pick("n", []).worker_id for _ in range(4)} == {"w2", "http://s1"}
     fb.mark_failed("http://a")
     assert "w1" not in {fb.pick("m", []).worker_id for _ in range(6)}
-    assert fb.pick("m", ["w2", "http://s1"]).worker_id == "w1"  # everyone else excluded: try the resting one
+    assert (
+        fb.pick("m", ["w2", "http://s1"]).worker_id == "w1"
+    )  # everyone else excluded: try the resting one
     assert fb.models() == {"m", "n"}
     with pytest.raises(NoWorkerError):
         FallbackRouter([], 1).pick("m", [])
@@ -140,3 +154,32 @@ def test_api_keys():
     assert not kc.allows("Bearer k3") and not kc.allows(None) and not kc.allows("Basic k1")
     assert KeyChecker([]).allows(None)
     assert bearer_token("Bearer  abc ") == b"abc"
+
+
+def test_fast_metrics_export_standard_families():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    for v in (0.0005, 0.001, 0.003, 7.0, 1000.0):
+        m.per_model("m")[2].observe(v)  # ttft
+    m.request_done("m", 200, "w1")
+    m.request_done("m", 200, "w1")
+    m.in_flight.inc()
+    m.fallback_requests.inc(3)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    req = fams["router_requests"].samples[0]
+    assert req.labels == {"model": "m", "status": "200", "worker": "w1"} and req.value == 2
+    assert fams["router_requests_in_flight"].samples[0].value == 1
+    assert fams["router_fallback_requests"].samples[0].value == 3
+    buckets = {
+        s.labels["le"]: s.value
+        for s in fams["router_time_to_first_token_seconds"].samples
+        if s.name.endswith("_bucket")
+    }
+    assert (
+        buckets["0.001"] == 2 and buckets["0.005"] == 3 and buckets["10.0"] == 4 and buckets["+Inf"] == 5
+    )
+    total = next(s for s in fams["router_time_to_first_token_seconds"].samples if s.name.endswith("_sum"))
+    assert abs(total.value - 1007.0045) < 1e-9
