@@ -72,6 +72,8 @@ class EchoWorker:
                 body=_dumps(
                     {
                         "id": "cmpl-echo",
+                        # lets tests check what the proxy in front passed on
+                        "saw_authorization": "Authorization" in request.headers,
                         "object": "chat.completion" if chat else "text_completion",
                         "created": int(time.time()),
                         "model": self.model,

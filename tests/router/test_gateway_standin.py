@@ -237,3 +237,42 @@ def test_metrics_on_their_own_port_or_off():
     finally:
         for p in (g1, g2, w):
             p.stop()
+
+
+def test_client_api_key_is_not_forwarded_unless_configured(stack):
+    w1 = stack["workers"][0]
+    body = {"model": "m", "prompt": "p", "max_tokens": 1}
+    r = httpx.post(
+        stack["gw_auth"] + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}
+    )
+    assert r.status_code == 200 and r.json()["saw_authorization"] is False
+    g, gu = start_gateway("--workers", w1, "--api-keys", "sekret", "--forward-api-key")
+    try:
+        r = httpx.post(gu + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["saw_authorization"] is True
+    finally:
+        g.stop()
+
+
+def test_first_byte_and_idle_stream_timeouts():
+    """A worker that takes 400 ms per token: a 150 ms first-byte timeout fails it (retried, then
+    502); with a generous first-byte timeout but a 150 ms idle timeout, a stream that started
+    ends with an SSE error event instead of hanging."""
+    w, wu = start_echo_worker(token_delay_ms=400)
+    g1, gu1 = start_gateway("--workers", wu, "--first-byte-timeout-ms", "150", "--retry-count", "1")
+    g2, gu2 = start_gateway(
+        "--workers", wu, "--first-byte-timeout-ms", "5000", "--idle-stream-timeout-ms", "150"
+    )
+    try:
+        r = httpx.post(
+            gu1 + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 502 and "timeout" in r.json()["error"]["message"]
+        body = {"model": "m", "prompt": "p", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", gu2 + "/v1/completions", json=body, timeout=30) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "idle_timeout" in json.loads(events[-2])["error"]["message"]
+    finally:
+        for p in (g1, g2, w):
+            p.stop()
