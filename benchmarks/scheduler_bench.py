@@ -98,12 +98,15 @@ def bench_wire(rounds: int = 30000) -> dict:
                                                   "waiting": 0.0, "kv": 0.41, "unseen": 1, "age_ms": 42.0}}
     raw_decision = to_json(decision)
 
-    def timed(fn) -> float:
+    def timed(fn) -> float:  # CPU time, best of 3 (the machine is shared)
         fn()
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            fn()
-        return round((time.perf_counter() - t0) / rounds * 1e6, 2)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(rounds // 3):
+                fn()
+            best = min(best, (time.process_time() - t0) / (rounds // 3))
+        return round(best * 1e6, 2)
 
     return {
         "server_request_decode_pydantic_validate_json_us (used)": timed(lambda: parse_schedule(body)),
@@ -150,21 +153,27 @@ def bench_decide(sizes=(8, 64, 512), decisions: int = 20000) -> dict:
         reqs = [Request("m", rng.randint(10, 2000), rng.randint(16, 512),
                         [rng.getrandbits(63) for _ in range(rng.randint(0, 6))]) for _ in range(256)]
         open_leases: list[str] = []
-        lat = []
+        lat, cpu = [], []
         for i in range(decisions):
             now = time.monotonic()
             if now >= next_scrape:  # the scraper's work is not part of a decision
                 scrape_all(now)
                 next_scrape = now + 0.1
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             d = svc.decide(reqs[i % len(reqs)], now)
             lat.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             if isinstance(d, dict):
                 open_leases.append(d["lease_id"])
             if len(open_leases) > 4 * n:  # keep a steady number of requests in flight
                 svc.release(open_leases.pop(0), True)
-        out[str(n)] = {"p50_us": round(_pct(lat, 0.5) * 1e6, 1), "p99_us": round(_pct(lat, 0.99) * 1e6, 1),
-                       "mean_us": round(statistics.fmean(lat) * 1e6, 1), "decisions": decisions}
+        # Wall time includes being preempted on a shared machine; thread CPU time does not.
+        out[str(n)] = {"wall_p50_us": round(_pct(lat, 0.5) * 1e6, 1),
+                       "wall_p99_us": round(_pct(lat, 0.99) * 1e6, 1),
+                       "cpu_p50_us": round(_pct(cpu, 0.5) * 1e6, 1),
+                       "cpu_p99_us": round(_pct(cpu, 0.99) * 1e6, 1),
+                       "cpu_mean_us": round(statistics.fmean(cpu) * 1e6, 1), "decisions": decisions}
     return out
 
 

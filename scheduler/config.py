@@ -40,7 +40,7 @@ class SchedulerConfig(BaseSettings):
     fail_streak: int = Field(3, ge=1, description="connection failures in a row that take a worker out")
     recover_streak: int = Field(2, ge=1, description="successes in a row before a half-open trial")
     dead_after_ms: int = Field(10_000, ge=100, description="no success for this long: out (silent host)")
-    stale_after_ms: int = Field(1000, ge=10, description="older load data: treat the worker as saturated")
+    stale_after_ms: int = Field(2000, ge=10, description="older load data: treat the worker as saturated")
     models_refresh_ms: int = Field(5000, ge=100, description="how often /v1/models is re-read")
 
     # Decisions

@@ -45,6 +45,8 @@ class WorkerState:
         self.free_tokens = math.inf
         self.saturated: str | None = None
         self.capacity_tokens = math.inf
+        self.taken_at = math.inf  # of the snapshot the policy last saw (inf: no data yet)
+        self.rank = 0.0
 
     # ---- derived load, reconciled with leases ------------------------------------------
 

@@ -27,6 +27,10 @@ from scheduler.registry import WorkerState
 _INF = math.inf
 
 
+def _rank(w: WorkerState) -> float:
+    return w.rank
+
+
 @dataclass
 class LlmAwareParams:
     max_waiting: float = 1.0
@@ -54,10 +58,11 @@ class LlmAware(Policy):
         s = w.snapshot
         waiting, running, unseen = w.waiting_eff, w.running_eff, w.unseen
         if s is None:
-            # No load data (unknown dialect): only leases tell.
+            # No load data (unknown dialect): only leases tell; never stale, never full.
             w.score = p.w_running * running + p.w_pending * unseen
-            w.free_tokens, w.saturated = _INF, None
-            w.capacity_tokens = _INF
+            w.free_tokens = w.capacity_tokens = _INF
+            w.saturated, w.taken_at = None, _INF
+            w.rank = w.score
             return
         kv = s.kv_usage or 0.0
         if s.num_blocks and s.block_size:
@@ -75,6 +80,7 @@ class LlmAware(Policy):
         elif p.max_running and running >= p.max_running:
             sat = "running"
         w.saturated = sat
+        w.taken_at = s.taken_at
         w.score = (
             p.w_waiting * waiting
             + p.w_running * running
@@ -83,6 +89,9 @@ class LlmAware(Policy):
             + p.w_gen_rate * (s.gen_tps or 0.0) / 1000.0
             + p.w_prompt_rate * (s.prompt_tps or 0.0) / 1000.0
         )
+        # score + w_age * (now - taken_at) = rank + w_age * now: the same `now` for every
+        # candidate, so decisions compare `rank` and never compute ages.
+        w.rank = w.score - p.w_age * s.taken_at
 
     def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         p: LlmAwareParams = self.p
@@ -91,35 +100,41 @@ class LlmAware(Policy):
         hashes = req.prefix_hashes
         matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
         stale_before = now - self.env.stale_after_s
-        w_age, w_prefix = p.w_age, p.w_prefix
-        best = best_sat = None
-        best_s = best_sat_s = _INF
-        best_why = None
-        for w in cands:
-            score = w.score
-            sat = w.saturated
-            snap = w.snapshot
-            if snap is not None:
-                if snap.taken_at < stale_before:
-                    sat = "stale"
-                elif need > w.free_tokens and need <= w.capacity_tokens:
-                    # (a request larger than the whole pool is left to the engine)
-                    sat = sat or "kv_headroom"
-                score += w_age * (now - snap.taken_at)
-            if matches:
-                m = matches.get(w.worker_id)
-                if m:
-                    score -= w_prefix * m / len(hashes)
-            if sat is None:
-                if score < best_s:
-                    best, best_s = w, score
-            elif score < best_sat_s:
-                best_sat, best_sat_s, best_why = w, score, sat
+        best = None
+        best_r = _INF
+        if matches:
+            bonus = p.w_prefix / len(hashes)
+            for w in cands:
+                if w.saturated is None and w.taken_at >= stale_before and (
+                    need <= w.free_tokens or need > w.capacity_tokens
+                ):
+                    r = w.rank - bonus * matches.get(w.worker_id, 0)
+                    if r < best_r:
+                        best, best_r = w, r
+        else:
+            for w in cands:
+                # unsaturated, fresh data, and room for this request's KV (a request larger
+                # than the whole pool is left to the engine)
+                if w.saturated is None and w.taken_at >= stale_before and (
+                    need <= w.free_tokens or need > w.capacity_tokens
+                ):
+                    r = w.rank
+                    if r < best_r:
+                        best, best_r = w, r
+        age_term = p.w_age * now
         if best is not None:
-            return Pick(best, best_s, {"saturated": None})
-        if p.hold_when_saturated or best_sat is None:
+            return Pick(best, best_r + age_term, {"saturated": None})
+        if p.hold_when_saturated:
             return None
-        return Pick(best_sat, best_sat_s, {"saturated": best_why})
+        # Every candidate is saturated and holding is off: the least bad one.
+        w = min(cands, key=_rank)
+        return Pick(w, w.rank + age_term, {"saturated": self._why(w, need, stale_before)})
+
+    @staticmethod
+    def _why(w: WorkerState, need: float, stale_before: float) -> str:
+        if w.taken_at < stale_before:
+            return "stale"
+        return w.saturated or "kv_headroom"
 
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         if req.prefix_hashes and self.p.w_prefix:

@@ -2,7 +2,9 @@
 
 The gateway sends cumulative fingerprints (hash i covers the prompt up to chunk i),
 so holding hash i implies holding every shorter one; the deepest hash a worker
-holds is its match length. Bounded LRU: oldest fingerprints go first.
+holds is its match length. Bounded twice: an LRU over fingerprints (oldest go first),
+and at most `max_owners` workers per fingerprint (the most recent ones), so a hot
+shared prefix (a system prompt sent everywhere) never makes a lookup walk every worker.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections import OrderedDict
 
 
 class PrefixIndex:
-    def __init__(self, capacity: int = 200_000) -> None:
+    def __init__(self, capacity: int = 200_000, max_owners: int = 4) -> None:
         self.capacity = capacity
+        self.max_owners = max_owners
         self._map: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -38,6 +41,8 @@ class PrefixIndex:
                 m[h] = {worker_id: now}
             else:
                 owners[worker_id] = now
+                if len(owners) > self.max_owners:
+                    del owners[min(owners, key=owners.__getitem__)]
                 m.move_to_end(h)
         while len(m) > self.capacity:
             m.popitem(last=False)
