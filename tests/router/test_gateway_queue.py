@@ -70,6 +70,16 @@ def _wait_queue_empty(gw: str, timeout_s: float = 20) -> None:
     raise AssertionError(f"gateway still busy: {st}")
 
 
+def _wait_leases(scheduler: str, n: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = httpx.get(scheduler + "/v1/workers").json()["workers"]
+        if sum(w["in_flight_leases"] for w in workers) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never saw {n} leases in flight")
+
+
 def test_requests_beyond_capacity_wait_then_finish(cluster):
     _wait_queue_empty(cluster)
     with QueueSampler(cluster) as qs, ThreadPoolExecutor(5) as ex:
@@ -102,7 +112,7 @@ def test_disconnect_while_queued_frees_the_place(cluster):
     _wait_queue_empty(cluster)
     with ThreadPoolExecutor(8) as ex:
         running = [ex.submit(_post, cluster, SLOW) for _ in range(2)]
-        time.sleep(0.2)
+        _wait_leases(httpx.get(cluster + "/admin/state").json()["scheduler"], 2)
         # Three clients queue and give up after 0.3 s (their connections close).
         quitters = [ex.submit(_post, cluster, SLOW, 0.3) for _ in range(QUEUE)]
         for q in quitters:
@@ -125,7 +135,7 @@ def test_queue_timeout_gets_429(cluster):
     try:
         with ThreadPoolExecutor(4) as ex:
             running = [ex.submit(_post, cluster, SLOW) for _ in range(2)]
-            time.sleep(0.2)
+            _wait_leases(scheduler, 2)  # both workers are busy now
             r = _post(gu, SLOW)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
             assert int(r.headers["Retry-After"]) >= 1
