@@ -16,6 +16,8 @@ from router.fast_metrics import FastHistogram as Histogram
 # The *_created series double the exposition size and no dashboard uses them.
 disable_created_metrics()
 
+MAX_SERIES = 2000  # request-counter label sets kept before new ones are counted as model "other"
+MAX_MODELS = 200
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _SCHED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5)
@@ -120,10 +122,12 @@ class RouterMetrics:
         }
 
     def request_done(self, model: str, status: int, worker: str) -> None:
+        if status == 404:
+            model = "unknown"  # a client can invent any number of model names: not a label each
         key = (model, str(status), worker)
         child = self._req_children.get(key)
         if child is None:
-            if len(self._req_children) > 10_000:  # bound label cardinality against junk model names
+            if len(self._req_children) > MAX_SERIES:  # bound label cardinality
                 key = ("other", key[1], key[2])
             child = self._req_children[key] = self.requests.labels(*key)
         child.inc()
@@ -132,7 +136,7 @@ class RouterMetrics:
         """(prompt_tokens, generation_tokens, ttft, tpot, e2e) children for a model."""
         children = self._model_children.get(model)
         if children is None:
-            if len(self._model_children) > 1000:
+            if len(self._model_children) > MAX_MODELS:
                 model = "other"
             children = self._model_children[model] = (
                 self.prompt_tokens.labels(model),
