@@ -32,6 +32,9 @@ def resolve_device_dtype(device: str, dtype: str):
 
 
 def default_num_threads() -> int:
+    """torch threads for the CPU forward: WORKER_TORCH_THREADS, else every core we may run on."""
+    if os.environ.get("WORKER_TORCH_THREADS", "").isdigit() and int(os.environ["WORKER_TORCH_THREADS"]) > 0:
+        return int(os.environ["WORKER_TORCH_THREADS"])
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

@@ -24,7 +24,7 @@ class AttentionGroup:
 
     start: int  # this group's rows of the step's token axis are [start, end)
     end: int
-    kv_slots: torch.Tensor  # [B, C] pool slots of each sequence's context (0 where padded)
+    kv_slots: torch.Tensor  # [B * C] pool slots of each sequence's context (0 where padded), flattened
     mask: torch.Tensor  # bool, [B, 1, Q, C] (decode: Q = 1); True = may attend
     pad_index: torch.Tensor | None  # [N] positions in the flattened [B * Q] padded query axis
     num_seqs: int
@@ -82,11 +82,11 @@ class PagedLlama:
             raise ValueError("attention biases are not supported by this Llama forward")
         self.intermediate = self.layers[0][4].shape[0] // 2
         self._init_rope(hf_model, cfg)
-        # The KV pool: one [slots, kv_heads, head_dim] tensor per layer for K and for V.
+        # The KV pool: per layer, [slots, 2 (K, V), kv_heads, head_dim], slot = block * block_size + offset.
+        # K and V side by side: one index_copy_ writes and one index_select gathers both.
         slots = num_blocks * block_size
-        shape = (self.num_layers, slots, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (self.num_layers, slots, 2, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
 
     def _init_rope(self, hf_model, cfg) -> None:
         # Reuse the HF rotary module so every rope scaling variant matches transformers exactly.
@@ -115,8 +115,10 @@ class PagedLlama:
     def _attend(self, group: AttentionGroup, q, layer: int) -> torch.Tensor:
         """q: [N, heads, head_dim] of this group's tokens -> [N, heads * head_dim]."""
         b, kvh, g, d = group.num_seqs, self.num_kv_heads, self.groups, self.head_dim
-        k = self.k_cache[layer][group.kv_slots].transpose(1, 2)  # [B, kvh, C, d]
-        v = self.v_cache[layer][group.kv_slots].transpose(1, 2)
+        # index_select copies whole rows: several times faster than advanced indexing on CPU.
+        kv = self.kv_cache[layer].index_select(0, group.kv_slots).view(b, -1, 2, kvh, d)
+        k = kv[:, :, 0].transpose(1, 2)  # [B, kvh, C, d]
+        v = kv[:, :, 1].transpose(1, 2)
         if group.pad_index is None:  # decode: one query per sequence
             qg = q.view(b, kvh, g, d)
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=self.scale)
@@ -147,8 +149,7 @@ class PagedLlama:
             q = self._rope(qkv[:, :q_size].view(t, h_, d), cos, sin)
             k = self._rope(qkv[:, q_size : q_size + kv_size].view(t, kvh, d), cos, sin)
             v = qkv[:, q_size + kv_size :].view(t, kvh, d)
-            self.k_cache[li].index_copy_(0, slots, k)
-            self.v_cache[li].index_copy_(0, slots, v)
+            self.kv_cache[li].index_copy_(0, slots, torch.stack((k, v), dim=1))
             if pre is None:
                 attn = self._attend(dec, q, li)
             elif dec is None:

@@ -23,14 +23,15 @@ class TorchModelRunner:
 
     # ---- batch tensors --------------------------------------------------------------------
     def _context_slots(self, seqs: Sequence[ScheduledSequence], max_ctx: int) -> torch.Tensor:
-        """[B, max_ctx] pool slots of each sequence's first max_ctx positions (block 0 where padded)."""
+        """[B * max_ctx] pool slots of each sequence's first max_ctx positions (block 0 where padded)."""
         bs = self.block_size
         nblocks = -(-max_ctx // bs)
         tables = [
             list(s.block_table[:nblocks]) + [0] * (nblocks - len(s.block_table[:nblocks])) for s in seqs
         ]
         bt = torch.tensor(tables, dtype=torch.long, device=self.device)
-        return (bt.unsqueeze(-1) * bs + self._arange_bs).view(len(seqs), nblocks * bs)[:, :max_ctx]
+        slots = (bt.unsqueeze(-1) * bs + self._arange_bs).view(len(seqs), nblocks * bs)[:, :max_ctx]
+        return slots.reshape(-1)
 
     def _decode_group(self, seqs: list[ScheduledSequence]) -> AttentionGroup:
         ctx = [s.num_computed_tokens + 1 for s in seqs]
