@@ -39,6 +39,11 @@ class RouterConfig(BaseSettings):
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")
     models_cache_ms: int = Field(1000, ge=0, description="how long GET /v1/models answers are cached")
 
+    tokenizer: str | None = Field(
+        None,
+        description="tokenizer.json (or its directory) for exact prompt token counts; else ~4 chars/token",
+    )
+
     # Queue, retries, fallback (reference product names)
     max_queue_size: int = Field(128, ge=0)
     queue_timeout_ms: int = Field(60_000, ge=1)

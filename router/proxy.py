@@ -27,7 +27,7 @@ from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import Route, Scheduling
 from router.sse import StreamTap, usage_of_body
-from router.tokens import estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+from router.tokens import TokenCounter, max_tokens_of, prefix_hashes, render_prompt
 from scheduler.client import SchedulerRequestError, UnknownModelError
 
 log = logging.getLogger("router.proxy")
@@ -97,6 +97,7 @@ class Proxy:
         self.idle_s = cfg.idle_stream_timeout_ms / 1000
         self._ids = count(1)
         self._id_prefix = f"{int(time.time()) & 0xFFFFFF:06x}"
+        self.tokens = TokenCounter(cfg.tokenizer)
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
 
@@ -185,7 +186,7 @@ class Proxy:
                 raw = self._with_usage(raw, body)
 
         text, id_tokens = render_prompt(body)
-        est = estimate_tokens(text, id_tokens)
+        est = self.tokens.count(text, id_tokens)
         rec.prompt_tokens = est
         sched_body: dict[str, Any] = {"model": model, "prompt_tokens": est}
         mt = max_tokens_of(body)

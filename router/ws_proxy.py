@@ -23,7 +23,7 @@ from router.errors import error_response
 from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError
-from router.tokens import estimate_tokens, max_tokens_of, prefix_hashes, render_prompt
+from router.tokens import max_tokens_of, prefix_hashes, render_prompt
 from scheduler.client import SchedulerError
 
 log = logging.getLogger("router.ws")
@@ -61,7 +61,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             return client
         rec.model = model
         text, ids = render_prompt(body)
-        sched_body = {"model": model, "prompt_tokens": estimate_tokens(text, ids)}
+        sched_body = {"model": model, "prompt_tokens": proxy.tokens.count(text, ids)}
         if (mt := max_tokens_of(body)) is not None:
             sched_body["max_tokens"] = mt
         if hashes := prefix_hashes(text):

@@ -181,5 +181,29 @@ def test_fast_metrics_export_standard_families():
     assert (
         buckets["0.001"] == 2 and buckets["0.005"] == 3 and buckets["10.0"] == 4 and buckets["+Inf"] == 5
     )
-    total = next(s for s in fams["router_time_to_first_token_seconds"].samples if s.name.endswith("_sum"))
+    total = next(
+        s for s in fams["router_time_to_first_token_seconds"].samples if s.name.endswith("_sum")
+    )
     assert abs(total.value - 1007.0045) < 1e-9
+
+
+def test_token_counter_with_a_local_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from router.tokens import TokenCounter
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        ["the cat sat on the mat"], trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    exact = TokenCounter(str(tmp_path))  # a directory holding tokenizer.json
+    assert exact.exact and exact.count("the cat sat on the mat") == 6
+    assert exact.count("the dog", 3) == 5  # unknown words still count; ids given directly add up
+    rough = TokenCounter(None)
+    assert not rough.exact and rough.count("the cat sat on the mat") == estimate_tokens(
+        "the cat sat on the mat"
+    )
+    with pytest.raises(SystemExit):
+        TokenCounter(str(tmp_path / "missing.json"))
