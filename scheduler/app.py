@@ -161,26 +161,36 @@ async def metrics(request: web.Request) -> web.Response:
     return resp
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler):
-    """Unknown paths and wrong methods answer in the OpenAI error shape too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason or "error")
+async def not_found(request: web.Request) -> web.Response:
+    return error_response(404, f"no route for {request.path}", code="not_found")
+
+
+async def method_not_allowed(request: web.Request) -> web.Response:
+    message = f"{request.method} is not allowed on {request.path}"
+    return error_response(405, message, code="method_not_allowed")
 
 
 def build_app(service: SchedulerService) -> web.Application:
-    app = web.Application(middlewares=[json_errors], client_max_size=1 << 20)
+    # No middleware: it would wrap every call on the hot path. Unknown paths and wrong
+    # methods get OpenAI-shaped errors from explicit catch-all routes instead.
+    app = web.Application(client_max_size=1 << 20)
     app[SERVICE_KEY] = service
-    app.router.add_post("/v1/schedule", schedule)
-    app.router.add_post("/v1/release", release)
-    app.router.add_get("/v1/workers", list_workers)
-    app.router.add_post("/v1/workers", register_worker)
-    app.router.add_delete("/v1/workers/{worker_id}", delete_worker)
-    app.router.add_post("/v1/workers/{worker_id}/failure", worker_failure)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    routes = [
+        ("POST", "/v1/schedule", schedule),
+        ("POST", "/v1/release", release),
+        ("GET", "/v1/workers", list_workers),
+        ("POST", "/v1/workers", register_worker),
+        ("DELETE", "/v1/workers/{worker_id}", delete_worker),
+        ("POST", "/v1/workers/{worker_id}/failure", worker_failure),
+        ("GET", "/health", health),
+        ("GET", "/metrics", metrics),
+    ]
+    resources: dict[str, web.Resource] = {}
+    for method, path, handler in routes:
+        resource = resources.get(path) or app.router.add_resource(path)
+        resources[path] = resource
+        resource.add_route(method, handler)
+    for resource in resources.values():
+        resource.add_route("*", method_not_allowed)
+    app.router.add_route("*", "/{tail:.*}", not_found)
     return app
