@@ -76,6 +76,7 @@ class Result:
     ttfts: list[float]
     errors: int
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    loadavg: float = 0.0
 
     def row(self) -> dict:
         lat = sorted(self.latencies)
@@ -95,6 +96,7 @@ class Result:
             "ttft_p50_ms": round(pct(tt, 0.5), 3),
             "ttft_p99_ms": round(pct(tt, 0.99), 3),
             **{f"cpu_ms_per_req_{k}": round(v, 3) for k, v in self.cpu_ms.items()},
+            "loadavg_1m": self.loadavg,
         }
 
 
@@ -146,7 +148,9 @@ async def run_load(
         await asyncio.wait_for(asyncio.gather(*(client() for _ in range(conc))), timeout=600)
         wall = time.perf_counter() - t0
         cpu = {k: (cpu_s(p) - cpu0[k]) * 1000 / n for k, p in pids.items()}
-    return Result(target, "stream16" if stream else "non-stream", n, wall, lat, ttft, errors, cpu)
+    res = Result(target, "stream16" if stream else "non-stream", n, wall, lat, ttft, errors, cpu)
+    res.loadavg = round(os.getloadavg()[0], 1)  # other tenants of the machine, for reading the figures
+    return res
 
 
 async def main_async(args) -> list[dict]:
@@ -385,6 +389,7 @@ def print_table(rows: list[dict]) -> None:
         "ttft_p99_ms",
         "cpu_ms_per_req_gateway",
         "cpu_ms_per_req_scheduler",
+        "loadavg_1m",
     ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
