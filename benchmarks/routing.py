@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -229,7 +230,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.output)
     previous = json.loads(out.read_text()) if args.append and out.exists() else None
-    return asyncio.run(main_async(args, previous))
+    return asyncio.run(_cancel_on_signals(main_async(args, previous)))
+
+
+async def _cancel_on_signals(coro) -> int:
+    """SIGTERM/SIGINT (also from a background shell, where SIGINT may be ignored) cancel the run,
+    so every `async with Cluster` stops its process groups instead of leaving orphans."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        print("[routing] interrupted: workers, scheduler and gateway stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

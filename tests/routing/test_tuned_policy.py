@@ -55,14 +55,14 @@ def test_configs_exist():
     assert CONFIGS, "benchmarks/configs/llm_aware*.yaml missing"
 
 
-def test_kv_load_outweighs_request_count(config):
-    # Decode time grows with the KV read, not with the number of sequences: 30 short requests
-    # at 40% KV are a lighter worker than 10 long ones at 88%.
+def test_requests_balance_by_count_and_kv_breaks_ties(config):
+    # Arrivals spread by request count (so prefills spread too); between equally busy workers
+    # the one with more free KV wins.
     svc = service(config)
-    feed(svc, "w0", running=10, kv=0.88)
-    feed(svc, "w1", running=30, kv=0.40)
-    feed(svc, "w2", running=30, kv=0.60)
-    assert decide(svc)["worker_id"] == "w1"
+    feed(svc, "w0", running=20, kv=0.30)
+    feed(svc, "w1", running=12, kv=0.70)
+    feed(svc, "w2", running=12, kv=0.50)
+    assert decide(svc)["worker_id"] == "w2"
 
 
 def test_queueing_or_full_worker_not_chosen_while_another_has_headroom(config):
