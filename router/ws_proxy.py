@@ -125,7 +125,11 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
     down = asyncio.ensure_future(copy(upstream, client))
     up = asyncio.ensure_future(copy(client, upstream))
     try:
-        await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        if down in done and up not in done and not client.closed:
+            # The worker went away while the client is still connected: say so before closing
+            # (a request it was answering is not replayed elsewhere, like an SSE stream).
+            await client.send_str(_ws_error("the worker closed the connection", "upstream_closed"))
     finally:
         for t in (down, up):
             t.cancel()

@@ -183,3 +183,26 @@ def test_every_worker_down_answers_503_at_once_not_after_the_queue_timeout():
     finally:
         for p in procs:
             p.stop()
+
+
+async def test_websocket_worker_killed_mid_answer_client_gets_an_error():
+    import aiohttp
+
+    [(w, wu)] = start_sim_workers(1)
+    g, gu = start_gateway("--workers", wu)
+    try:
+        async with aiohttp.ClientSession() as s, s.ws_connect(gu + "/v1/ws") as ws:
+            await ws.send_str(json.dumps({"model": "m", "prompt": "long", "max_tokens": 400}))
+            for _ in range(3):
+                assert "choices" in json.loads((await ws.receive(timeout=30)).data)
+            w.kill()
+            last = None
+            while True:
+                msg = await ws.receive(timeout=30)  # nobody hangs
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                last = json.loads(msg.data)
+            assert last is not None and last["error"]["code"] == "upstream_closed"
+    finally:
+        g.stop()
+        w.stop()
