@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -241,19 +242,34 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
         )
     )
     targets += await _external_routers(args, wurls, logs, procs)
-    rows = []
-    for stream, n in ((False, args.requests), (True, args.streams)):
+    runs: list[dict] = []
+    for rep in range(args.repeat):  # interleaved repeats: a burst of load from other tenants hits one
+        for stream, n in ((False, args.requests), (True, args.streams)):
+            for name, urls, pids in targets:
+                res = await run_load(urls, n, args.concurrency, stream, {**pids, **wpids}, name)
+                runs.append({**res.row(), "rep": rep})
+                print(json.dumps(runs[-1]), flush=True)
+        # concurrency-1 probe: time to first chunk without queueing in the client or the servers
         for name, urls, pids in targets:
-            res = await run_load(urls, n, args.concurrency, stream, {**pids, **wpids}, name)
-            rows.append(res.row())
-            print(json.dumps(rows[-1]), flush=True)
-    # concurrency-1 probe: time to first chunk without queueing in the client or the servers
-    for name, urls, pids in targets:
-        res = await run_load(urls, args.probe, 1, True, pids, name)
-        row = res.row()
-        row["shape"] = "stream16 c=1"
+            res = await run_load(urls, args.probe, 1, True, pids, name)
+            runs.append({**res.row(), "shape": "stream16 c=1", "rep": rep})
+            print(json.dumps(runs[-1]), flush=True)
+    return _medians(runs)
+
+
+def _medians(runs: list[dict]) -> list[dict]:
+    """One row per (target, shape): the median of each figure over the repeats."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["target"], r["shape"]), []).append(r)
+    rows = []
+    for (target, shape), rs in out.items():
+        row = {"target": target, "shape": shape, "repeats": len(rs)}
+        for k in rs[0]:
+            if k not in row and k != "rep" and isinstance(rs[0][k], int | float):
+                med = statistics.median(r[k] for r in rs if k in r)
+                row[k] = int(med) if isinstance(rs[0][k], int) else round(med, 3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -407,6 +423,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1000)
     ap.add_argument("--probe", type=int, default=300, help="concurrency-1 streams per target")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the table shows medians")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--scrape-interval-ms", type=int, default=100)
     ap.add_argument("--log-dir", default="/tmp/gateway_overhead")
