@@ -12,7 +12,7 @@ from inference_worker.engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 # Default KV pool on CPU when neither --num-kv-blocks nor --kv-cache-memory-bytes is given.
-DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CPU_KV_BYTES = 512 << 20  # ~11.6k tokens of SmolLM2 in float32; the pool is resident memory
 # On CUDA: this share of the memory left free after loading the weights.
 CUDA_KV_FRACTION = 0.6
 
