@@ -52,6 +52,8 @@ async def serve(cfg: SchedulerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = load_scheduler_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # lightkube's client: a line per watch call
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         import uvloop
 
