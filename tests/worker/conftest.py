@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,3 +119,15 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+# One real-model worker shared by the server and metrics test modules (a torch start costs
+# 10-30 s on a busy 2-core machine). --max-num-seqs 2 is what the in-flight gauge test needs;
+# the metrics tests compare deltas, so the modules do not disturb each other.
+SHARED_TORCH_FLAGS = ("--max-num-seqs", "2")
+
+
+@pytest.fixture(scope="session")
+def shared_torch_worker() -> Iterator[Worker]:
+    with launch_worker(*SHARED_TORCH_FLAGS) as worker:
+        yield worker

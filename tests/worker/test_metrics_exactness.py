@@ -55,6 +55,9 @@ PER_REQUEST_HISTOGRAMS = [
 @pytest.fixture(scope="module", params=BACKENDS)
 def busy_worker(request):
     backend = request.param
+    if backend == "torch":
+        yield backend, request.getfixturevalue("shared_torch_worker")  # started with --max-num-seqs 2
+        return
     with launch_worker("--max-num-seqs", "2", *BACKEND_FLAGS[backend]) as worker:
         yield backend, worker
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.conftest import launch_worker, wait_for
+from tests.worker.conftest import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -19,9 +19,8 @@ MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 
 
 @pytest.fixture(scope="module")
-def worker():
-    with launch_worker("--max-num-seqs", "8") as w:
-        yield w
+def worker(shared_torch_worker):
+    return shared_torch_worker
 
 
 @pytest.fixture(scope="module")
