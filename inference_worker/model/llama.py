@@ -8,6 +8,11 @@ context gathered from the pool. Attention runs in two groups, so a long prefill 
 pads the decodes: decodes (one query each) in one SDPA call over [B, kv_heads, groups, ctx],
 and prefill chunks in one padded, causally masked SDPA call. The query heads sharing a KV
 head are folded into the query axis, so K/V are never repeated for GQA.
+
+Numerics: float32 matmuls are not bit-identical across batch sizes (MKL picks kernels by
+the row count; measured differences ~1e-5), so logits of a sequence differ in the last bits
+between running alone and batched. Greedy ids are what must match (tested for alone,
+batched, prefix-hit and preempted runs); only an argmax near-tie below that noise could flip.
 """
 
 from __future__ import annotations
