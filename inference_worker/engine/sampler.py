@@ -28,6 +28,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # the most likely token always survives, even for top_p <= 0
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
@@ -40,7 +41,8 @@ def sample(
     n = logits.shape[0]
     if n == 0:
         return []
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    # A non-positive temperature cannot scale logits: treat it as greedy rather than fail the step.
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy or p.temperature <= 0]
     if len(greedy_rows) == n:
         return logits.argmax(dim=-1).tolist()
     out: list[int] = [0] * n
@@ -48,8 +50,9 @@ def sample(
         picked = logits[greedy_rows].argmax(dim=-1).tolist()
         for row, tok in zip(greedy_rows, picked, strict=True):
             out[row] = tok
+    greedy_set = set(greedy_rows)
     for i, p in enumerate(params):
-        if p.greedy:
+        if i in greedy_set:
             continue
         row = logits[i].float() / p.temperature
         row = _filter_top_k_top_p(row, p.top_k, p.top_p)

@@ -262,3 +262,28 @@ def test_step_cost_stays_flat_with_many_streams():
     out = run_all(engine)
     assert len(out) == 160 and all(len(v) == 8 for v in out.values())
     assert max(runner.batch_sizes) == 160
+
+
+def test_sampler_filters_and_edge_parameters():
+    import torch
+
+    from inference_worker.engine.sampler import sample
+
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0, 4.8]] * 6)
+    params = [
+        SamplingParams(max_tokens=1, temperature=0.0),  # greedy
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=1),  # greedy via top_k
+        SamplingParams(max_tokens=1, temperature=-1.0),  # invalid temperature: greedy, not a crash
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.0, seed=3),  # only the top token survives
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=2, seed=3),
+        SamplingParams(max_tokens=1, temperature=5.0, top_p=0.5, seed=3),
+    ]
+    for _ in range(20):
+        out = sample(logits, params, [0] * 6)
+        assert out[:4] == [1, 1, 1, 1]
+        assert out[4] in (1, 2) and out[5] in (1, 2)
+    # Seeded draws depend on (seed, output index) only.
+    row = torch.randn(1, 1000)
+    p = [SamplingParams(max_tokens=1, temperature=1.0, seed=11)]
+    assert [sample(row, p, [k]) for k in range(5)] == [sample(row, p, [k]) for k in range(5)]
+    assert len({sample(row, p, [k])[0] for k in range(20)}) > 1
