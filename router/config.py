@@ -45,21 +45,25 @@ class RouterConfig(BaseSettings):
     )
 
     # Queue, retries, fallback (reference product names)
-    max_queue_size: int = Field(128, ge=0)
-    queue_timeout_ms: int = Field(60_000, ge=1)
+    max_queue_size: int = Field(128, ge=0, description="requests that may wait for a worker; more get 429")
+    queue_timeout_ms: int = Field(60_000, ge=1, description="a request waiting longer gets 429")
     schedule_wait_ms: int = Field(
         1000, ge=1, le=60_000, description="long-poll length of one queued call"
     )
-    retry_count: int = Field(2, ge=0, le=10)
-    wait_schedule_timeout_ms: int = Field(5000, ge=0)
-    wait_schedule_try_period_ms: int = Field(500, ge=10)
+    retry_count: int = Field(2, ge=0, le=10, description="other workers tried before the first byte")
+    wait_schedule_timeout_ms: int = Field(
+        5000, ge=0, description="scheduler unreachable this long: round robin over known workers"
+    )
+    wait_schedule_try_period_ms: int = Field(
+        500, ge=10, description="while it is unreachable, requests retry the scheduler this often"
+    )
     fallback_cooldown_ms: int = Field(
         2000, ge=10, description="passive health: how long a failed worker rests"
     )
 
     # Upstream timeouts
-    connect_timeout_ms: int = Field(2000, ge=1)
-    first_byte_timeout_ms: int = Field(60_000, ge=1)
+    connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")
+    first_byte_timeout_ms: int = Field(60_000, ge=1, description="a worker's first byte (then: retried)")
     idle_stream_timeout_ms: int = Field(60_000, ge=1, description="max gap between two upstream chunks")
 
     # Security
@@ -68,7 +72,7 @@ class RouterConfig(BaseSettings):
     forward_api_key: bool = Field(False, description="pass the client's Authorization header upstream")
     upstream_api_key: str | None = Field(None, description="Bearer key the gateway sends to workers")
     admin_token: str | None = Field(None, description="Bearer token required for /metrics and /admin/*")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
 
     # Observability
     debug_headers: bool = Field(False, description="add the scheduling decision to response headers")
