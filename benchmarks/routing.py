@@ -173,13 +173,14 @@ def merge_into(old: dict, scenario: dict) -> dict:
 
 def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> None:
     results = doc["policies"]
-    if "baseline" in results:
-        for name, result in results.items():
-            if name != "baseline":
-                print(f"\n### {name} vs baseline\n\n{policy_table(name, results['baseline'], result)}")
-    print(f"\n### all policies\n\n{summary_table(results)}\n")
+    # Without a baseline run (e.g. the real-model check) the first policy is the reference.
+    ref = "baseline" if "baseline" in results else next(iter(results))
+    for name, result in results.items():
+        if name != ref:
+            print(f"\n### {name} vs {ref}\n\n{policy_table(name, results[ref], result, ref)}")
+    print(f"\n### all policies\n\n{summary_table(results, ref)}\n")
     homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
-    for line in goal_check(results, reference=homogeneous):
+    for line in goal_check(results, baseline_name=ref, reference=homogeneous and ref == "baseline"):
         print(line)
     if not draw:
         return
@@ -191,6 +192,9 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     timelines = {n: doc.get("timelines", {}).get(n, []) for n in timeline_policies}
     if any(timelines.values()):
         labels = [f"w{i} {p}" for i, p in enumerate(sc["profiles"])]
+        if sc.get("backend") == "torch":  # the profile is unused: name the worker's own flags
+            wa = sc.get("worker_args") or []
+            labels = [f"w{i} {wa[i] if len(wa) > 1 else (wa[0] if wa else '')}" for i in range(len(labels))]
         paths.append(plot_timelines(timelines, Path(f"{stem}-load.png"), f"worker load over time ({label})",
                                     worker_labels=labels))
     print("figures: " + ", ".join(str(p) for p in paths))

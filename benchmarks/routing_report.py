@@ -71,10 +71,11 @@ def _fmt_change(pct: float | None, row: Row) -> str:
     return f"{pct:+.1f}% ({mark})"
 
 
-def policy_table(name: str, baseline: dict, result: dict) -> str:
-    """The issue's table (markdown) for one policy against the baseline."""
+def policy_table(name: str, baseline: dict, result: dict, ref_name: str = "baseline") -> str:
+    """The issue's table (markdown) for one policy against the baseline (or another reference)."""
+    ref_label = "without router (baseline)" if ref_name == "baseline" else ref_name
     lines = [
-        f"| metric | without router (baseline) | with router ({name}) | change |",
+        f"| metric | {ref_label} | with router ({name}) | change |",
         "|---|---|---|---|",
     ]
     for row in ROWS:
