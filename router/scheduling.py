@@ -144,8 +144,10 @@ class Scheduling:
         try:
             if wait_ms == 0 and self.pipe is not None:
                 status, payload = await self.pipe.schedule_raw(body)
+            elif wait_ms == 0:
+                status, payload = await self.client.schedule_raw(body, 0)
             else:
-                status, payload = await self.client.schedule_raw(body, wait_ms)
+                status, payload = await self._long_poll(body, wait_ms)
         except SchedulerUnavailableError as exc:
             self.metrics.scheduler_errors.labels("schedule").inc()
             await self._scheduler_failed(exc)
@@ -172,6 +174,26 @@ class Scheduling:
         if time.perf_counter() - t0 < 0.005:
             await asyncio.sleep(min(payload.get("retry_after_ms", 50), 250) / 1000)
         return None
+
+    async def _long_poll(self, body: dict[str, Any], wait_ms: int) -> tuple[int, dict]:
+        """A held schedule call. If our client leaves meanwhile, the call is not cut off (the
+        scheduler might hand out a lease to a closed connection, which would then count as
+        load until it expires): it finishes in the background and its lease is given back."""
+        task = asyncio.ensure_future(self.client.schedule_raw(dict(body), wait_ms))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, task: asyncio.Future) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        status, payload = task.result()
+        if status == 200 and isinstance(payload, dict) and payload.get("lease_id"):
+            self.release_nowait(
+                {"lease_id": payload["lease_id"], "ok": True, "prompt_tokens": 0, "output_tokens": 0}
+            )
 
     def _fallback_pick(self, model: str, exclude: list[str]) -> Route:
         w = self.fallback.pick(model, exclude)

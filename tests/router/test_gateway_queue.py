@@ -125,6 +125,20 @@ def test_disconnect_while_queued_frees_the_place(cluster):
         # The queue has room again: three more wait (no 429) and finish.
         later = [ex.submit(_post, cluster, {**SLOW, "max_tokens": 20}) for _ in range(QUEUE)]
         assert [f.result().status_code for f in running + later] == [200] * (2 + QUEUE)
+    # No lease is left behind by the clients that left (a held schedule call they started
+    # finishes in the background and its lease is given back).
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if (
+            sum(w["in_flight_leases"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"])
+            == 0
+        ):
+            break
+        time.sleep(0.05)
+    assert (
+        sum(w["in_flight_leases"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"]) == 0
+    )
 
 
 def test_queue_timeout_gets_429(cluster):
