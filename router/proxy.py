@@ -21,12 +21,13 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.errors import error_response, sse_error_event
+from router.errors import error_response
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import Route, Scheduling
-from router.sse import StreamTap, usage_of_body
+from router.sse import usage_of_body
+from router.streaming import UPSTREAM_ERRORS, RetryElsewhere, StreamForwarding, failure_kind
 from router.tokens import TokenCounter, max_tokens_of, prefix_hashes, render_prompt
 from scheduler.client import SchedulerRequestError, UnknownModelError
 
@@ -50,29 +51,11 @@ HOP_BY_HOP = frozenset(
         "accept-encoding",
     }
 )
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
-class _Retry(Exception):
-    """The worker failed before any byte reached the client; another may serve."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    return "connection"
-
-
-class Proxy:
+class Proxy(StreamForwarding):
     def __init__(
         self,
         cfg: RouterConfig,
@@ -254,7 +237,7 @@ class Proxy:
                 # The client went away: the worker was not at fault; give the lease back.
                 self._release(route, rec, ok=True)
                 raise
-            except _Retry as r:
+            except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
                 self._failed(route, r.reason, rec)
                 exclude.append(route.worker_id)
@@ -356,10 +339,10 @@ class Proxy:
                 data = await up.read()
                 status = up.status
                 ctype = up.headers.get("Content-Type", "application/json")
-        except _UPSTREAM_ERRORS as exc:
-            raise _Retry(_failure_kind(exc), repr(exc)) from None
+        except UPSTREAM_ERRORS as exc:
+            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
         if status >= 500:
-            raise _Retry(f"http_{status}", data[:200].decode(errors="replace"))
+            raise RetryElsewhere(f"http_{status}", data[:200].decode(errors="replace"))
         p, c = usage_of_body(data) if status == 200 else (None, None)
         if p is not None:
             rec.prompt_tokens = p
@@ -371,118 +354,3 @@ class Proxy:
         headers_out = self._response_headers(route, rec)
         headers_out["Content-Type"] = ctype
         return web.Response(status=status, body=data, headers=headers_out)
-
-    # ---- stream ---------------------------------------------------------------------------
-    async def _forward_stream(
-        self,
-        request: web.Request,
-        rec: RequestRecord,
-        route: Route,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-        strip_usage: bool,
-    ) -> web.StreamResponse:
-        try:
-            up = await self.session.request(
-                "POST", route.url + path, data=raw, headers=headers, timeout=self.timeout
-            )
-        except _UPSTREAM_ERRORS as exc:
-            raise _Retry(_failure_kind(exc), repr(exc)) from None
-        complete = False
-        resp: web.StreamResponse | None = None
-        try:
-            if up.status >= 500:
-                detail = await self._read_some(up)
-                raise _Retry(f"http_{up.status}", detail)
-            if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
-                "text/event-stream"
-            ):
-                # An error (4xx) or a worker that answered without streaming: pass it through.
-                data = await up.read()
-                rec.status = up.status
-                self._release(route, rec, ok=up.status < 400)
-                h = self._response_headers(route, rec)
-                h["Content-Type"] = up.headers.get("Content-Type", "application/json")
-                complete = True
-                return web.Response(status=up.status, body=data, headers=h)
-            try:
-                first = await up.content.readany()
-            except _UPSTREAM_ERRORS as exc:
-                raise _Retry(_failure_kind(exc), repr(exc)) from None
-            if not first:
-                raise _Retry("empty_stream")
-            rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
-            tap = StreamTap(strip_usage)
-            resp = web.StreamResponse(status=200, headers=self._response_headers(route, rec))
-            resp.content_type = "text/event-stream"
-            resp.headers["Cache-Control"] = "no-cache"
-            await resp.prepare(request)
-            rec.status = 200
-            upstream_error = await self._pump(up, resp, tap, first)
-            rest = tap.flush()
-            if upstream_error is None:
-                if rest:
-                    await resp.write(rest)
-                complete = True
-            else:
-                rec.error = upstream_error
-                await resp.write(sse_error_event(f"the worker failed mid-stream ({upstream_error})"))
-            if tap.prompt_tokens is not None:
-                rec.prompt_tokens = tap.prompt_tokens
-            rec.output_tokens = (
-                tap.completion_tokens if tap.completion_tokens is not None else tap.content_events
-            )
-            if upstream_error is not None:
-                self._failed(route, upstream_error, rec)
-            else:
-                self._release(route, rec, ok=True)
-                if route.fallback:
-                    self.sched.fallback.mark_ok(route.url)
-            await resp.write_eof()
-            return resp
-        except ConnectionResetError:
-            # The client went away mid-stream: closing `up` below aborts the worker's request.
-            rec.error = "client_disconnected"
-            rec.status = 499
-            self._release(route, rec, ok=True, error=None)
-            return resp if resp is not None else web.Response(status=499)
-        finally:
-            if complete:
-                up.release()
-            else:
-                up.close()
-
-    async def _pump(
-        self, up: aiohttp.ClientResponse, resp: web.StreamResponse, tap: StreamTap, first: bytes
-    ) -> str | None:
-        """Write through until the worker ends the stream. Returns an error kind if the
-        worker failed (the client's own failures raise ConnectionResetError)."""
-        out = tap.feed(first)
-        if out:
-            await resp.write(out)
-        read = up.content.readany
-        loop = asyncio.get_running_loop()
-        idle = self.idle_s
-        try:
-            async with asyncio.timeout_at(loop.time() + idle) as guard:
-                while True:
-                    try:
-                        piece = await read()
-                    except _UPSTREAM_ERRORS as exc:
-                        return _failure_kind(exc)
-                    if not piece:
-                        return None if up.content.is_eof() else "connection"
-                    guard.reschedule(loop.time() + idle)
-                    out = tap.feed(piece)
-                    if out:
-                        await resp.write(out)
-        except TimeoutError:
-            return "idle_timeout"
-
-    @staticmethod
-    async def _read_some(up: aiohttp.ClientResponse) -> str:
-        try:
-            return (await up.content.read(200)).decode(errors="replace")
-        except _UPSTREAM_ERRORS:
-            return ""
