@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.routing_client import prepare, run_client, slim_result
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
-from benchmarks.routing_report import goal_check, policy_table, summary_table
+from benchmarks.routing_report import goal_check, policy_table, steady_state_table, summary_table
 from benchmarks.routing_sampler import LoadSampler
 
 ALL_POLICIES = "baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity"
@@ -179,6 +179,10 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
         if name != ref:
             print(f"\n### {name} vs {ref}\n\n{policy_table(name, results[ref], result, ref)}")
     print(f"\n### all policies\n\n{summary_table(results, ref)}\n")
+    skip = doc["scenario"]["concurrency"]
+    steady = steady_state_table(results, skip, ref)
+    if steady:
+        print(f"### steady state: requests after the first {skip} (the t=0 wave)\n\n{steady}\n")
     homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
     for line in goal_check(results, baseline_name=ref, reference=homogeneous and ref == "baseline"):
         print(line)

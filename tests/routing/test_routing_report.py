@@ -91,3 +91,17 @@ def test_figures_are_written(tmp_path):
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert p.stat().st_size > 5000
+
+
+def test_steady_state_skips_the_first_wave_and_failures():
+    from benchmarks.routing_report import steady_state, steady_state_table
+
+    result = {"start_times": [0.0, 0.0, 1.0, 2.0, 3.0], "ttfts": [5.0, 5.0, 0.1, 0.0, 0.3],
+              "errors": ["", "", "", "boom", ""], "tpots": [0.05, 0.05, 0.02, None, 0.04]}
+    stats = steady_state(result, skip=2)
+    assert stats["requests"] == 2  # the t=0 pair is skipped, the failed one left out
+    assert abs(stats["mean_ttft_ms"] - 200.0) < 1e-9
+    assert abs(stats["mean_tpot_ms"] - 30.0) < 1e-9
+    table = steady_state_table({"baseline": result, "llm_aware": result}, skip=2)
+    assert "| mean TTFT | 200.0 | 200.0 (+0%) |" in table
+    assert steady_state({"ttfts": [1.0]}, skip=0) is None
