@@ -41,13 +41,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=REPO,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **env} if env else None,
     )
 
 
@@ -215,6 +216,17 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
             ["-m", "router", "--port", str(gport), "--scheduler", surl, *common], logs / "gateway.log"
         )
         procs.append(gw)
+    gw_http = None
+    if sched is not None and args.ab_http_channel:
+        # Same scheduler, the gateway's older wire form: HTTP/1.1-pipelined schedule/release.
+        hport = free_port()
+        gw_http = spawn(
+            ["-m", "router", "--port", str(hport), "--scheduler", surl, *common],
+            logs / "gateway_http_channel.log",
+            env={"ROUTER_SCHEDULER_CHANNEL": "http"},
+        )
+        procs.append(gw_http)
+        await wait_ready(f"http://127.0.0.1:{hport}/health", gw_http)
     rr = spawn(
         ["-m", "router", "--port", str(rport), "--workers", ",".join(wurls), *common],
         logs / "gateway_rr.log",
@@ -232,6 +244,14 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
                 "gateway+scheduler",
                 [f"http://127.0.0.1:{gport}/v1/completions"],
                 {"gateway": gw.pid, "scheduler": sched.pid},
+            )
+        )
+    if gw_http is not None:
+        targets.append(
+            (
+                "gateway+scheduler, HTTP-pipelined calls",
+                [f"http://127.0.0.1:{hport}/v1/completions"],
+                {"gateway": gw_http.pid, "scheduler": sched.pid},
             )
         )
     targets.append(
@@ -433,6 +453,11 @@ def main() -> None:
         "--sglang-router", default=None, help="path of an installed sglang-router executable"
     )
     ap.add_argument("--vllm-router", default=None, help="path of an installed vllm-router executable")
+    ap.add_argument(
+        "--ab-http-channel",
+        action="store_true",
+        help="also a gateway using HTTP-pipelined scheduler calls instead of the batch channel",
+    )
     ap.add_argument("--skip-fallback", action="store_true", help="skip the scheduler kill/restart phase")
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from pydantic_core import to_json
 
+from scheduler.channel import run_batch_bytes, serve_channel
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
 from scheduler.protocol import LeaseRelease, ScheduleRequest
@@ -101,6 +102,17 @@ async def release(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def batch(request: web.Request) -> web.Response:
+    answers = run_batch_bytes(request.app[SERVICE_KEY], await request.read())
+    if answers is None:
+        return error_response(400, "body must be a JSON array of operations")
+    return web.Response(body=to_json(answers), content_type="application/json")
+
+
+async def channel(request: web.Request) -> web.StreamResponse:
+    return await serve_channel(request, request.app[SERVICE_KEY])
+
+
 async def list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     body = {"policy": svc.policy.name, "workers": svc.workers_view()}
@@ -178,6 +190,8 @@ def build_app(service: SchedulerService) -> web.Application:
     routes = [
         ("POST", "/v1/schedule", schedule),
         ("POST", "/v1/release", release),
+        ("POST", "/v1/batch", batch),
+        ("GET", "/v1/channel", channel),
         ("GET", "/v1/workers", list_workers),
         ("POST", "/v1/workers", register_worker),
         ("DELETE", "/v1/workers/{worker_id}", delete_worker),

@@ -151,12 +151,17 @@ class SchedulerService:
             "reason": reason,
         }
 
-    async def schedule(self, req: Request, wait_ms: int = 0):
-        """decide(), holding up to wait_ms while the answer is Wait."""
+    def schedule_now(self, req: Request, now: float):
+        """decide() with its metrics; never holds (the batch channel's path)."""
         t0 = time.perf_counter()
-        now = time.monotonic()
         out = self.decide(req, now)
         self.metrics.decision_done(out, time.perf_counter() - t0)
+        return out
+
+    async def schedule(self, req: Request, wait_ms: int = 0):
+        """decide(), holding up to wait_ms while the answer is Wait."""
+        now = time.monotonic()
+        out = self.schedule_now(req, now)
         if not isinstance(out, Wait) or wait_ms <= 0:
             return out
         deadline = now + wait_ms / 1000.0

@@ -1,5 +1,6 @@
-"""The gateway's pipelined scheduler channel: against the real scheduler process (with
-stand-in echo workers), plus its failure modes (refused, silent peer) and its parser."""
+"""The gateway's scheduler channel, both wire forms (the scheduler's WebSocket batch channel
+and HTTP/1.1 pipelining): against the real scheduler process (with stand-in echo workers),
+plus its failure modes (refused, silent peer, no channel on the peer) and its parsers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from router.sched_pipe import SchedulerPipe, _Pipe
+from router.sched_pipe import SchedulerPipe, _Pipe, _WsPipe, ws_frame
 from scheduler.client import SchedulerUnavailableError, UnknownModelError
 from tests.router.procs import free_port, start_echo_worker, start_scheduler
 
@@ -24,13 +25,15 @@ def scheduler():
         p.stop()
 
 
-async def test_concurrent_calls_share_one_connection_and_leases_are_released(scheduler):
-    pipe = SchedulerPipe(scheduler, timeout_s=5)
+@pytest.mark.parametrize("channel", ["ws", "http"])
+async def test_concurrent_calls_share_one_connection_and_leases_are_released(scheduler, channel):
+    pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel)
     try:
         results = await asyncio.gather(
             *(pipe.schedule_raw({"model": "m", "prompt_tokens": 10}) for _ in range(40))
         )
         assert all(status == 200 for status, _ in results)
+        assert pipe.kind == channel
         leases = {p["lease_id"] for _, p in results}
         assert len(leases) == 40
         async with httpx.AsyncClient() as c:
@@ -47,19 +50,51 @@ async def test_concurrent_calls_share_one_connection_and_leases_are_released(sch
         pipe.close()
 
 
-async def test_refused_connection_is_scheduler_unavailable():
-    pipe = SchedulerPipe(f"http://127.0.0.1:{free_port()}", timeout_s=1)
+async def test_auto_uses_the_batch_channel_and_falls_back_to_http_without_one(scheduler):
+    pipe = SchedulerPipe(scheduler, timeout_s=5)
+    try:
+        status, payload = await pipe.schedule_raw({"model": "m"})
+        assert status == 200 and pipe.kind == "ws"
+        pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+    finally:
+        pipe.close()
+    # An echo worker has no /v1/channel (404) and no /v1/schedule either (404): the pipe
+    # falls back to pipelined HTTP calls, whose 404 reads as an unknown model.
+    worker, url = start_echo_worker()
+    pipe = SchedulerPipe(url, timeout_s=5)
+    try:
+        with pytest.raises(UnknownModelError):
+            await pipe.schedule_raw({"model": "m"})
+        assert pipe.kind == "http"
+    finally:
+        pipe.close()
+        worker.stop()
+    # Forcing "ws" against a peer without the channel is an unavailable scheduler.
+    worker, url = start_echo_worker()
+    pipe = SchedulerPipe(url, timeout_s=5, channel="ws")
+    try:
+        with pytest.raises(SchedulerUnavailableError):
+            await pipe.schedule_raw({"model": "m"})
+    finally:
+        pipe.close()
+        worker.stop()
+
+
+@pytest.mark.parametrize("channel", ["ws", "http"])
+async def test_refused_connection_is_scheduler_unavailable(channel):
+    pipe = SchedulerPipe(f"http://127.0.0.1:{free_port()}", timeout_s=1, channel=channel)
     with pytest.raises(SchedulerUnavailableError):
         await pipe.schedule_raw({"model": "m"})
     pipe.close()
 
 
-async def test_silent_scheduler_times_out():
+@pytest.mark.parametrize("channel", ["auto", "http"])
+async def test_silent_scheduler_times_out(channel):
     # A listening socket that never answers (a hung peer).
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
-        pipe = SchedulerPipe(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=0.2)
+        pipe = SchedulerPipe(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=0.2, channel=channel)
         with pytest.raises(SchedulerUnavailableError):
             await asyncio.wait_for(pipe.schedule_raw({"model": "m"}), 5)
         pipe.close()
@@ -85,16 +120,65 @@ async def test_parser_handles_answers_split_anywhere():
     assert not proto.pending and not proto.buf
 
 
-async def test_decision_for_a_cancelled_call_is_given_back(scheduler):
-    pipe = SchedulerPipe(scheduler, timeout_s=5)
+async def test_ws_parser_handles_frames_split_anywhere_and_answers_pings():
+    pipe = SchedulerPipe("http://127.0.0.1:9", timeout_s=1)
+    proto = _WsPipe(pipe, b"")
+    written: list[bytes] = []
+
+    class Transport:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+    proto.transport = Transport()
+    loop = asyncio.get_running_loop()
+    a, b, c = (loop.create_future() for _ in range(3))
+    proto.pending.append(([a, None], 0.0))  # a schedule call and a release in one batch
+    proto.pending.append(([b, c], 0.0))
+    big = b'{"pad":"' + b"x" * 300 + b'"}'
+    first = b'[[200,{"lease_id":"l1"}],[204,null]]'
+    second = b'[[404,{"error":{"message":"no"}}],[200,' + big + b"]]"
+
+    def server_frame(payload: bytes, opcode: int = 0x82) -> bytes:
+        n = len(payload)
+        head = bytes((opcode, n)) if n < 126 else bytes((opcode, 126)) + n.to_bytes(2, "big")
+        return head + payload
+
+    stream = (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"
+        + server_frame(first)
+        + server_frame(b"hi", 0x89)  # a ping
+        + server_frame(second)
+    )
+    for i in range(0, len(stream), 7):
+        proto.data_received(stream[i : i + 7])
+    assert proto.handshake.done() and not proto.closed
+    assert a.result() == [200, {"lease_id": "l1"}]
+    assert b.result()[0] == 404 and c.result()[1]["pad"] == "x" * 300
+    assert written == [ws_frame(b"hi", 0x8A)]
+    assert not proto.pending and not proto.buf
+
+
+def test_client_frames_carry_a_zero_mask_and_every_length_form():
+    for n, head in (
+        (5, b"\x82\x85"),
+        (300, b"\x82\xfe\x01\x2c"),
+        (70000, b"\x82\xff" + (70000).to_bytes(8, "big")),
+    ):
+        frame = ws_frame(b"a" * n)
+        assert frame.startswith(head + b"\0\0\0\0") and frame.endswith(b"a" * n)
+        assert len(frame) == len(head) + 4 + n
+
+
+@pytest.mark.parametrize("channel", ["ws", "http"])
+async def test_decision_for_a_cancelled_call_is_given_back(scheduler, channel):
+    pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel)
     try:
         await pipe.schedule_raw({"model": "m"})  # connect first
         async with httpx.AsyncClient() as c:
 
             async def leases() -> int:
                 return sum(
-                    w["in_flight_leases"]
-                    for w in (await c.get(scheduler + "/v1/workers")).json()["workers"]
+                    w["in_flight_leases"] for w in (await c.get(scheduler + "/v1/workers")).json()["workers"]
                 )
 
             base = await leases()

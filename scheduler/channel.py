@@ -1,0 +1,126 @@
+"""Batched schedule/release calls: `POST /v1/batch` and the WebSocket channel `GET /v1/channel`.
+
+Why: a request through the gateway costs the scheduler two HTTP requests (schedule,
+release), and their per-request HTTP handling costs several times the decision itself.
+A batch carries every call the gateway made in one event-loop iteration; the WebSocket
+channel carries batches over one persistent connection with no HTTP parsing per batch.
+
+A batch is a JSON array of operations, answered by a JSON array of the same length in
+the same order:
+    {"op": "schedule", <ScheduleRequest fields; wait_ms must be 0>}  -> [200, ScheduleDecision]
+                                                                       [503, ScheduleWait]
+                                                                       [404 or 400, OpenAI error]
+    {"op": "release", <LeaseRelease fields>}                         -> [204, null] or [404/400, error]
+Held calls (wait_ms > 0) would hold up every answer behind them, so they stay on
+`POST /v1/schedule`.
+
+On the channel every binary or text message is one batch. A message with at least one
+schedule operation is answered by one message (the answer array); a message of releases
+only is not answered (releases are fire-and-forget; the lease expiry covers a lost one).
+A message that is not a JSON array closes the channel with code 1007.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from aiohttp import WSMsgType, web
+from pydantic import ValidationError
+from pydantic_core import from_json, to_json
+
+from scheduler.policies import Request
+from scheduler.protocol import LeaseRelease, ScheduleRequest
+from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> list:
+    return [status, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                               "code": code}}]
+
+
+def _bad(exc: ValidationError) -> list:
+    err = exc.errors()[0]
+    loc = err.get("loc") or ()
+    param = str(loc[0]) if loc else None
+    return _error(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+
+
+def _schedule(svc: SchedulerService, op: dict) -> list:
+    try:
+        r = ScheduleRequest.model_validate(op)
+    except ValidationError as exc:
+        return _bad(exc)
+    if not r.model:
+        return _error(400, "model is required", "model")
+    if r.wait_ms:
+        return _error(400, "wait_ms is not supported in a batch: use POST /v1/schedule", "wait_ms")
+    req = Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora,
+                  frozenset(r.exclude) if r.exclude else None)
+    out = svc.schedule_now(req, time.monotonic())
+    if isinstance(out, dict):
+        return [200, out]
+    if out == UNKNOWN_MODEL:
+        return _error(404, f"no worker serves model {r.model!r}", "model", "model_not_found")
+    assert isinstance(out, Wait)
+    return [503, {"wait": True, "retry_after_ms": out.retry_after_ms, "reason": out.reason}]
+
+
+def _release(svc: SchedulerService, op: dict) -> list:
+    try:
+        rel = LeaseRelease.model_validate(op)
+    except ValidationError as exc:
+        return _bad(exc)
+    found = svc.release(rel.lease_id, rel.ok, rel.error)
+    svc.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
+    if not found:
+        return _error(404, "unknown or expired lease", "lease_id", "lease_not_found")
+    return [204, None]
+
+
+def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
+    """The answers, in order, and whether any operation was a schedule call."""
+    answers = []
+    any_schedule = False
+    for op in ops:
+        kind = op.get("op") if isinstance(op, dict) else None
+        if kind == "schedule":
+            any_schedule = True
+            answers.append(_schedule(svc, op))
+        elif kind == "release":
+            answers.append(_release(svc, op))
+        else:
+            answers.append(_error(400, "each operation must be an object with op 'schedule' or 'release'",
+                                  "op"))
+    return answers, any_schedule
+
+
+def run_batch_bytes(svc: SchedulerService, raw: bytes) -> list | None:
+    """POST /v1/batch: the answers, or None when the body is not a JSON array."""
+    try:
+        ops = from_json(raw)
+    except ValueError:
+        return None
+    return run_batch(svc, ops)[0] if isinstance(ops, list) else None
+
+
+async def serve_channel(request: web.Request, svc: SchedulerService) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(compress=False, max_msg_size=1 << 20, autoping=True)
+    await ws.prepare(request)
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    async for msg in ws:
+        if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+            continue
+        try:
+            ops = from_json(msg.data)
+        except ValueError:
+            ops = None
+        if not isinstance(ops, list):
+            await ws.close(code=1007, message=b"a message must be a JSON array of operations")
+            break
+        answers, any_schedule = run_batch(svc, ops)
+        if any_schedule:
+            await ws.send_bytes(to_json(answers))
+    return ws

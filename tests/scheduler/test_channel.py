@@ -1,0 +1,108 @@
+"""The scheduler's batch forms of schedule/release: `POST /v1/batch` and the WebSocket channel
+`GET /v1/channel`, against a real scheduler process with stand-in echo workers, spoken to
+with ordinary clients (httpx, aiohttp's WebSocket client), not the gateway's own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+import pytest
+
+from tests.router.procs import start_echo_worker, start_scheduler
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    w1, u1 = start_echo_worker()
+    w2, u2 = start_echo_worker()
+    s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
+    yield su
+    for p in (s, w1, w2):
+        p.stop()
+
+
+def _leases(base: str) -> int:
+    return sum(w["in_flight_leases"] for w in httpx.get(base + "/v1/workers").json()["workers"])
+
+
+def test_batch_answers_every_operation_in_order(scheduler):
+    base = _leases(scheduler)
+    ops = [
+        {"op": "schedule", "model": "m", "prompt_tokens": 5},
+        {"op": "schedule", "model": "m", "prompt_tokens": 5, "max_tokens": 8},
+        {"op": "schedule", "model": "no-such-model"},
+        {"op": "schedule", "model": "m", "wait_ms": 100},  # held calls are not batchable
+        {"op": "schedule", "model": "m", "prompt_tokens": -1},
+        {"op": "frobnicate"},
+        "not an object",
+    ]
+    r = httpx.post(scheduler + "/v1/batch", json=ops)
+    assert r.status_code == 200
+    answers = r.json()
+    assert [a[0] for a in answers] == [200, 200, 404, 400, 400, 400, 400]
+    d1, d2 = answers[0][1], answers[1][1]
+    assert d1["lease_id"] != d2["lease_id"] and d1["url"].startswith("http://127.0.0.1:")
+    assert answers[2][1]["error"]["code"] == "model_not_found"
+    assert answers[3][1]["error"]["param"] == "wait_ms"
+    assert answers[4][1]["error"]["param"] == "prompt_tokens"
+    assert _leases(scheduler) == base + 2
+
+    rel = [
+        {"op": "release", "lease_id": d1["lease_id"], "ok": True, "output_tokens": 3},
+        {"op": "release", "lease_id": d2["lease_id"], "ok": True},
+        {"op": "release", "lease_id": d2["lease_id"], "ok": True},  # twice: unknown now
+        {"op": "release", "ok": True},
+    ]
+    answers = httpx.post(scheduler + "/v1/batch", json=rel).json()
+    assert [a[0] for a in answers] == [204, 204, 404, 400]
+    assert answers[0][1] is None
+    assert _leases(scheduler) == base
+
+
+def test_batch_wait_answer_when_no_worker_is_eligible(scheduler):
+    workers = [w["worker_id"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"]]
+    r = httpx.post(scheduler + "/v1/batch", json=[{"op": "schedule", "model": "m", "exclude": workers}])
+    (status, payload), = r.json()
+    assert status == 503 and payload["wait"] is True and payload["reason"] == "no_routable_worker"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"op": "schedule", "model": "m"}', b"[1"])
+def test_batch_rejects_a_body_that_is_not_an_array(scheduler, body):
+    r = httpx.post(scheduler + "/v1/batch", content=body)
+    assert r.status_code == 400
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_channel_answers_batches_with_a_schedule_and_not_release_only_ones(scheduler):
+    base = _leases(scheduler)
+    async with aiohttp.ClientSession() as s, s.ws_connect(scheduler + "/v1/channel") as ws:
+        await ws.send_bytes(
+            b'[{"op":"schedule","model":"m","prompt_tokens":3},{"op":"schedule","model":"nope"}]'
+        )
+        answers = (await asyncio.wait_for(ws.receive(), 5)).json()
+        assert [a[0] for a in answers] == [200, 404]
+        lease = answers[0][1]["lease_id"]
+        assert _leases(scheduler) == base + 1
+        # Releases only: no answer message. The next message answered is the next batch's.
+        await ws.send_str(f'[{{"op":"release","lease_id":"{lease}","ok":true}}]')
+        await ws.send_bytes(
+            f'[{{"op":"release","lease_id":"{lease}","ok":true}},{{"op":"schedule","model":"m"}}]'.encode()
+        )
+        answers = (await asyncio.wait_for(ws.receive(), 5)).json()
+        assert [a[0] for a in answers] == [404, 200]  # the lease was already given back
+        await ws.send_str(f'[{{"op":"release","lease_id":"{answers[1][1]["lease_id"]}","ok":true}}]')
+        await ws.send_str('[{"op":"schedule","model":"nope"}]')  # a barrier: answered after the release
+        await asyncio.wait_for(ws.receive(), 5)
+    assert _leases(scheduler) == base
+
+
+async def test_channel_closes_on_a_message_that_is_not_an_array(scheduler):
+    async with aiohttp.ClientSession() as s, s.ws_connect(scheduler + "/v1/channel") as ws:
+        await ws.send_str('{"op":"schedule","model":"m"}')
+        msg = await asyncio.wait_for(ws.receive(), 5)
+        assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1007
+    # The scheduler is fine afterwards.
+    async with httpx.AsyncClient() as c:
+        assert (await c.get(scheduler + "/health")).status_code == 200
