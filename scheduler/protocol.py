@@ -6,6 +6,10 @@ POST /v1/schedule   ScheduleRequest  -> 200 ScheduleDecision
                                       -> 503 ScheduleWait   (every eligible worker saturated)
                                       -> 404 OpenAI error   (no worker serves the model)
 POST /v1/release    LeaseRelease     -> 204
+POST /v1/batch      [{"op": "schedule", ...ScheduleRequest (wait_ms 0)} | {"op": "release",
+                    ...LeaseRelease}, ...] -> 200 [[status, answer body or null], ...] (same order)
+GET  /v1/channel    WebSocket: one message per batch, as /v1/batch; a batch with a schedule
+                    operation is answered by one message (scheduler/channel.py)
 GET  /v1/workers    -> {"workers": [WorkerView, ...]}
 POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>); posting
                     again is the heartbeat -> 201 created / 200 refreshed

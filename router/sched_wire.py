@@ -1,0 +1,318 @@
+"""The two wire forms of the gateway's scheduler channel, as asyncio protocols on one
+connection each (router/sched_pipe.py explains why and picks one):
+- `_WsPipe`: the scheduler's WebSocket batch channel (scheduler/channel.py). Client frames
+  are written by hand with a zero mask key (RFC 6455 allows it; masking is then the
+  identity), server frames parsed with a few bytes operations.
+- `_Pipe`: HTTP/1.1 pipelining of POST /v1/schedule and /v1/release.
+Both batch the calls of one event-loop iteration into one send(); a release may wait
+RELEASE_DELAY_S for company.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from pydantic_core import from_json
+
+from scheduler.client import SchedulerUnavailableError
+
+if TYPE_CHECKING:
+    from router.sched_pipe import SchedulerPipe
+
+_loads = json.loads
+# How long a release may wait to share a send() with the next schedule call. The lease
+# is returned that much later at worst, far below the scheduler's scrape interval.
+RELEASE_DELAY_S = 0.002
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        return str(_loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")
+
+
+def _message_of(payload: Any) -> str:
+    try:
+        return str(payload["error"]["message"])
+    except (KeyError, TypeError):
+        return repr(payload)[:200]
+
+
+class _NoChannel(SchedulerUnavailableError):
+    """The scheduler answered the WebSocket upgrade with an HTTP error (it has no channel)."""
+
+
+def ws_frame(payload: bytes, first_byte: int = 0x82) -> bytes:
+    """A client frame (FIN, binary by default) with a zero mask key: masking is then the
+    identity, so the payload goes out as is."""
+    n = len(payload)
+    if n < 126:
+        head = bytes((first_byte, 0x80 | n))
+    elif n < 65536:
+        head = bytes((first_byte, 0xFE)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((first_byte, 0xFF)) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+class _WsPipe(asyncio.Protocol):
+    """The scheduler's WebSocket channel on one connection; answer messages are matched to
+    the batches that contained a schedule call, in order."""
+
+    kind = "ws"
+
+    def __init__(self, owner: SchedulerPipe, upgrade: bytes) -> None:
+        self.owner = owner
+        self.upgrade = upgrade
+        self.transport: asyncio.Transport | None = None
+        self.handshake: asyncio.Future = owner.loop.create_future()
+        # Batches awaiting an answer: (one future or None per operation, time sent).
+        self.pending: deque[tuple[list[asyncio.Future | None], float]] = deque()
+        self.ops: list[bytes] = []
+        self.futs: list[asyncio.Future | None] = []
+        self.has_schedule = False
+        self.buf = bytearray()
+        self.flush_scheduled = False
+        self.lazy_timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.write(self.upgrade)
+
+    def send(self, op: bytes, fut: asyncio.Future) -> None:
+        self.ops.append(op)
+        self.futs.append(fut)
+        self.has_schedule = True
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.owner.loop.call_soon(self._flush)
+
+    def send_lazy(self, op: bytes) -> None:
+        self.ops.append(op)
+        self.futs.append(None)
+        if not self.flush_scheduled and self.lazy_timer is None:
+            self.lazy_timer = self.owner.loop.call_later(RELEASE_DELAY_S, self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if self.lazy_timer is not None:
+            self.lazy_timer.cancel()
+            self.lazy_timer = None
+        if not self.ops or self.closed:
+            return
+        payload = b"[" + b",".join(self.ops) + b"]"
+        self.ops = []
+        if self.has_schedule:
+            self.pending.append((self.futs, time.monotonic()))
+            self.futs = []
+            self.has_schedule = False
+        else:
+            self.futs.clear()
+        self.transport.write(ws_frame(payload))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if not self.handshake.done():
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > 65536:
+                    self.abort(SchedulerUnavailableError("oversized upgrade answer"))
+                return
+            head = bytes(buf[:end])
+            del buf[: end + 4]
+            status = int(head[9:12]) if head.startswith(b"HTTP/1.") and head[9:12].isdigit() else 0
+            if status != 101:
+                cls = _NoChannel if 400 <= status < 500 else SchedulerUnavailableError
+                self.abort(cls(f"scheduler answered the channel upgrade with {status or head[:40]!r}"))
+                return
+            self.handshake.set_result(None)
+        while not self.closed:
+            n = len(buf)
+            if n < 2:
+                return
+            b0, b1 = buf[0], buf[1]
+            length = b1 & 0x7F
+            pos = 2
+            if length == 126:
+                if n < 4:
+                    return
+                length, pos = int.from_bytes(buf[2:4], "big"), 4
+            elif length == 127:
+                if n < 10:
+                    return
+                length, pos = int.from_bytes(buf[2:10], "big"), 10
+            end = pos + length
+            if n < end:
+                return
+            opcode = b0 & 0x0F
+            if b1 & 0x80 or not b0 & 0x80 or opcode == 0:
+                self.abort(SchedulerUnavailableError("masked or fragmented frame from the scheduler"))
+                return
+            payload = bytes(buf[pos:end])
+            del buf[:end]
+            if opcode in (1, 2):
+                self._answers(payload)
+            elif opcode == 8:
+                reason = payload[2:].decode(errors="replace")
+                self.abort(SchedulerUnavailableError(f"scheduler closed the channel: {reason}"))
+            elif opcode == 9:
+                self.transport.write(ws_frame(payload, 0x8A))  # pong
+
+    def _answers(self, payload: bytes) -> None:
+        if not self.pending:
+            self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
+            return
+        futs, _ = self.pending.popleft()
+        try:
+            answers = from_json(payload)
+        except ValueError:
+            answers = None
+        if not isinstance(answers, list) or len(answers) != len(futs):
+            exc = SchedulerUnavailableError(f"malformed answer from the scheduler: {payload[:200]!r}")
+            for fut in futs:
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+            self.abort(exc)
+            return
+        for fut, answer in zip(futs, answers, strict=True):
+            if fut is None:
+                continue
+            if not fut.done():
+                fut.set_result(answer)
+            elif fut.cancelled() and answer[0] == 200:
+                self.owner._orphan(answer[1])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.abort(SchedulerUnavailableError(f"scheduler connection lost: {exc!r}"))
+
+    def abort(self, exc: Exception) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.lazy_timer is not None:
+                self.lazy_timer.cancel()
+                self.lazy_timer = None
+            if self.transport is not None:
+                self.transport.abort()
+        if not self.handshake.done():
+            self.handshake.set_exception(exc)
+        unsent, self.futs, self.ops = self.futs, [], []
+        batches = [futs for futs, _ in self.pending]
+        self.pending.clear()
+        for futs in (*batches, unsent):
+            for fut in futs:
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+        self.owner._lost(self)
+
+
+class _Pipe(asyncio.Protocol):
+    """HTTP/1.1 pipelining on one connection (schedulers without /v1/channel); answers are
+    matched to calls in order."""
+
+    kind = "http"
+
+    def __init__(self, owner: SchedulerPipe) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        # (future or None for fire-and-forget, time sent)
+        self.pending: deque[tuple[asyncio.Future | None, float]] = deque()
+        self.buf = bytearray()
+        self.out: list[bytes] = []
+        self.flush_scheduled = False
+        self.lazy_timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, data: bytes, fut: asyncio.Future | None) -> None:
+        self.out.append(data)
+        self.pending.append((fut, time.monotonic()))
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.owner.loop.call_soon(self._flush)
+
+    def send_lazy(self, data: bytes) -> None:
+        """A fire-and-forget call that may wait up to RELEASE_DELAY_S to share a send()
+        with the next urgent call (under load it always does)."""
+        self.out.append(data)
+        self.pending.append((None, time.monotonic()))
+        if not self.flush_scheduled and self.lazy_timer is None:
+            self.lazy_timer = self.owner.loop.call_later(RELEASE_DELAY_S, self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if self.lazy_timer is not None:
+            self.lazy_timer.cancel()
+            self.lazy_timer = None
+        if self.out and not self.closed:
+            data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
+            self.out.clear()
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end]).lower()
+            i = head.find(b"\r\ncontent-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i + 2)
+                length = int(head[i + 17 : j if j > 0 else len(head)])
+            elif head[9:12] in (b"204", b"304"):
+                length = 0
+            else:  # no length and not bodiless (chunked): not what the scheduler sends
+                self.abort(SchedulerUnavailableError("scheduler answer without Content-Length"))
+                return
+            total = end + 4 + length
+            if len(buf) < total:
+                return
+            status = int(head[9:12])
+            body = bytes(buf[end + 4 : total])
+            del buf[:total]
+            if not self.pending:
+                self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
+                return
+            fut, _ = self.pending.popleft()
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result((status, body))
+                elif fut.cancelled() and status == 200:
+                    self.owner._orphan(body)
+            if b"\r\nconnection: close" in head:
+                self.abort(SchedulerUnavailableError("scheduler closed the connection"))
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.abort(SchedulerUnavailableError(f"scheduler connection lost: {exc!r}"))
+
+    def abort(self, exc: Exception) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.lazy_timer is not None:
+                self.lazy_timer.cancel()
+                self.lazy_timer = None
+            if self.transport is not None:
+                self.transport.abort()
+        while self.pending:
+            fut, _ = self.pending.popleft()
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+        self.owner._lost(self)
