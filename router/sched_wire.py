@@ -28,6 +28,9 @@ _loads = json.loads
 # How long a release may wait to share a send() with the next schedule call. The lease
 # is returned that much later at worst, far below the scheduler's scrape interval.
 RELEASE_DELAY_S = 0.002
+# Operations per channel message at most: with at most 64 prefix fingerprints an operation
+# is under 1.5 kB, so a message stays far below the scheduler's 4 MiB message limit.
+MAX_BATCH_OPS = 256
 
 
 def _error_message(raw: bytes) -> str:
@@ -93,14 +96,18 @@ class _WsPipe(asyncio.Protocol):
         self.ops.append(op)
         self.futs.append(fut)
         self.has_schedule = True
-        if not self.flush_scheduled:
+        if len(self.ops) >= MAX_BATCH_OPS:
+            self._flush()
+        elif not self.flush_scheduled:
             self.flush_scheduled = True
             self.owner.loop.call_soon(self._flush)
 
     def send_lazy(self, op: bytes) -> None:
         self.ops.append(op)
         self.futs.append(None)
-        if not self.flush_scheduled and self.lazy_timer is None:
+        if len(self.ops) >= MAX_BATCH_OPS:
+            self._flush()
+        elif not self.flush_scheduled and self.lazy_timer is None:
             self.lazy_timer = self.owner.loop.call_later(RELEASE_DELAY_S, self._flush)
 
     def _flush(self) -> None:

@@ -105,7 +105,7 @@ def run_batch_bytes(svc: SchedulerService, raw: bytes) -> list | None:
 
 
 async def serve_channel(request: web.Request, svc: SchedulerService) -> web.WebSocketResponse:
-    ws = web.WebSocketResponse(compress=False, max_msg_size=1 << 20, autoping=True)
+    ws = web.WebSocketResponse(compress=False, max_msg_size=4 << 20, autoping=True)
     await ws.prepare(request)
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):

@@ -190,3 +190,21 @@ async def test_decision_for_a_cancelled_call_is_given_back(scheduler, channel):
             assert await leases() == base
     finally:
         pipe.close()
+
+
+async def test_a_burst_larger_than_one_message_allows_is_split(scheduler):
+    # 4,000 calls with 64 prefix fingerprints each made in one loop iteration: ~5.5 MB of
+    # operations, more than the scheduler accepts in one channel message (4 MiB).
+    pipe = SchedulerPipe(scheduler, timeout_s=20, channel="ws")
+    hashes = [(1 << 62) + i for i in range(64)]
+    try:
+        results = await asyncio.gather(
+            *(pipe.schedule_raw({"model": "m", "prefix_hashes": hashes}) for _ in range(4000))
+        )
+        assert [s for s, _ in results] == [200] * 4000
+        for _, p in results:
+            pipe.release_nowait({"lease_id": p["lease_id"], "ok": True})
+        with pytest.raises(UnknownModelError):
+            await pipe.schedule_raw({"model": "no-such-model"})  # after every release
+    finally:
+        pipe.close()
