@@ -163,13 +163,13 @@ class SchedulerPipe:
         fut = self.loop.create_future()
         if pipe.kind == "ws":
             pipe.send(b'{"op":"schedule",' + to_json(body)[1:], fut)
-            status, payload = await fut
+            status, payload = await self._answer(fut)
             if status == 200 or (status == 503 and isinstance(payload, dict) and payload.get("wait")):
                 return status, payload
             message = _message_of(payload)
         else:
             pipe.send(self._frame(self._schedule_head, _dumps(body).encode()), fut)
-            status, raw = await fut
+            status, raw = await self._answer(fut)
             if status == 200:
                 return status, _loads(raw)
             if status == 503:
@@ -185,6 +185,18 @@ class SchedulerPipe:
         if 400 <= status < 500:
             raise SchedulerRequestError(f"scheduler answered {status}: {message}")
         raise SchedulerUnavailableError(f"scheduler answered {status}: {message}")
+
+    async def _answer(self, fut: asyncio.Future) -> Any:
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancelled after the answer came but before this task resumed: the future was
+            # not cancelled, so the pipe did not give the lease back; do it here.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                status, answer = fut.result()
+                if status == 200:
+                    self._orphan(answer)
+            raise
 
     def release_nowait(self, rel: dict[str, Any]) -> None:
         """Fire and forget (a lost release is covered by the scheduler's lease expiry)."""

@@ -96,7 +96,10 @@ class _WsPipe(asyncio.Protocol):
         self.ops.append(op)
         self.futs.append(fut)
         self.has_schedule = True
-        if len(self.ops) >= MAX_BATCH_OPS:
+        if not self.pending or len(self.ops) >= MAX_BATCH_OPS:
+            # Nothing in flight (concurrency 1): no reason to wait for company, send now.
+            # Otherwise the answer of the batch in flight is not here yet anyway, and the
+            # calls of this loop iteration go out together at its end.
             self._flush()
         elif not self.flush_scheduled:
             self.flush_scheduled = True

@@ -182,11 +182,22 @@ async def test_decision_for_a_cancelled_call_is_given_back(scheduler, channel):
                 )
 
             base = await leases()
-            task = asyncio.ensure_future(pipe.schedule_raw({"model": "m"}))
-            for _ in range(3):  # the call is written, its answer not read yet
-                await asyncio.sleep(0)
-            task.cancel()
-            await asyncio.sleep(0.2)
+            # Cancelled at different points: before the call is written, while its answer is
+            # awaited, and after the answer came but before the caller resumed.
+            tasks = []
+            for k in range(12):
+                for _ in range(3):
+                    task = asyncio.ensure_future(pipe.schedule_raw({"model": "m"}))
+                    for _ in range(k):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                    tasks.append(task)
+            await asyncio.wait(tasks)
+            assert any(t.cancelled() for t in tasks)
+            for t in tasks:  # finished before the cancel: the caller holds the lease
+                if not t.cancelled():
+                    pipe.release_nowait({"lease_id": t.result()[1]["lease_id"], "ok": True})
+            await asyncio.sleep(0.3)
             assert await leases() == base
     finally:
         pipe.close()

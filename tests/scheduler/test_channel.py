@@ -9,6 +9,7 @@ import asyncio
 import aiohttp
 import httpx
 import pytest
+from pydantic_core import from_json, to_json
 
 from tests.router.procs import start_echo_worker, start_scheduler
 
@@ -25,6 +26,10 @@ def scheduler():
 
 def _leases(base: str) -> int:
     return sum(w["in_flight_leases"] for w in httpx.get(base + "/v1/workers").json()["workers"])
+
+
+def _worker_ids(base: str) -> list[str]:
+    return [w["worker_id"] for w in httpx.get(base + "/v1/workers").json()["workers"]]
 
 
 def test_batch_answers_every_operation_in_order(scheduler):
@@ -62,8 +67,8 @@ def test_batch_answers_every_operation_in_order(scheduler):
 
 
 def test_batch_wait_answer_when_no_worker_is_eligible(scheduler):
-    workers = [w["worker_id"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"]]
-    r = httpx.post(scheduler + "/v1/batch", json=[{"op": "schedule", "model": "m", "exclude": workers}])
+    ops = [{"op": "schedule", "model": "m", "exclude": _worker_ids(scheduler)}]
+    r = httpx.post(scheduler + "/v1/batch", json=ops)
     (status, payload), = r.json()
     assert status == 503 and payload["wait"] is True and payload["reason"] == "no_routable_worker"
 
@@ -106,3 +111,23 @@ async def test_channel_closes_on_a_message_that_is_not_an_array(scheduler):
     # The scheduler is fine afterwards.
     async with httpx.AsyncClient() as c:
         assert (await c.get(scheduler + "/health")).status_code == 200
+
+
+async def test_channel_answers_of_every_frame_length_form_read_by_a_standard_client(scheduler):
+    base = _leases(scheduler)
+    wait = {"op": "schedule", "model": "m", "exclude": _worker_ids(scheduler)}  # a short answer
+    cases = [([wait], 0, 126), ([{"op": "schedule", "model": "m"}] * 2, 126, 65536),
+             ([{"op": "schedule", "model": "m"}] * 400, 65536, 1 << 30)]
+    async with aiohttp.ClientSession() as s, s.ws_connect(scheduler + "/v1/channel") as ws:
+        for ops, low, high in cases:
+            await ws.send_bytes(to_json(ops))
+            msg = await asyncio.wait_for(ws.receive(), 10)
+            assert msg.type == aiohttp.WSMsgType.BINARY and low <= len(msg.data) < high
+            answers = from_json(msg.data)
+            assert len(answers) == len(ops)
+            leases = [a[1]["lease_id"] for a in answers if a[0] == 200]
+            assert len(leases) == (0 if ops[0] is wait else len(ops))
+            await ws.send_bytes(to_json([{"op": "release", "lease_id": lid, "ok": True} for lid in leases]))
+        await ws.send_bytes(b'[{"op":"schedule","model":"nope"}]')  # answered after the releases
+        await asyncio.wait_for(ws.receive(), 5)
+    assert _leases(scheduler) == base
