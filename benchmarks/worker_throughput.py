@@ -120,7 +120,8 @@ async def bench(levels: list[int], seed: int) -> list[Row]:
         await run_engine(engine, warm, 2)
         run_static(hf, pad_id, warm, 2)
         for c in levels:
-            requests = make_requests(tokenizer, max(4, c), seed + c)
+            # 2 x C requests: each stream refills once, as a server's batch would; static runs 2 batches.
+            requests = make_requests(tokenizer, max(4, 2 * c), seed + c)
             useful = sum(m for _, m in requests)
             e_wall, e_cpu, produced = await run_engine(engine, requests, c)
             assert produced == useful, (produced, useful)
