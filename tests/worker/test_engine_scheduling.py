@@ -287,3 +287,30 @@ def test_sampler_filters_and_edge_parameters():
     p = [SamplingParams(max_tokens=1, temperature=1.0, seed=11)]
     assert [sample(row, p, [k]) for k in range(5)] == [sample(row, p, [k]) for k in range(5)]
     assert len({sample(row, p, [k])[0] for k in range(20)}) > 1
+
+
+class _FailingRunner(ArithmeticRunner):
+    def execute(self, batch):
+        raise RuntimeError("device lost")
+
+
+async def test_engine_loop_death_fails_open_requests_and_reports_unhealthy():
+    from inference_worker.engine.async_engine import AsyncEngine
+    from inference_worker.engine.errors import EngineDeadError
+
+    engine = LLMEngine(
+        _FailingRunner(BS, 16), CharTokenizer(), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64
+    )
+    aengine = AsyncEngine(engine, "m")
+    await aengine.start()
+    try:
+        assert aengine.is_healthy
+        with pytest.raises(EngineDeadError):
+            async for _ in aengine.generate("x", [5, 6, 7], greedy(3)):
+                pass
+        assert not aengine.is_healthy
+        with pytest.raises(EngineDeadError):  # later requests fail fast instead of hanging
+            async for _ in aengine.generate("y", [5, 6, 7], greedy(3)):
+                pass
+    finally:
+        await aengine.shutdown()
