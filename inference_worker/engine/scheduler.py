@@ -105,10 +105,11 @@ class Scheduler:
                 seq.ever_scheduled = True
                 seq.num_cached_tokens = cached_tokens
                 seq.first_scheduled_time = now
-                pc = out.prefix_cache
-                pc.requests += 1
-                pc.queries += seq.num_tokens
-                pc.hits += cached_tokens
+                if bm.enable_prefix_caching:  # as in vLLM: no lookups, no counts when caching is off
+                    pc = out.prefix_cache
+                    pc.requests += 1
+                    pc.queries += seq.num_tokens
+                    pc.hits += cached_tokens
             seq.status = SequenceStatus.RUNNING
             seq.record(EngineEventType.SCHEDULED, now)
             self.running.append(seq)

@@ -127,6 +127,13 @@ def test_prefix_reuse_skips_cached_tokens_and_counts_queries_and_hits():
     assert sum(p.hits for p in pcs) == 24
     assert sum(p.requests for p in pcs) == 2
     assert logger.finished[-1].num_cached_tokens == 24
+    # With caching off nothing is looked up, so nothing is counted.
+    off, off_runner, off_logger = make_engine(caching=False)
+    off.add_request("a", prompt, greedy(5))
+    off.add_request("b", prompt, greedy(5))
+    assert run_all(off) == {"a": first, "b": first}
+    assert off_runner.computed_tokens == 2 * (27 + 4)
+    assert all(s.prefix_cache_stats.queries == 0 for s, _ in off_logger.records)
 
 
 def test_chunked_prefill_respects_token_budget():
