@@ -90,9 +90,20 @@ class AsyncEngine:
         await asyncio.to_thread(thread.join, 30)
         self._thread = None
 
+    def clock(self) -> float:
+        """The engine clock (monotonic seconds; simulated seconds for the sim backend)."""
+        return self.engine.clock()
+
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. arrival_time (engine clock, see `clock()`) lets the server
+        start TTFT/e2e when the HTTP request arrived, before tokenization, as vLLM does;
+        by default they start at this call."""
         validate_request(prompt_token_ids, params, self.max_model_len)
         if request_id in self._queues:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
@@ -102,7 +113,8 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._cond:
-            self._inbox_add.append((request_id, list(prompt_token_ids), params, self.engine.clock()))
+            arrival = self.engine.clock() if arrival_time is None else arrival_time
+            self._inbox_add.append((request_id, list(prompt_token_ids), params, arrival))
             self._cond.notify()
         finished = False
         try:

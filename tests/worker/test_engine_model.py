@@ -201,7 +201,8 @@ async def test_async_engine_streams_stops_aborts_and_reports_stats(runner, token
     await aengine.start()
     try:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        full = await _collect(aengine.generate("full", prompts[1], params))
+        arrival = aengine.clock() - 0.25  # e.g. the HTTP request came in before tokenization
+        full = await _collect(aengine.generate("full", prompts[1], params, arrival_time=arrival))
         assert full[-1].finished and full[-1].finish_reason is FinishReason.LENGTH
         assert [o.finished for o in full[:-1]] == [False] * (len(full) - 1)
         token_ids = [t for o in full for t in o.token_ids]
@@ -270,5 +271,9 @@ async def test_async_engine_streams_stops_aborts_and_reports_stats(runner, token
         assert 0 <= f.e2e_latency - parts <= 0.5 * f.e2e_latency
         assert f.inference_time == pytest.approx(f.prefill_time + f.decode_time)
     full_stats = finished[FinishReason.LENGTH]
+    assert (
+        full_stats.e2e_latency - (full_stats.queued_time + full_stats.prefill_time + full_stats.decode_time)
+        >= 0.25
+    )
     assert full_stats.mean_time_per_output_token == pytest.approx(full_stats.decode_time / 23)
     assert logger.logs >= 1  # the periodic log() ran
