@@ -265,15 +265,12 @@ async def test_async_engine_streams_stops_aborts_and_reports_stats(runner, token
     assert len([x for it in its for x in it.time_to_first_tokens_iter]) == 4
     n_itl = len([x for it in its for x in it.inter_token_latencies_iter])
     assert n_itl == sum(f.num_generation_tokens - 1 for f in logger.finished)
-    for f in logger.finished:
+    for f, early in zip(logger.finished, [0.25, 0.0, 0.0, 0.0], strict=True):  # "full" arrived 0.25 s early
         parts = f.queued_time + f.prefill_time + f.decode_time
+        e2e = f.e2e_latency - early
         # e2e also holds the hand-over to the engine thread and, for aborts, the wait for the next step.
-        assert 0 <= f.e2e_latency - parts <= 0.5 * f.e2e_latency
+        assert 0 <= e2e - parts <= 0.5 * e2e
         assert f.inference_time == pytest.approx(f.prefill_time + f.decode_time)
     full_stats = finished[FinishReason.LENGTH]
-    assert (
-        full_stats.e2e_latency - (full_stats.queued_time + full_stats.prefill_time + full_stats.decode_time)
-        >= 0.25
-    )
     assert full_stats.mean_time_per_output_token == pytest.approx(full_stats.decode_time / 23)
     assert logger.logs >= 1  # the periodic log() ran
