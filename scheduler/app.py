@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from scheduler.channel import run_batch_bytes, serve_channel
+from scheduler.channel import OPEN_CHANNELS, close_channels, run_batch_bytes, serve_channel
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
 from scheduler.protocol import LeaseRelease, ScheduleRequest
@@ -187,6 +188,8 @@ def build_app(service: SchedulerService) -> web.Application:
     # methods get OpenAI-shaped errors from explicit catch-all routes instead.
     app = web.Application(client_max_size=1 << 20)
     app[SERVICE_KEY] = service
+    app[OPEN_CHANNELS] = weakref.WeakSet()
+    app.on_shutdown.append(close_channels)
     routes = [
         ("POST", "/v1/schedule", schedule),
         ("POST", "/v1/release", release),

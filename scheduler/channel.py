@@ -22,10 +22,12 @@ A message that is not a JSON array closes the channel with code 1007.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
+import weakref
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
@@ -114,6 +116,20 @@ def server_frame(payload: bytes) -> bytes:
     return bytes((0x82, 127)) + n.to_bytes(8, "big") + payload
 
 
+# Open channels, closed on shutdown: aiohttp would otherwise wait for their handlers (up to
+# its 60 s shutdown timeout) before the process can exit.
+OPEN_CHANNELS = web.AppKey("open_channels", weakref.WeakSet)
+
+
+async def close_channels(app: web.Application) -> None:
+    channels = list(app[OPEN_CHANNELS])
+    if channels:
+        await asyncio.gather(
+            *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"scheduler shutting down") for ws in channels),
+            return_exceptions=True,
+        )
+
+
 # A gateway that stops reading its answers is broken: beyond this much unsent data the
 # channel is closed (it reconnects) rather than buffering without bound.
 MAX_UNSENT_BYTES = 8 << 20
@@ -122,6 +138,7 @@ MAX_UNSENT_BYTES = 8 << 20
 async def serve_channel(request: web.Request, svc: SchedulerService) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=4 << 20, autoping=True)
     await ws.prepare(request)
+    request.app[OPEN_CHANNELS].add(ws)
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):

@@ -5,6 +5,7 @@ with ordinary clients (httpx, aiohttp's WebSocket client), not the gateway's own
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import aiohttp
 import httpx
@@ -131,3 +132,22 @@ async def test_channel_answers_of_every_frame_length_form_read_by_a_standard_cli
         await ws.send_bytes(b'[{"op":"schedule","model":"nope"}]')  # answered after the releases
         await asyncio.wait_for(ws.receive(), 5)
     assert _leases(scheduler) == base
+
+
+async def test_scheduler_with_an_open_channel_stops_on_sigterm():
+    # aiohttp waits for running handlers on shutdown (60 s by default); the scheduler closes
+    # its channels (1001 going away) so that it exits now. The bound below is a timeout, far
+    # above the expected time and below aiohttp's wait.
+    w, u = start_echo_worker()
+    s, su = start_scheduler([u], "--scrape-interval-ms", "100")
+    try:
+        async with aiohttp.ClientSession() as session, session.ws_connect(su + "/v1/channel") as ws:
+            await ws.send_bytes(b'[{"op":"schedule","model":"m"}]')
+            assert (await asyncio.wait_for(ws.receive(), 5)).json()[0][0] == 200
+            s.p.send_signal(signal.SIGTERM)
+            msg = await asyncio.wait_for(ws.receive(), 20)
+            assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.GOING_AWAY
+        assert await asyncio.to_thread(s.p.wait, 30) == 0
+    finally:
+        s.stop()
+        w.stop()
