@@ -171,6 +171,7 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 iteration.num_prompt_tokens += seq.prompt_len
+                iteration.num_cached_prompt_tokens += seq.num_cached_tokens
                 iteration.time_to_first_tokens_iter.append(now - seq.arrival_time)
             else:  # includes any time spent preempted since the previous token
                 iteration.inter_token_latencies_iter.append(now - seq.last_token_time)

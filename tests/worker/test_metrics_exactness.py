@@ -242,11 +242,6 @@ async def test_counters_and_histograms_equal_what_clients_saw(busy_worker) -> No
     assert sample(after, "vllm:kv_cache_usage_perc") == sample(after, "vllm:gpu_cache_usage_perc")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine does not fill IterationStats.num_cached_prompt_tokens yet "
-    "(llm_engine.py, where it adds seq.prompt_len to iteration.num_prompt_tokens); remove this mark then",
-)
 async def test_prompt_tokens_by_source_splits_cache_hits(busy_worker) -> None:
     _, worker = busy_worker
     client = aclient(worker)
