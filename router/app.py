@@ -80,7 +80,9 @@ class Gateway:
             workers_refresh_s=cfg.workers_refresh_ms / 1000,
         )
         if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
-            self.sched.pipe = SchedulerPipe(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
+            self.sched.pipe = SchedulerPipe(
+                cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel
+            )
         self.sched.start(self.session)
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
         if cfg.access_log:

@@ -6,6 +6,8 @@ wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -33,7 +35,14 @@ class RouterConfig(BaseSettings):
     workers: str = Field("", description="comma-separated worker URLs always usable in fallback mode")
     scheduler_timeout_ms: int = Field(2000, ge=10, description="timeout of one scheduler call")
     scheduler_pipelining: bool = Field(
-        True, description="send schedule/release calls pipelined on one connection (fewer syscalls)"
+        True,
+        description="batch each loop iteration's schedule/release calls into one message on one "
+        "persistent connection (off: one SchedulerClient HTTP request per call)",
+    )
+    scheduler_channel: Literal["auto", "ws", "http"] = Field(
+        "auto",
+        description="pipelined channel: ws (scheduler's /v1/channel), http (pipelined HTTP/1.1), "
+        "auto (ws, else http for a scheduler without the channel)",
     )
     scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")

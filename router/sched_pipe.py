@@ -18,8 +18,8 @@ Two wire forms, picked at connect time:
 - "http": HTTP/1.1 pipelining of `POST /v1/schedule` and `POST /v1/release` on one
   keep-alive connection, for a scheduler without the channel (it answers the upgrade
   with 404); answers are matched to calls in order.
-`channel="auto"` (the default; the environment variable ROUTER_SCHEDULER_CHANNEL
-overrides it, for A/B measurements) tries "ws" and falls back to "http".
+`channel="auto"` (the default; `--scheduler-channel` / ROUTER_SCHEDULER_CHANNEL choose
+one, e.g. for A/B measurements) tries "ws" and falls back to "http".
 
 Long-polls (wait_ms > 0) must not hold up the pipeline, so they, /v1/workers, health
 probes and failure reports keep using `scheduler.client.SchedulerClient`.
@@ -59,11 +59,10 @@ CHANNELS = ("auto", "ws", "http")
 
 
 class SchedulerPipe:
-    def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto") -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"the pipelined channel needs an http:// scheduler URL, got {base_url!r}")
-        channel = channel or os.environ.get("ROUTER_SCHEDULER_CHANNEL") or "auto"
         if channel not in CHANNELS:
             raise ValueError(f"scheduler channel must be one of {CHANNELS}, got {channel!r}")
         self.channel = channel

@@ -37,6 +37,7 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
         (["--scheduler", "http://x", "--max-queue-size", "-1"], "max-queue-size"),
         (["--scheduler", "http://x", "--retry-count", "many"], "retry-count"),
         (["--workers", "ftp://nope"], "ftp://nope"),
+        (["--scheduler", "http://x", "--scheduler-channel", "udp"], "scheduler-channel"),
         ([], "--scheduler"),
     ],
 )
@@ -45,3 +46,11 @@ def test_bad_values_stop_start_up_naming_the_field(argv, field):
                        timeout=60)
     assert r.returncode != 0
     assert field in r.stderr and "Traceback" not in r.stderr
+
+
+def test_scheduler_channel_from_flag_and_env(monkeypatch):
+    assert load_router_config(["--scheduler", "http://x"]).scheduler_channel == "auto"
+    cfg = load_router_config(["--scheduler", "http://x", "--scheduler-channel", "http"])
+    assert cfg.scheduler_channel == "http"
+    monkeypatch.setenv("ROUTER_SCHEDULER_CHANNEL", "ws")
+    assert load_router_config(["--scheduler", "http://x"]).scheduler_channel == "ws"
