@@ -64,22 +64,15 @@ def ws_frame(payload: bytes, first_byte: int = 0x82) -> bytes:
     return head + b"\0\0\0\0" + payload
 
 
-class _WsPipe(asyncio.Protocol):
-    """The scheduler's WebSocket channel on one connection; answer messages are matched to
-    the batches that contained a schedule call, in order."""
+class _ChannelProtocol(asyncio.Protocol):
+    """What both scheduler channels share: the connection, the flush timers, delivering an
+    answer to its call's future, and tearing the connection down."""
 
-    kind = "ws"
+    kind = ""
 
-    def __init__(self, owner: SchedulerPipe, upgrade: bytes) -> None:
+    def __init__(self, owner: SchedulerPipe) -> None:
         self.owner = owner
-        self.upgrade = upgrade
         self.transport: asyncio.Transport | None = None
-        self.handshake: asyncio.Future = owner.loop.create_future()
-        # Batches awaiting an answer: (one future or None per operation, time sent).
-        self.pending: deque[tuple[list[asyncio.Future | None], float]] = deque()
-        self.ops: list[bytes] = []
-        self.futs: list[asyncio.Future | None] = []
-        self.has_schedule = False
         self.buf = bytearray()
         self.flush_scheduled = False
         self.lazy_timer: asyncio.TimerHandle | None = None
@@ -90,6 +83,51 @@ class _WsPipe(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Each channel's abort() fails the calls it still owes an answer.
+        self.abort(SchedulerUnavailableError(f"scheduler connection lost: {exc!r}"))
+
+    def _cancel_lazy_timer(self) -> None:
+        if self.lazy_timer is not None:
+            self.lazy_timer.cancel()
+            self.lazy_timer = None
+
+    def _close_transport(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._cancel_lazy_timer()
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _deliver(self, fut: asyncio.Future | None, answer: tuple[int, Any]) -> None:
+        """Hand an answer to its call; a schedule call whose caller left gives its lease back."""
+        if fut is None:
+            return
+        if not fut.done():
+            fut.set_result(answer)
+        elif fut.cancelled() and answer[0] == 200:
+            self.owner._orphan(answer[1])
+
+
+class _WsPipe(_ChannelProtocol):
+    """The scheduler's WebSocket channel on one connection; answer messages are matched to
+    the batches that contained a schedule call, in order."""
+
+    kind = "ws"
+
+    def __init__(self, owner: SchedulerPipe, upgrade: bytes) -> None:
+        super().__init__(owner)
+        self.upgrade = upgrade
+        self.handshake: asyncio.Future = owner.loop.create_future()
+        # Batches awaiting an answer: (one future or None per operation, time sent).
+        self.pending: deque[tuple[list[asyncio.Future | None], float]] = deque()
+        self.ops: list[bytes] = []
+        self.futs: list[asyncio.Future | None] = []
+        self.has_schedule = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
         transport.write(self.upgrade)
 
     def send(self, op: bytes, fut: asyncio.Future) -> None:
@@ -115,9 +153,7 @@ class _WsPipe(asyncio.Protocol):
 
     def _flush(self) -> None:
         self.flush_scheduled = False
-        if self.lazy_timer is not None:
-            self.lazy_timer.cancel()
-            self.lazy_timer = None
+        self._cancel_lazy_timer()
         if not self.ops or self.closed:
             return
         payload = b"[" + b",".join(self.ops) + b"]"
@@ -196,24 +232,10 @@ class _WsPipe(asyncio.Protocol):
             self.abort(exc)
             return
         for fut, answer in zip(futs, answers, strict=True):
-            if fut is None:
-                continue
-            if not fut.done():
-                fut.set_result(answer)
-            elif fut.cancelled() and answer[0] == 200:
-                self.owner._orphan(answer[1])
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.abort(SchedulerUnavailableError(f"scheduler connection lost: {exc!r}"))
+            self._deliver(fut, answer)
 
     def abort(self, exc: Exception) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.lazy_timer is not None:
-                self.lazy_timer.cancel()
-                self.lazy_timer = None
-            if self.transport is not None:
-                self.transport.abort()
+        self._close_transport()
         if not self.handshake.done():
             self.handshake.set_exception(exc)
         unsent, self.futs, self.ops = self.futs, [], []
@@ -226,28 +248,17 @@ class _WsPipe(asyncio.Protocol):
         self.owner._lost(self)
 
 
-class _Pipe(asyncio.Protocol):
+class _Pipe(_ChannelProtocol):
     """HTTP/1.1 pipelining on one connection (schedulers without /v1/channel); answers are
     matched to calls in order."""
 
     kind = "http"
 
     def __init__(self, owner: SchedulerPipe) -> None:
-        self.owner = owner
-        self.transport: asyncio.Transport | None = None
+        super().__init__(owner)
         # (future or None for fire-and-forget, time sent)
         self.pending: deque[tuple[asyncio.Future | None, float]] = deque()
-        self.buf = bytearray()
         self.out: list[bytes] = []
-        self.flush_scheduled = False
-        self.lazy_timer: asyncio.TimerHandle | None = None
-        self.closed = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, data: bytes, fut: asyncio.Future | None) -> None:
         self.out.append(data)
@@ -266,9 +277,7 @@ class _Pipe(asyncio.Protocol):
 
     def _flush(self) -> None:
         self.flush_scheduled = False
-        if self.lazy_timer is not None:
-            self.lazy_timer.cancel()
-            self.lazy_timer = None
+        self._cancel_lazy_timer()
         if self.out and not self.closed:
             data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
             self.out.clear()
@@ -301,26 +310,13 @@ class _Pipe(asyncio.Protocol):
                 self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
                 return
             fut, _ = self.pending.popleft()
-            if fut is not None:
-                if not fut.done():
-                    fut.set_result((status, body))
-                elif fut.cancelled() and status == 200:
-                    self.owner._orphan(body)
+            self._deliver(fut, (status, body))
             if b"\r\nconnection: close" in head:
                 self.abort(SchedulerUnavailableError("scheduler closed the connection"))
                 return
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.abort(SchedulerUnavailableError(f"scheduler connection lost: {exc!r}"))
-
     def abort(self, exc: Exception) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.lazy_timer is not None:
-                self.lazy_timer.cancel()
-                self.lazy_timer = None
-            if self.transport is not None:
-                self.transport.abort()
+        self._close_transport()
         while self.pending:
             fut, _ = self.pending.popleft()
             if fut is not None and not fut.done():
