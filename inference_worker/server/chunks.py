@@ -34,95 +34,74 @@ def finish_reason_json(reason: FinishReason | None) -> str:
     return "null" if reason is None else f'"{reason.value}"'
 
 
-class CompletionChunks:
-    """`text_completion` objects (the stream chunks and the final non-stream body)."""
+class _Chunks:
+    """What both kinds share: the prebuilt chunk head, the per-token frame, the usage
+    chunk and the final non-stream body."""
 
-    object_name = "text_completion"
+    chunk_object = ""  # "object" of each stream chunk
+    body_object = ""  # "object" of the final non-stream body
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self._head = (
-            f'{{"id":"{request_id}","object":"{self.object_name}","created":{self.created},'
+            f'{{"id":"{request_id}","object":"{self.chunk_object}","created":{self.created},'
             f'"model":{_dumps(model)},"choices":'
         )
+
+    def _frame(self, choice_fields: str, finish_reason: FinishReason | None) -> str:
+        return (
+            f'{self._head}[{{"index":0,{choice_fields},"logprobs":null,'
+            f'"finish_reason":{finish_reason_json(finish_reason)}}}]}}'
+        )
+
+    def usage(self, last: RequestOutput) -> str:
+        return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
+
+    def _body(self, choice: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
+        choice["logprobs"] = None
+        choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
+        choice["stop_reason"] = last.matched_stop
+        return {
+            "id": self.request_id,
+            "object": self.body_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_of(last),
+        }
+
+
+class CompletionChunks(_Chunks):
+    """`text_completion` objects (the stream chunks and the final non-stream body)."""
+
+    chunk_object = body_object = "text_completion"
 
     def first(self) -> str | None:
         """A chunk to send before any token (none for completions)."""
         return None
 
     def delta(self, text: str, finish_reason: FinishReason | None) -> str:
-        return (
-            f'{self._head}[{{"index":0,"text":{_dumps(text)},"logprobs":null,'
-            f'"finish_reason":{finish_reason_json(finish_reason)}}}]}}'
-        )
-
-    def usage(self, last: RequestOutput) -> str:
-        return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
+        return self._frame(f'"text":{_dumps(text)}', finish_reason)
 
     def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": last.finish_reason.value if last.finish_reason else None,
-                    "stop_reason": last.matched_stop,
-                }
-            ],
-            "usage": usage_of(last),
-        }
+        return self._body({"index": 0, "text": text}, last)
 
 
-class ChatChunks:
+class ChatChunks(_Chunks):
     """`chat.completion.chunk` objects and the final `chat.completion` body."""
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self._head = (
-            f'{{"id":"{request_id}","object":"chat.completion.chunk","created":{self.created},'
-            f'"model":{_dumps(model)},"choices":'
-        )
+    chunk_object = "chat.completion.chunk"
+    body_object = "chat.completion"
 
     def first(self) -> str:
         """The role chunk that opens every chat stream (as OpenAI and vLLM send it)."""
-        return (
-            f'{self._head}[{{"index":0,"delta":{{"role":"assistant","content":""}},'
-            f'"logprobs":null,"finish_reason":null}}]}}'
-        )
+        return self._frame('"delta":{"role":"assistant","content":""}', None)
 
     def delta(self, text: str, finish_reason: FinishReason | None) -> str:
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
-        return (
-            f'{self._head}[{{"index":0,"delta":{delta},"logprobs":null,'
-            f'"finish_reason":{finish_reason_json(finish_reason)}}}]}}'
-        )
-
-    def usage(self, last: RequestOutput) -> str:
-        return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
+        return self._frame(f'"delta":{delta}', finish_reason)
 
     def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": last.finish_reason.value if last.finish_reason else None,
-                    "stop_reason": last.matched_stop,
-                }
-            ],
-            "usage": usage_of(last),
-        }
+        return self._body({"index": 0, "message": {"role": "assistant", "content": text}}, last)
