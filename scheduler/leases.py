@@ -13,15 +13,16 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "issued_at", "lease_id", "tokens", "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "issued_at", "lease_id", "prompt", "tokens", "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
-                 tokens: float, trial: bool) -> None:
+                 tokens: float, trial: bool, prompt: float = 0.0) -> None:
         self.lease_id = lease_id
         self.worker = worker
         self.issued_at = issued_at
         self.expires_at = issued_at + ttl_s
-        self.tokens = tokens
+        self.tokens = tokens  # KV need: prompt + max_tokens
+        self.prompt = prompt  # prompt tokens still to prefill when issued
         self.trial = trial
         self.unseen = True
 
@@ -35,12 +36,16 @@ class LeaseTable:
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
 
-    def issue(self, worker: WorkerState, now: float, tokens: float, trial: bool = False) -> Lease:
-        lease = Lease(f"{self._prefix}-{next(self._counter)}", worker, now, self.ttl_s, tokens, trial)
+    def issue(self, worker: WorkerState, now: float, tokens: float, trial: bool = False,
+              prompt: float = 0.0) -> Lease:
+        lease = Lease(f"{self._prefix}-{next(self._counter)}", worker, now, self.ttl_s, tokens, trial,
+                      prompt)
         self.leases[lease.lease_id] = lease
         worker.leases[lease.lease_id] = lease
         worker.unseen += 1
         worker.unseen_tokens += tokens
+        worker.prefill_backlog += prompt
+        worker.open_prompt_tokens += prompt
         return lease
 
     def close(self, lease_id: str) -> Lease | None:
@@ -49,6 +54,10 @@ class LeaseTable:
             return None
         w = lease.worker
         w.leases.pop(lease_id, None)
+        # A request that ended (or was cancelled) before its prefill was counted must not
+        # stay in the backlog: the backlog never exceeds the prompts still open.
+        w.open_prompt_tokens = max(0.0, w.open_prompt_tokens - lease.prompt)
+        w.prefill_backlog = min(w.prefill_backlog, w.open_prompt_tokens)
         if lease.unseen:
             w.unseen -= 1
             w.unseen_tokens -= lease.tokens

@@ -33,11 +33,15 @@ class _WorkerCollector:
         waiting = GaugeMetricFamily("scheduler_worker_waiting", "waiting requests (scraped)",
                                     labels=["worker"])
         kv = GaugeMetricFamily("scheduler_worker_kv_usage", "KV usage 0-1 (scraped)", labels=["worker"])
+        backlog = GaugeMetricFamily("scheduler_worker_prefill_backlog_tokens",
+                                    "prompt tokens sent that the worker has not reported prefilled",
+                                    labels=["worker"])
         now = time.monotonic()
         for w in list(self.service.registry.workers.values()):
             wid = [w.worker_id]
             healthy.add_metric(wid, 1.0 if w.health.routable else 0.0)
             leases.add_metric(wid, float(w.in_flight))
+            backlog.add_metric(wid, w.prefill_backlog)
             s = w.snapshot
             if s is not None:
                 age.add_metric(wid, now - s.taken_at)
@@ -45,7 +49,7 @@ class _WorkerCollector:
                 waiting.add_metric(wid, s.waiting)
                 if s.kv_usage is not None:
                     kv.add_metric(wid, s.kv_usage)
-        yield from (healthy, age, leases, running, waiting, kv)
+        yield from (healthy, age, leases, backlog, running, waiting, kv)
 
 
 class SchedulerMetrics:

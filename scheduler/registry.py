@@ -40,6 +40,12 @@ class WorkerState:
         self.unseen = 0  # leases issued after the snapshot was taken
         self.unseen_tokens = 0.0
         self.finished_since = 0  # leases the snapshot saw that were released since
+        # Prefill backlog: prompt tokens sent here that the worker has not reported as
+        # prefilled yet (its prompt-token counter lags them). It is the queue of work that
+        # stands between a new request and its first token; running counts cannot show it.
+        self.prefill_backlog = 0.0
+        self.open_prompt_tokens = 0.0  # prompts of open leases: the backlog's ceiling
+        self.prompt_total_seen: float | None = None
         # Policy-maintained fields.
         self.score = 0.0
         self.free_tokens = math.inf
@@ -94,6 +100,12 @@ class WorkerState:
                 unseen += 1
                 tokens += lease.tokens
         self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
+        total = snap.prompt_tokens_total
+        if total is not None:
+            prev = self.prompt_total_seen
+            if prev is not None and total > prev:  # a drop is a restarted worker: no drain
+                self.prefill_backlog = max(0.0, self.prefill_backlog - (total - prev))
+            self.prompt_total_seen = total
 
     def view(self, now: float) -> dict:
         age = self.data_age_s(now)
@@ -108,6 +120,7 @@ class WorkerState:
             "data_age_ms": None if age is None else round(age * 1000.0, 1),
             "in_flight_leases": self.in_flight,
             "unseen_leases": self.unseen,
+            "prefill_backlog_tokens": round(self.prefill_backlog),
             "score": None if math.isinf(self.score) else round(self.score, 4),
             "saturated": self.saturated,
             "sources": sorted(self.sources),

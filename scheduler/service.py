@@ -126,7 +126,8 @@ class SchedulerService:
         w = pick.worker
         max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
         trial = w.health.state == HALF_OPEN
-        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial)
+        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial,
+                                  prompt=req.prompt_tokens)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
         self.policy.on_issued(req, w, now)

@@ -193,6 +193,9 @@ def router_dashboard() -> dict:
         panel(ts, "Worker load as the scheduler sees it", [
             ("scheduler_worker_running", "running {{worker}}"),
             ("scheduler_worker_waiting", "waiting {{worker}}")], width=8),
+        panel(ts, "Prefill backlog by worker", [("scheduler_worker_prefill_backlog_tokens", "{{worker}}")],
+              width=8, description="Prompt tokens routed to the worker that it has not reported prefilled "
+              "yet (llm_aware steers new requests away from a long backlog)"),
         panel(ts, "Scrape latency p99 and failures", [
             (f"histogram_quantile(0.99, sum by (le, worker) "
              f"(rate(scheduler_scrape_latency_seconds_bucket[{RATE}])))", "p99 {{worker}}"),

@@ -1,5 +1,6 @@
-"""llm_aware (the default): load in requests, KV headroom against this request's need,
-token rates, leases the scrape cannot see yet, data age, and prefix-cache affinity.
+"""llm_aware (the default): load in requests, prefill backlog, KV headroom against this
+request's need, token rates, leases the scrape cannot see yet, data age, and prefix-cache
+affinity.
 
 What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
@@ -8,6 +9,7 @@ What it does, in order:
    cannot hold this request (prompt + output_fraction * max_tokens).
 2. Among the unsaturated, the lowest score wins:
    score = w_waiting*waiting + w_running*running + w_pending*unseen_leases + w_kv*kv
+         + w_prefill*prefill_backlog_tokens/1000
          + w_gen_rate*gen_tok_per_s/1000 + w_prompt_rate*prompt_tok_per_s/1000
          + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
@@ -42,6 +44,12 @@ class LlmAwareParams:
     w_running: float = 1.0
     w_pending: float = 1.0
     w_kv: float = 8.0
+    # Per 1000 prompt tokens sent but not yet prefilled: a new request's first token waits
+    # behind them on that worker (prefill is FCFS). 16: a pending 250-token prompt weighs
+    # 4 requests, so a burst spreads prompt tokens, not just counts, and the next arrival
+    # avoids a worker busy prefilling; the backlog drains within a scrape or two, so the
+    # count balance of the long-lived decodes comes back.
+    w_prefill: float = 16.0
     w_gen_rate: float = 0.0
     w_prompt_rate: float = 0.0
     w_age: float = 1.0
@@ -59,7 +67,8 @@ class LlmAware(Policy):
         waiting, running, unseen = w.waiting_eff, w.running_eff, w.unseen
         if s is None:
             # No load data (unknown dialect): only leases tell; never stale, never full.
-            w.score = p.w_running * running + p.w_pending * unseen
+            w.score = (p.w_running * running + p.w_pending * unseen
+                       + p.w_prefill * w.prefill_backlog / 1000.0)
             w.free_tokens = w.capacity_tokens = _INF
             w.saturated, w.taken_at = None, _INF
             w.rank = w.score
@@ -86,6 +95,7 @@ class LlmAware(Policy):
             + p.w_running * running
             + p.w_pending * unseen
             + p.w_kv * kv
+            + p.w_prefill * w.prefill_backlog / 1000.0
             + p.w_gen_rate * (s.gen_tps or 0.0) / 1000.0
             + p.w_prompt_rate * (s.prompt_tps or 0.0) / 1000.0
         )

@@ -75,6 +75,7 @@ def build_snapshot(
         num_blocks=raw.num_blocks,
         ttft_mean_s=_ratio(rates.get("ttft_sum"), rates.get("ttft_count")),
         itl_mean_s=_ratio(rates.get("itl_sum"), rates.get("itl_count")),
+        prompt_tokens_total=raw.counters.get("prompt_tokens"),
         taken_at=taken_at,
         wall_time=wall_time,
         dialect=dialect,

@@ -40,6 +40,9 @@ class LoadSnapshot:
     taken_at: float
     wall_time: float
     dialect: str
+    # Cumulative prompt tokens the engine has finished prefilling (vLLM counts a request's
+    # prompt when its first token comes out): the scheduler's prefill backlog drains by it.
+    prompt_tokens_total: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

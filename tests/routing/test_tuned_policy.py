@@ -119,3 +119,15 @@ def test_shared_prefix_goes_back_to_its_worker_unless_that_one_is_saturated(conf
     assert decide(svc, hashes=hashes)["worker_id"] == first
     feed(svc, first, running=21, waiting=2, kv=0.96)  # saturated: affinity must not pile on
     assert decide(svc, hashes=hashes)["worker_id"] != first
+
+
+def test_arrival_avoids_a_worker_still_prefilling_a_long_prompt(config):
+    # After the scrape the worker with the long prompt runs the fewest requests, but 1,500 of
+    # its prompt tokens are not prefilled yet: the next arrivals go to the others.
+    svc = service(config)
+    long = decide(svc, prompt=1500, out=100)
+    for i in range(3):
+        wid = f"w{i}"
+        feed(svc, wid, running=1 if wid == long["worker_id"] else 5, kv=0.2)
+    picks = {decide(svc)["worker_id"] for _ in range(2)}
+    assert long["worker_id"] not in picks

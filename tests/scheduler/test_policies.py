@@ -198,3 +198,71 @@ def test_every_policy_decides():
 def test_bad_policy_params_are_rejected():
     with pytest.raises(ValueError, match="nonsense"):
         make_service("llm_aware", nonsense=1)
+
+
+def test_prefill_backlog_drains_by_the_prompt_counter_and_never_outlives_its_leases():
+    svc = make_service(max_waiting=100)
+    for w in svc.registry.workers.values():
+        feed(svc, w, prompt_total=5000)
+    first = decide(svc, prompt_tokens=1000)
+    w = worker(svc, first["worker_id"])
+    assert w.prefill_backlog == 1000
+    # The next scrape shows 600 of those prompt tokens prefilled, then the rest.
+    feed(svc, w, running=1, prompt_total=5600, taken_at=time.monotonic() + 1.0)
+    assert w.prefill_backlog == 400
+    feed(svc, w, running=1, prompt_total=6000, taken_at=time.monotonic() + 1.0)
+    assert w.prefill_backlog == 0
+    svc.release(first["lease_id"], True)
+    # A request cancelled before its first token leaves no backlog behind.
+    second = decide(svc, prompt_tokens=700)
+    w2 = worker(svc, second["worker_id"])
+    before = w2.prefill_backlog
+    assert before >= 700
+    svc.release(second["lease_id"], True)
+    assert w2.prefill_backlog == before - 700
+    # A counter that goes backwards is a restarted worker: nothing drains, the new base is kept.
+    third = decide(svc, prompt_tokens=300)
+    w3 = worker(svc, third["worker_id"])
+    level = w3.prefill_backlog
+    feed(svc, w3, running=1, prompt_total=10, taken_at=time.monotonic() + 1.0)
+    assert w3.prefill_backlog == level
+    feed(svc, w3, running=1, prompt_total=110, taken_at=time.monotonic() + 1.0)
+    assert w3.prefill_backlog == level - 100
+
+
+def test_llm_aware_steers_arrivals_away_from_a_worker_still_prefilling():
+    svc = make_service(max_waiting=100)
+    for w in svc.registry.workers.values():
+        feed(svc, w, running=10, kv=0.3, prompt_total=0)
+    big = decide(svc, prompt_tokens=2000, max_tokens=50)
+    busy = worker(svc, big["worker_id"])
+    # The next scrape shows the long prompt running (counts are equal again) but not
+    # prefilled yet: the next arrivals go elsewhere until its counter moves.
+    for w in svc.registry.workers.values():
+        feed(svc, w, running=11 if w is busy else 10, kv=0.3, prompt_total=0,
+             taken_at=time.monotonic() + 1.0)
+    picks = [decide(svc, prompt_tokens=200)["worker_id"] for _ in range(4)]
+    assert busy.worker_id not in picks
+    feed(svc, busy, running=11, kv=0.3, prompt_total=2000, taken_at=time.monotonic() + 2.0)
+    assert busy.prefill_backlog == 0
+
+
+def test_llm_aware_burst_spreads_prompt_tokens_not_just_counts():
+    # 160 arrivals before any scrape, ShareGPT-like prompt sizes (log-normal, capped at 1024):
+    # the heaviest worker's prefill (what the last first token waits for) stays close to the
+    # even share, where balancing counts alone leaves it well above.
+    import random
+
+    rng = random.Random(0)
+    sizes = [min(1024, max(4, int(rng.lognormvariate(5.0, 1.0)))) for _ in range(160)]
+    even = sum(sizes) / 5
+
+    def heaviest(**params):
+        svc = make_service(n=5, max_waiting=100, **params)
+        tokens = collections.Counter()
+        for size in sizes:
+            tokens[decide(svc, prompt_tokens=size, max_tokens=200)["worker_id"]] += size
+        return max(tokens.values())
+
+    assert heaviest(w_prefill=0.0) > 1.15 * even
+    assert heaviest() < 1.08 * even
