@@ -47,7 +47,7 @@ class Gateway:
         self.stats = Stats()
         self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
         self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
-        self.queue = AdmissionQueue(cfg.max_queue_size)
+        self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token)
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None

@@ -56,6 +56,11 @@ class RouterConfig(BaseSettings):
     # Queue, retries, fallback (reference product names)
     max_queue_size: int = Field(128, ge=0, description="requests that may wait for a worker; more get 429")
     queue_timeout_ms: int = Field(60_000, ge=1, description="a request waiting longer gets 429")
+    queue_ms_per_prompt_token: float = Field(
+        0.0, ge=0, le=1000,
+        description="0: the queue is FIFO; above 0, shorter prompts go first: a prompt of N tokens "
+        "queues as if it had arrived N x this many ms later",
+    )
     schedule_wait_ms: int = Field(
         1000, ge=1, le=60_000, description="long-poll length of one queued call"
     )

@@ -118,7 +118,7 @@ class Scheduling:
                 return route
         if self.fallback_active:
             return self._fallback_pick(model, exclude)
-        async with self.queue.place(model):
+        async with self.queue.place(model, body.get("prompt_tokens") or 0):
             self.metrics.queued.inc()
             try:
                 while True:

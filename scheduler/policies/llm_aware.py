@@ -5,7 +5,8 @@ affinity.
 What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
    KV usage (including blocks unseen leases will take) is at `max_kv_usage` or more,
-   it runs `max_running` requests (if set), its load data is stale, or its free KV
+   it runs `max_running` requests (if set), it has `max_prefill_backlog` or more prompt
+   tokens sent and not yet prefilled (if set), its load data is stale, or its free KV
    cannot hold this request (prompt + output_fraction * max_tokens).
 2. Among the unsaturated, the lowest score wins:
    score = w_waiting*waiting + w_running*running + w_pending*unseen_leases + w_kv*kv
@@ -38,6 +39,10 @@ class LlmAwareParams:
     max_waiting: float = 1.0
     max_kv_usage: float = 0.95
     max_running: float = 0.0  # 0: no cap
+    # 0: no cap. Else a worker with this many prompt tokens still to prefill takes no more
+    # until it drains: after a burst, the rest wait in the gateway, where the queue can put
+    # short prompts first, instead of in each engine's FCFS queue.
+    max_prefill_backlog: float = 0.0
     output_fraction: float = 0.5  # share of max_tokens counted as KV need
     hold_when_saturated: bool = True
     w_waiting: float = 4.0
@@ -88,6 +93,8 @@ class LlmAware(Policy):
             sat = "kv_usage"
         elif p.max_running and running >= p.max_running:
             sat = "running"
+        elif p.max_prefill_backlog and w.prefill_backlog >= p.max_prefill_backlog:
+            sat = "prefill_backlog"
         w.saturated = sat
         w.taken_at = s.taken_at
         w.score = (

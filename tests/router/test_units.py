@@ -110,6 +110,33 @@ async def test_queue_is_fifo_bounded_and_cancellation_frees_the_place():
     assert order == [0, 2] and q.size == 0 and not q.has_waiters("m")
 
 
+async def test_queue_can_put_short_prompts_first_without_starving_long_ones():
+    async def drain(q: AdmissionQueue, prompts: list[int], gap_s: float = 0.0) -> list[int]:
+        order: list[int] = []
+        release = asyncio.Event()
+
+        async def waiter(i: int) -> None:
+            async with q.place("m", prompts[i]):
+                order.append(i)
+                await release.wait()
+
+        tasks = []
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(waiter(i)))
+            await asyncio.sleep(gap_s or 0.001)
+        release.set()
+        await asyncio.gather(*tasks)
+        return order
+
+    prompts = [50, 2000, 800, 10, 300]
+    assert await drain(AdmissionQueue(10), prompts) == [0, 1, 2, 3, 4]  # FIFO by default
+    # 1 ms per token: behind the head (0), the shortest prompts go first.
+    assert await drain(AdmissionQueue(10, ms_per_prompt_token=1.0), prompts) == [0, 3, 4, 2, 1]
+    # Aging: a 2,000-token prompt counts as 20 ms later, so a short one that arrives 30 ms
+    # after it does not overtake it.
+    assert await drain(AdmissionQueue(10, ms_per_prompt_token=0.01), [5, 2000, 5], gap_s=0.03) == [0, 1, 2]
+
+
 async def test_queue_lines_are_per_model():
     q = AdmissionQueue(max_size=10)
     hold = asyncio.Event()

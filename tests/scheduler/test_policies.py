@@ -266,3 +266,20 @@ def test_llm_aware_burst_spreads_prompt_tokens_not_just_counts():
 
     assert heaviest(w_prefill=0.0) > 1.15 * even
     assert heaviest() < 1.08 * even
+
+
+def test_llm_aware_prefill_backlog_cap_holds_the_rest_of_a_burst_until_prefill_drains():
+    svc = make_service(max_waiting=100, max_prefill_backlog=2048)
+    for w in svc.registry.workers.values():
+        feed(svc, w, prompt_total=0)
+    placed = []
+    while not isinstance(out := decide(svc, prompt_tokens=500), Wait):
+        placed.append(out)
+    # Each of the 3 workers took prompts until 2,048 tokens were pending: 5 x 500.
+    assert collections.Counter(d["worker_id"] for d in placed) == {"w0": 5, "w1": 5, "w2": 5}
+    assert out.reason == "saturated"
+    # w1 reports 1,000 prompt tokens prefilled: it takes two more, then is full again.
+    w1 = worker(svc, "w1")
+    feed(svc, w1, running=5, prompt_total=1000, taken_at=time.monotonic() + 1.0)
+    assert [decide(svc, prompt_tokens=500)["worker_id"] for _ in range(2)] == ["w1", "w1"]
+    assert isinstance(decide(svc, prompt_tokens=500), Wait)
