@@ -96,10 +96,16 @@ def test_headroom_counts_the_prompt_not_max_tokens(config):
     assert decide(svc, prompt=2000, out=3000)["worker_id"] == "w0"
 
 
-def test_burst_between_scrapes_spreads(config):
+def test_burst_between_scrapes_spreads_then_waits_for_prefill(config):
+    # 30 arrivals of 250-token prompts before any scrape: spread evenly while each worker has
+    # less than one step's budget (2,048 tokens) of prompts to prefill, then held (Wait) in
+    # the gateway rather than queued behind them in the engines.
     svc = service(config)
-    counts = collections.Counter(decide(svc)["worker_id"] for _ in range(30))
-    assert len(counts) == 3 and max(counts.values()) <= 12, counts
+    outs = [decide(svc) for _ in range(30)]
+    placed = [d for d in outs if not isinstance(d, Wait)]
+    counts = collections.Counter(d["worker_id"] for d in placed)
+    assert len(counts) == 3 and max(counts.values()) - min(counts.values()) <= 1, counts
+    assert len(placed) == 27 and all(isinstance(d, Wait) for d in outs[27:])
 
 
 def test_every_worker_saturated_means_hold(config):
