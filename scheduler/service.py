@@ -126,8 +126,12 @@ class SchedulerService:
         w = pick.worker
         max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
         trial = w.health.state == HALF_OPEN
-        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial,
-                                  prompt=req.prompt_tokens)
+        # Prefill work: the prompt less the chunks the worker likely holds in its prefix cache.
+        prompt = req.prompt_tokens
+        matched = pick.detail.get("prefix_match")
+        if matched and req.prefix_hashes:
+            prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))
+        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial, prompt=prompt)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
         self.policy.on_issued(req, w, now)

@@ -140,6 +140,9 @@ class LlmAware(Policy):
                         best, best_r = w, r
         age_term = p.w_age * now
         if best is not None:
+            if matches:
+                return Pick(best, best_r + age_term,
+                            {"saturated": None, "prefix_match": matches.get(best.worker_id, 0)})
             return Pick(best, best_r + age_term, {"saturated": None})
         if p.hold_when_saturated:
             return None

@@ -144,9 +144,13 @@ def test_llm_aware_prefers_prefix_hit_when_balanced():
     svc = make_service()
     a = decide(svc, prefix_hashes=[5, 6])
     svc.release(a["lease_id"], True)
-    for _ in range(3):
+    for i in range(3):
         d = decide(svc, prefix_hashes=[5, 6, 7])
         assert d["worker_id"] == a["worker_id"]
+        # Prefill backlog counts only the chunks not in the worker's prefix cache: 1 of 3 the
+        # first time, none once the whole prompt has been there.
+        expected = 100 / 3 if i == 0 else 0.0
+        assert worker(svc, d["worker_id"]).prefill_backlog == pytest.approx(expected)
         svc.release(d["lease_id"], True)
 
 
