@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.routing_client import prepare, run_client, slim_result
+from benchmarks.routing_floor import floor_table
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
 from benchmarks.routing_report import goal_check, policy_table, steady_state_table, summary_table
 from benchmarks.routing_sampler import LoadSampler
@@ -185,6 +186,8 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     steady = steady_state_table(results, skip, ref)
     if steady:
         print(f"### steady state: requests after the first {skip} (the t=0 wave)\n\n{steady}\n")
+    if doc["scenario"].get("backend", "sim") == "sim" and ref == "baseline":
+        print(f"### floors: what no placement beats (benchmarks.routing_floor)\n\n{floor_table(doc)}\n")
     homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
     for line in goal_check(results, baseline_name=ref, reference=homogeneous and ref == "baseline"):
         print(line)
