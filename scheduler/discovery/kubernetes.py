@@ -1,9 +1,11 @@
 """Kubernetes discovery: EndpointSlices matching a label selector in one namespace,
-watched with lightkube. Each ready endpoint address becomes a worker
+listed then watched with lightkube. Each ready endpoint address becomes a worker
 (`{scheme}://{address}:{port}`); a slice update adds and removes workers, a deleted
-slice removes all of its own. The watch reconnects by itself (lightkube keeps the
-resourceVersion); on any other error we back off and start a fresh watch, which
-replays the current slices as ADDED events.
+slice removes all of its own. A watch that ends is resumed from its last
+resourceVersion (lightkube does that), so the API server replays what it missed. On any
+error (API server unreachable, 410 Gone after a compaction, ...) we back off and list
+again: the list is the whole truth, so slices deleted while we could not watch are
+dropped, and the next watch starts from the list's resourceVersion.
 """
 
 from __future__ import annotations
@@ -77,6 +79,15 @@ class KubernetesDiscovery:
             self.slices.pop(name, None)
         log.info("endpointslice %s %s: %d ready worker(s)", name, op.lower(), len(new))
 
+    def resync(self, current: dict[str, object]) -> None:
+        """Make the workers match a full list of slices (name -> object)."""
+        for name in self.slices.keys() - current.keys():
+            for wid in self.slices.pop(name):
+                self.service.remove_worker(wid, source=SOURCE)
+            log.info("endpointslice %s gone while not watched", name)
+        for obj in current.values():
+            self.apply("LISTED", obj)
+
     def _kubeconfig(self, kube_config_cls):
         if not self.cfg.k8s_api_server:
             return kube_config_cls.from_env()  # in-cluster service account, else ~/.kube/config
@@ -101,8 +112,11 @@ class KubernetesDiscovery:
                 # traffic meant for a local or in-cluster API server.
                 client = AsyncClient(config=self._kubeconfig(KubeConfig), namespace=self.cfg.k8s_namespace,
                                      trust_env=False)
+                listing = client.list(EndpointSlice, namespace=self.cfg.k8s_namespace, labels=self.labels)
+                self.resync({obj.metadata.name: obj async for obj in listing})
                 async for op, obj in client.watch(EndpointSlice, namespace=self.cfg.k8s_namespace,
-                                                  labels=self.labels):
+                                                  labels=self.labels,
+                                                  resource_version=listing.resourceVersion):
                     self.apply(op, obj)
                     backoff = 0.5
             except asyncio.CancelledError:

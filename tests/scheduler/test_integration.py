@@ -270,12 +270,17 @@ async def test_kubernetes_endpointslices(cluster):
         await until(lambda: {w["worker_id"]: w["state"] for w in get_json(f"{base}/v1/workers")["workers"]}
                     == {f"sim-a-0:{a}": "up", f"sim-b-0:{b}": "up"}, "two slices discovered")
         assert "labelSelector=app%3Dsim" in api.requests[0] or "labelSelector=app=sim" in api.requests[0]
+        # a list first, then a watch from its version
+        assert "watch=true" not in api.requests[0] and "resourceVersion=2" in api.requests[1]
         ws = workers_by_id(base)
         assert ws[f"sim-a-0:{a}"]["url"] == f"http://127.0.0.1:{a}" and ws[f"sim-a-0:{a}"]["models"] == ["m"]
         api.release_next()  # sim-b's endpoint turns not ready
         await until(lambda: set(workers_by_id(base)) == {f"sim-a-0:{a}"}, "not-ready endpoint removed")
-        api.release_next()  # slice sim-a deleted
-        await until(lambda: workers_by_id(base) == {}, "deleted slice removed")
+        # Slice sim-a is deleted while the watch is cut off and history compacted: the
+        # resumed watch gets 410 Gone, and the fresh list no longer has the slice.
+        api.apply_next_unseen()
+        await until(lambda: workers_by_id(base) == {}, "slice deleted while unwatched removed")
+        assert sum("watch=true" not in r for r in api.requests) == 2  # listed again
     finally:
         sched.stop()
         await api.stop()
