@@ -186,7 +186,8 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     steady = steady_state_table(results, skip, ref)
     if steady:
         print(f"### steady state: requests after the first {skip} (the t=0 wave)\n\n{steady}\n")
-    if doc["scenario"].get("backend", "sim") == "sim" and ref == "baseline":
+    sc = doc["scenario"]
+    if sc.get("backend", "sim") == "sim" and sc.get("dataset") == "sharegpt" and ref == "baseline":
         print(f"### floors: what no placement beats (benchmarks.routing_floor)\n\n{floor_table(doc)}\n")
     homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
     for line in goal_check(results, baseline_name=ref, reference=homogeneous and ref == "baseline"):

@@ -9,9 +9,10 @@ depends on how far round robin sits above the floor that every placement shares:
   each prompt costing only its compute time (what batching cannot remove) and finishing no
   sooner than alone. Shortest-first minimises the mean over parallel workers, so the mean
   is a true floor; the P99 of that schedule is close to the best but not a strict bound.
-- TPOT floor: one decode step of the run's clients spread evenly over the workers, at the
-  run's mean context per sequence, stretched by the share of each worker's time that the
-  run's prompt tokens take to prefill (every placement must prefill the same prompts).
+- TPOT floor: one decode step of the run's clients spread evenly over the workers (no more
+  per worker than its KV cache holds at that context), at the run's mean context per
+  sequence, stretched by the share of each worker's time that the run's prompt tokens take
+  to prefill (every placement must prefill the same prompts).
 Both come from the sim's own latency model and profiles, so they bound the sim runs exactly
 (up to the mean-context approximation of TPOT), not real GPUs.
 
@@ -68,10 +69,15 @@ def floors(result: dict, profiles: list[SimProfile], concurrency: int) -> Floors
                for n in lens[:concurrency]]
     ttfts = _wave_schedule(alone[:concurrency], compute, len(profiles)) + alone[concurrency:]
     # TPOT: the same clients over the same workers, evenly; context halfway through the answer.
+    # A worker decodes no more sequences than its KV cache holds at that context (in a KV-bound
+    # run the rest wait, whatever the router does).
     n_workers = len(profiles)
-    batch = max(1, round(concurrency / n_workers))
     context = statistics.fmean(result["input_lens"]) + statistics.fmean(result["output_lens"]) / 2.0
-    steps = [m.decode_step_time(batch, round(context)) for m in models]
+    steps = []
+    for m, p in zip(models, profiles, strict=True):
+        fits = p.num_kv_blocks * p.engine.block_size / max(context, 1.0)
+        batch = max(1, round(min(concurrency / n_workers, fits)))
+        steps.append(m.decode_step_time(batch, round(context)))
     # Share of a worker's time spent on prompt tokens at the run's input rate (compute bound).
     prompt_rate = result["total_input_tokens"] / result["duration"] / n_workers
     busy = [prompt_rate * p.latency.flops_per_token / (p.latency.peak_flops * p.latency.compute_efficiency)
@@ -85,6 +91,10 @@ def floor_table(doc: dict, baseline: str = "baseline") -> str:
     scenario = doc["scenario"]
     if scenario.get("backend", "sim") != "sim":
         raise ValueError("floors need sim workers (their latency model is the ground truth)")
+    if scenario.get("dataset", "sharegpt") != "sharegpt":
+        # Shared prefixes hit the prefix cache: how much of each prompt needs computing
+        # depends on the placement itself, so "each prompt alone" is no floor there.
+        raise ValueError("floors assume prompts that miss the prefix cache (single-turn datasets)")
     profiles = [load_profile(name) for name in scenario["profiles"]]
     base = doc["policies"][baseline]
     f = floors(base, profiles, int(scenario["concurrency"]))

@@ -21,6 +21,7 @@ ROWS: tuple[Row, ...] = (
     Row("benchmark duration", "s", "duration", True),
     Row("input token throughput", "tok/s", "input_throughput", False),
     Row("output token throughput", "tok/s", "output_throughput", False),
+    Row("output throughput, all clients busy", "tok/s", "busy_output_throughput", False),
     Row("mean TTFT", "ms", "mean_ttft_ms", True),
     Row("median TTFT", "ms", "median_ttft_ms", True),
     Row("P99 TTFT", "ms", "p99_ttft_ms", True),
@@ -38,7 +39,40 @@ REFERENCE_CHANGE_PCT = {
 }
 
 
+def busy_output_throughput(result: dict) -> float | None:
+    """Output tokens per second from the first request sent to the last one sent.
+
+    In that window every client has a request in flight, as in the steady state of a long
+    run. After it the run drains: a few long answers finish on whichever workers they
+    landed, and in a short run that tail (40 % of a 1000-request run here, more in a slow
+    cluster) sets the duration, and with it the whole-run throughput, more than routing
+    does. Each request's tokens are taken as evenly spread between its first token and
+    its end (per-chunk times are not kept in the JSON).
+    """
+    starts = result.get("start_times") or []
+    e2els, ttfts, outs = result.get("e2els"), result.get("ttfts"), result.get("output_lens")
+    if not starts or not e2els or not ttfts or not outs:
+        return None
+    t0 = min(starts)
+    window = max(starts) - t0
+    if window <= 0:
+        return None
+    errors = result.get("errors") or [""] * len(starts)
+    tokens = 0.0
+    for start, ttft, e2el, out, err in zip(starts, ttfts, e2els, outs, errors, strict=False):
+        if err or not out:
+            continue
+        first, end = start - t0 + ttft, start - t0 + e2el
+        if end <= window:
+            tokens += out
+        elif first < window:
+            tokens += out * (window - first) / max(end - first, 1e-9)
+    return tokens / window
+
+
 def row_value(result: dict, key: str) -> float | None:
+    if key == "busy_output_throughput":
+        return busy_output_throughput(result)
     if key == "input_throughput":  # not a vLLM key: total prompt tokens over the run's duration
         if "input_throughput" in result:
             return float(result["input_throughput"])
@@ -124,10 +158,13 @@ def goal_check(results: dict[str, dict], candidate: str = "llm_aware", baseline_
         best_ms, cand_ms = values.get(best, float("nan")), values.get(candidate, float("nan"))
         verdicts.append(f"{'MET ' if ok else 'MISS'} best {key}: {best} ({best_ms:.1f} ms; "
                         f"{candidate} {cand_ms:.1f} ms)")
-    pct = change_pct(row_value(base, "output_throughput"), row_value(cand, "output_throughput"))
-    ok = pct is not None and pct >= -1.0  # within run-to-run noise of 1%
-    verdicts.append(f"{'MET ' if ok else 'MISS'} throughput kept vs baseline: "
-                    f"{'n/a' if pct is None else f'{pct:+.1f}%'} (allowing -1% noise)")
+    for key, what in (("output_throughput", "throughput"), ("busy_output_throughput", "busy throughput")):
+        pct = change_pct(row_value(base, key), row_value(cand, key))
+        if pct is None and key == "busy_output_throughput":
+            continue
+        ok = pct is not None and pct >= -1.0  # within run-to-run noise of 1%
+        verdicts.append(f"{'MET ' if ok else 'MISS'} {what} kept vs baseline: "
+                        f"{'n/a' if pct is None else f'{pct:+.1f}%'} (allowing -1% noise)")
     return verdicts
 
 

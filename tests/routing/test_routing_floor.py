@@ -49,6 +49,9 @@ def test_floor_table_reports_best_possible_change_and_refuses_real_backends():
            "policies": {"baseline": run([250] * 50, [200] * 50)}}
     table = floor_table(doc)
     assert "| mean TTFT (ms) | 500.0 |" in table and "best change possible" in table
-    doc["scenario"]["backend"] = "torch"
+    doc["scenario"]["dataset"] = "sharegpt-multiturn"  # cached prefixes: no per-prompt floor
+    with pytest.raises(ValueError):
+        floor_table(doc)
+    doc["scenario"].update(dataset="sharegpt", backend="torch")
     with pytest.raises(ValueError):
         floor_table(doc)

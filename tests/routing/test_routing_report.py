@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from benchmarks.routing_plots import per_request_ms, plot_cdfs, plot_timelines
-from benchmarks.routing_report import ROWS, change_pct, goal_check, policy_table, row_value, summary_table
+from benchmarks.routing_report import (
+    ROWS,
+    busy_output_throughput,
+    change_pct,
+    goal_check,
+    policy_table,
+    row_value,
+    summary_table,
+)
 from benchmarks.routing_sampler import parse_gauges
 
 
@@ -40,6 +50,18 @@ def test_policy_table_has_every_reference_row_with_change():
     assert "+10.0% (better)" in table  # output throughput 2000 -> 2200
     assert "-50.0% (better)" in table  # mean TPOT 100 -> 50
     assert "| failed requests | 0 | 0 |" in table
+
+
+def test_busy_throughput_counts_only_the_window_while_every_client_is_busy():
+    # Clients send at 0, 0 and 10 s (the last send): the window is 10 s. Tokens are spread
+    # evenly from each request's first token to its end; the third starts after the window.
+    result = {"start_times": [100.0, 100.0, 110.0], "ttfts": [1.0, 1.0, 1.0], "e2els": [11.0, 21.0, 11.0],
+              "output_lens": [100, 200, 100], "errors": ["", "", ""]}
+    assert busy_output_throughput(result) == pytest.approx((100 * 9 / 10 + 200 * 9 / 20) / 10)
+    # A long tail after the last send changes the whole-run throughput, not this one.
+    result["e2els"][1] = 201.0
+    assert busy_output_throughput(result) == pytest.approx((90 + 200 * 9 / 200) / 10)
+    assert busy_output_throughput({"start_times": []}) is None
 
 
 def test_goal_check_reports_met_and_missed():
