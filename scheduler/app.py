@@ -96,7 +96,7 @@ async def release(request: web.Request) -> web.Response:
         bad = _validation_error(exc)
         return error_response(400, str(bad), bad.param)
     lease_id, ok, error = rel.lease_id, rel.ok, rel.error
-    found = svc.release(lease_id, ok, error)
+    found = svc.release(lease_id, ok, error, rel.prompt_tokens + rel.output_tokens)
     svc.metrics.releases.labels("ok" if ok else "failed" if found else "unknown").inc()
     if not found:
         return error_response(404, "unknown or expired lease", "lease_id", "lease_not_found")

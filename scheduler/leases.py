@@ -48,7 +48,8 @@ class LeaseTable:
         worker.open_prompt_tokens += prompt
         return lease
 
-    def close(self, lease_id: str) -> Lease | None:
+    def close(self, lease_id: str, used_tokens: float = 0.0) -> Lease | None:
+        """End a lease. used_tokens: the KV the request held (prompt + output), when known."""
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
@@ -62,7 +63,10 @@ class LeaseTable:
             w.unseen -= 1
             w.unseen_tokens -= lease.tokens
         else:
+            # The last scrape counted this request's KV as used; it is free now (an unseen
+            # lease's KV was never in the scrape, only in unseen_tokens).
             w.finished_since += 1
+            w.freed_tokens += used_tokens
         return lease
 
     def expire(self, now: float) -> list[Lease]:

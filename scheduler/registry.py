@@ -40,6 +40,7 @@ class WorkerState:
         self.unseen = 0  # leases issued after the snapshot was taken
         self.unseen_tokens = 0.0
         self.finished_since = 0  # leases the snapshot saw that were released since
+        self.freed_tokens = 0.0  # their KV (prompt + output, as the gateway reported), freed since
         # Prefill backlog: prompt tokens sent here that the worker has not reported as
         # prefilled yet (its prompt-token counter lags them). It is the queue of work that
         # stands between a new request and its first token; running counts cannot show it.
@@ -102,6 +103,7 @@ class WorkerState:
                 unseen += 1
                 tokens += lease.tokens
         self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
+        self.freed_tokens = 0.0
         total = snap.prompt_tokens_total
         if total is not None:
             prev = self.prompt_total_seen

@@ -184,8 +184,10 @@ class SchedulerService:
 
     # ---- lease ends and failure reports -------------------------------------------------
 
-    def release(self, lease_id: str, ok: bool, error: str | None = None) -> bool:
-        lease = self.leases.close(lease_id)
+    def release(self, lease_id: str, ok: bool, error: str | None = None, used_tokens: float = 0.0) -> bool:
+        """used_tokens: prompt + output tokens the gateway saw; their KV is free before the
+        next scrape can show it, so a worker held back by the KV guard frees up at once."""
+        lease = self.leases.close(lease_id, used_tokens)
         if lease is None:
             return False
         w = lease.worker

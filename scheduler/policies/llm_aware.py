@@ -4,7 +4,8 @@ affinity.
 
 What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
-   KV usage (including blocks unseen leases will take) is at `max_kv_usage` or more,
+   KV usage (including blocks unseen leases will take, less what requests released since
+   the scrape held) is at `max_kv_usage` or more,
    it runs `max_running` requests (if set), it has `max_prefill_backlog` or more prompt
    tokens sent and not yet prefilled (if set), its load data is stale, or its free KV
    cannot hold this request (prompt + output_fraction * max_tokens).
@@ -81,7 +82,7 @@ class LlmAware(Policy):
         kv = s.kv_usage or 0.0
         if s.num_blocks and s.block_size:
             capacity = s.num_blocks * s.block_size
-            free = capacity * (1.0 - kv) - w.unseen_tokens
+            free = min(capacity, capacity * (1.0 - kv) - w.unseen_tokens + w.freed_tokens)
             kv = 1.0 - free / capacity
             w.free_tokens, w.capacity_tokens = free, capacity
         else:

@@ -287,3 +287,27 @@ def test_llm_aware_prefill_backlog_cap_holds_the_rest_of_a_burst_until_prefill_d
     feed(svc, w1, running=5, prompt_total=1000, taken_at=time.monotonic() + 1.0)
     assert [decide(svc, prompt_tokens=500)["worker_id"] for _ in range(2)] == ["w1", "w1"]
     assert isinstance(decide(svc, prompt_tokens=500), Wait)
+
+
+def test_llm_aware_kv_freed_by_a_release_counts_before_the_next_scrape():
+    # Every worker is full (KV 0.97 of 16,000 tokens) and a request is held. When the gateway
+    # releases a request that held 1,500 tokens on w1, w1 has room at once (0.97 -> 0.876),
+    # without waiting for its next scrape.
+    svc = make_service(max_waiting=100)
+    placed = decide(svc)
+    for w in svc.registry.workers.values():
+        feed(svc, w, running=30, kv=0.97, taken_at=time.monotonic() + 1.0)
+    assert isinstance(decide(svc), Wait)
+    assert svc.release(placed["lease_id"], True, used_tokens=1500)
+    assert decide(svc)["worker_id"] == placed["worker_id"]
+    # Without the token count (an old gateway), nothing is credited: still held.
+    svc2 = make_service(max_waiting=100)
+    placed2 = decide(svc2)
+    for w in svc2.registry.workers.values():
+        feed(svc2, w, running=30, kv=0.97, taken_at=time.monotonic() + 1.0)
+    assert svc2.release(placed2["lease_id"], True)
+    assert isinstance(decide(svc2), Wait)
+    # The next scrape shows the worker's own numbers again: the credit is not kept twice.
+    w = worker(svc, placed["worker_id"])
+    feed(svc, w, running=30, kv=0.97, taken_at=time.monotonic() + 2.0)
+    assert w.freed_tokens == 0
