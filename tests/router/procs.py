@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -123,3 +124,16 @@ def start_scheduler(workers: list[str], *extra: str, port: int | None = None) ->
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p)
     return p, url
+
+
+def scheduler_over_two_echo_workers() -> Iterator[str]:
+    """A scheduler (100 ms scrapes) over two echo workers, for a module fixture: yields its URL,
+    stops all three afterwards."""
+    w1, u1 = start_echo_worker()
+    w2, u2 = start_echo_worker()
+    s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
+    try:
+        yield su
+    finally:
+        for p in (s, w1, w2):
+            p.stop()

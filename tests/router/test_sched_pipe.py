@@ -12,17 +12,12 @@ import pytest
 
 from router.sched_pipe import SchedulerPipe, _Pipe, _WsPipe, ws_frame
 from scheduler.client import SchedulerUnavailableError, UnknownModelError
-from tests.router.procs import free_port, start_echo_worker, start_scheduler
+from tests.router.procs import free_port, scheduler_over_two_echo_workers, start_echo_worker
 
 
 @pytest.fixture(scope="module")
 def scheduler():
-    w1, u1 = start_echo_worker()
-    w2, u2 = start_echo_worker()
-    s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
-    yield su
-    for p in (s, w1, w2):
-        p.stop()
+    yield from scheduler_over_two_echo_workers()
 
 
 @pytest.mark.parametrize("channel", ["ws", "http"])

@@ -12,17 +12,12 @@ import httpx
 import pytest
 from pydantic_core import from_json, to_json
 
-from tests.router.procs import start_echo_worker, start_scheduler
+from tests.router.procs import scheduler_over_two_echo_workers, start_echo_worker, start_scheduler
 
 
 @pytest.fixture(scope="module")
 def scheduler():
-    w1, u1 = start_echo_worker()
-    w2, u2 = start_echo_worker()
-    s, su = start_scheduler([u1, u2], "--scrape-interval-ms", "100")
-    yield su
-    for p in (s, w1, w2):
-        p.stop()
+    yield from scheduler_over_two_echo_workers()
 
 
 def _leases(base: str) -> int:
