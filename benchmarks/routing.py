@@ -178,24 +178,23 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     results = doc["policies"]
     # Without a baseline run (e.g. the real-model check) the first policy is the reference.
     ref = "baseline" if "baseline" in results else next(iter(results))
+    sc = doc["scenario"]
     for name, result in results.items():
         if name != ref:
             print(f"\n### {name} vs {ref}\n\n{policy_table(name, results[ref], result, ref)}")
     print(f"\n### all policies\n\n{summary_table(results, ref)}\n")
-    skip = doc["scenario"]["concurrency"]
+    skip = sc["concurrency"]
     steady = steady_state_table(results, skip, ref)
     if steady:
         print(f"### steady state: requests after the first {skip} (the t=0 wave)\n\n{steady}\n")
-    sc = doc["scenario"]
     if sc.get("backend", "sim") == "sim" and sc.get("dataset") == "sharegpt" and ref == "baseline":
         print(f"### floors: what no placement beats (benchmarks.routing_floor)\n\n{floor_table(doc)}\n")
-    homogeneous = len(set(doc["scenario"]["profiles"])) == 1 and doc["scenario"]["dataset"] == "sharegpt"
+    homogeneous = len(set(sc["profiles"])) == 1 and sc["dataset"] == "sharegpt"
     for line in goal_check(results, baseline_name=ref, reference=homogeneous and ref == "baseline"):
         print(line)
     if not draw:
         return
     stem = out.with_suffix("")
-    sc = doc["scenario"]
     label = f"{out.stem}: {sc['num_prompts']} prompts, concurrency {sc['concurrency']}"
     paths = [plot_cdfs(results, "ttft", Path(f"{stem}-ttft-cdf.png"), f"TTFT CDF ({label})"),
              plot_cdfs(results, "tpot", Path(f"{stem}-tpot-cdf.png"), f"TPOT CDF ({label})")]

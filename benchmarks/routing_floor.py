@@ -27,6 +27,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from inference_worker.sim.latency_model import LatencyModel
 from inference_worker.sim.profile import SimProfile, load_profile
 
@@ -36,11 +38,6 @@ class Floors:
     mean_ttft_ms: float
     p99_ttft_ms: float
     mean_tpot_ms: float
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _wave_schedule(alone_ms: list[float], compute_ms: list[float], n_workers: int) -> list[float]:
@@ -83,7 +80,8 @@ def floors(result: dict, profiles: list[SimProfile], concurrency: int) -> Floors
     busy = [prompt_rate * p.latency.flops_per_token / (p.latency.peak_flops * p.latency.compute_efficiency)
             for p in profiles]
     tpot = statistics.fmean(s / max(1e-9, 1.0 - b) for s, b in zip(steps, busy, strict=True)) * 1000.0
-    return Floors(statistics.fmean(ttfts), _p99(ttfts), tpot)
+    # P99 as the benchmark client computes it (numpy, linear), so it compares with baseline's.
+    return Floors(statistics.fmean(ttfts), float(np.percentile(ttfts, 99)), tpot)
 
 
 def floor_table(doc: dict, baseline: str = "baseline") -> str:
