@@ -36,6 +36,12 @@ class WorkerConfig(BaseSettings):
     num_kv_blocks: int | None = Field(None, ge=2, description="size of the KV pool in blocks")
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="size of the KV pool in bytes")
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split long prompts across steps and mix them with decodes (vLLM V1); off: "
+        "prefill-only steps with whole prompts, as vLLM V0 (--max-num-batched-tokens then "
+        "defaults to max(--max-model-len, 2048))",
+    )
 
     # Observability
     log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")

@@ -60,6 +60,14 @@ def _num_kv_blocks(config: WorkerConfig, bytes_per_block: int, device) -> int:
     return max(2, min(wanted, budget // bytes_per_block))
 
 
+def step_token_budget(config: WorkerConfig, default_budget: int, max_model_len: int) -> int:
+    """Tokens one engine step may compute: the flag, else the default; with chunked prefill
+    off and no flag, at least max_model_len (vLLM V0's default), so every prompt fits a step."""
+    if "max_num_batched_tokens" in config.model_fields_set or config.enable_chunked_prefill:
+        return default_budget
+    return max(default_budget, max_model_len)
+
+
 def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
     import torch
 
@@ -86,9 +94,10 @@ def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
         runner,
         tokenizer,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=step_token_budget(config, config.max_num_batched_tokens, max_model_len),
         max_model_len=max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill,
     )
     log.info(
         "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -121,9 +130,10 @@ def build_sim_engine(config: WorkerConfig) -> AsyncEngine:
         setup.runner,
         setup.tokenizer,
         max_num_seqs=setup.max_num_seqs,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_batched_tokens=step_token_budget(config, setup.max_num_batched_tokens, setup.max_model_len),
         max_model_len=setup.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill,
         clock=setup.clock,  # monotonic / time_scale: metrics report simulated seconds
         num_kv_blocks=setup.num_kv_blocks,
     )

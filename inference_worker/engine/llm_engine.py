@@ -61,6 +61,7 @@ class LLMEngine:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
         clock: Callable[[], float] = time.monotonic,
         num_kv_blocks: int | None = None,
     ) -> None:
@@ -74,9 +75,20 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks or runner.num_kv_blocks
         # A sequence must fit in the pool on its own, or preempting everyone else could not help it.
         self.max_model_len = min(max_model_len, self.num_kv_blocks * self.block_size)
+        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+            # As vLLM: without chunking a prompt must fit one step, so a smaller budget would
+            # silently cap the context length.
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off: raise --max-num-batched-tokens, "
+                "lower --max-model-len or enable chunked prefill"
+            )
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, clock)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs, max_num_batched_tokens, clock,
+            chunked_prefill=enable_chunked_prefill,
+        )
         self.cache_info = CacheConfigInfo(
             block_size=self.block_size,
             num_gpu_blocks=self.num_kv_blocks,

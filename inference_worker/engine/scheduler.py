@@ -6,6 +6,12 @@ then waiting ones in FCFS order while seats (max_num_seqs), budget and blocks la
 When a running sequence cannot get a block, the newest running sequence is preempted
 by recompute: its blocks are freed, it goes back to the front of the waiting queue and
 later recomputes prompt + output as a prefill (prefix-cached blocks make that cheap).
+
+With chunked prefill off (vLLM's `--no-enable-chunked-prefill`, the vLLM V0 default) a step
+is either all prefills or all decodes, as in the V0 scheduler: waiting sequences are
+admitted first, each with its whole prompt in one step (the prompt must fit the budget);
+only a step that admits nobody runs the decodes. Every prefill then stalls every decode of
+the worker, and a preempted sequence recomputes in a step of its own.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float],
+        chunked_prefill: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -61,6 +69,12 @@ class Scheduler:
         out = SchedulerOutput(batch=StepBatch(), scheduled=[])
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+
+        if not self.chunked_prefill:
+            # V0 order: a prefill-only step whenever someone can be admitted.
+            self._schedule_waiting(out, budget, now)
+            if out.scheduled:
+                return out
 
         # 1) Running sequences, oldest first. Preempt from the back when blocks run out.
         running = self.running
@@ -82,7 +96,7 @@ class Scheduler:
             i += 1
 
         # 2) Waiting sequences, FCFS, unless this step already had to preempt.
-        if not out.preempted:
+        if self.chunked_prefill and not out.preempted:
             self._schedule_waiting(out, budget, now)
         return out
 
@@ -93,6 +107,8 @@ class Scheduler:
             cached = bm.match_prefix(seq)
             cached_tokens = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - cached_tokens, budget)
+            if num_new < seq.num_tokens - cached_tokens and not self.chunked_prefill:
+                break  # the whole prompt must go in one step; FCFS: nobody overtakes it
             if not bm.can_allocate(seq, cached, cached_tokens + num_new):
                 break
             self.waiting.popleft()

@@ -56,6 +56,7 @@ class ArithmeticRunner:
         self.computed_tokens = 0
         self.steps = 0
         self.batch_sizes: list[int] = []
+        self.new_tokens: list[list[int]] = []  # per step: tokens computed for each sequence
 
     def _slot(self, table, pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -63,6 +64,7 @@ class ArithmeticRunner:
     def execute(self, batch: StepBatch) -> list[int | None]:
         self.steps += 1
         self.batch_sizes.append(len(batch.sequences))
+        self.new_tokens.append([s.num_new_tokens for s in batch.sequences])
         for s in batch.sequences:  # write first (the real forward writes the whole batch per layer)
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 self.slots[self._slot(s.block_table, pos)] = (pos, s.token_ids[pos])

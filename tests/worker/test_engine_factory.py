@@ -51,3 +51,16 @@ async def test_sim_backend_runs_on_the_engine_with_a_scaled_clock():
         assert outs[-1].finished and outs[-1].num_output_tokens == 5
     finally:
         await engine.shutdown()
+
+
+def test_without_chunked_prefill_the_step_budget_defaults_to_the_context_length():
+    """vLLM V0's default: max_num_batched_tokens = max(max_model_len, 2048) when prompts are
+    not chunked; an explicit flag smaller than that is refused, as vLLM refuses it."""
+    v0 = build_engine(WorkerConfig(backend="sim", sim_profile="llama2-7b-a10", enable_chunked_prefill=False))
+    assert v0.engine.max_model_len == 4096
+    assert v0.engine.max_num_batched_tokens == 4096 and not v0.engine.scheduler.chunked_prefill
+    v1 = build_engine(WorkerConfig(backend="sim", sim_profile="llama2-7b-a10"))
+    assert v1.engine.max_num_batched_tokens == 2048 and v1.engine.scheduler.chunked_prefill
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        build_engine(WorkerConfig(backend="sim", sim_profile="llama2-7b-a10", enable_chunked_prefill=False,
+                                  max_num_batched_tokens=2048))

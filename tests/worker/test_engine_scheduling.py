@@ -19,7 +19,9 @@ from tests.worker.engine_helpers import ArithmeticRunner, CharTokenizer, ManualC
 BS = 4
 
 
-def make_engine(num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256, caching=True, clock=None):
+def make_engine(
+    num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256, caching=True, clock=None, chunked=True
+):
     runner = ArithmeticRunner(BS, num_blocks)
     engine = LLMEngine(
         runner,
@@ -28,6 +30,7 @@ def make_engine(num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256
         max_num_batched_tokens=max_batched,
         max_model_len=max_model_len,
         enable_prefix_caching=caching,
+        enable_chunked_prefill=chunked,
         clock=clock or ManualClock(tick=0.001),
     )
     logger = RecordingLogger()
@@ -146,6 +149,53 @@ def test_chunked_prefill_respects_token_budget():
     solo, _solo_runner, _ = make_engine()
     solo.add_request("long", list(range(3, 23)), greedy(3))
     assert run_all(solo)["long"] == out["long"]
+
+
+def test_without_chunked_prefill_a_step_is_all_prefill_or_all_decode():
+    """vLLM V0's order: admitting a prompt stalls every decode for that step, and a prompt goes
+    in whole: the budget is never spent on part of one (FCFS: nobody overtakes it)."""
+    engine, runner, _ = make_engine(max_batched=24, max_model_len=24, chunked=False)
+    prompts = {"a": list(range(3, 13)), "b": list(range(20, 36)), "c": list(range(40, 49))}
+    out: dict[str, list[int]] = {}
+
+    def step() -> list[int]:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        return runner.new_tokens[-1]
+
+    engine.add_request("a", prompts["a"], greedy(6))
+    assert step() == [10]  # a's prefill
+    assert step() == [1]  # nothing waits: a decodes
+    engine.add_request("b", prompts["b"], greedy(6))
+    engine.add_request("c", prompts["c"], greedy(6))  # 16 + 9 > 24: c does not fit beside b
+    assert step() == [16]  # b alone and whole; a's decode waits
+    assert step() == [9]  # c alone: still no decode
+    assert step() == [1, 1, 1]  # then all three decode together
+    out.update({rid: out.get(rid, []) + toks for rid, toks in run_all(engine).items()})
+    for rid, prompt in prompts.items():  # the order of steps changes no answer
+        solo, _, _ = make_engine()
+        solo.add_request(rid, prompt, greedy(6))
+        assert run_all(solo)[rid] == out[rid]
+
+
+def test_without_chunked_prefill_a_preempted_request_recomputes_in_a_prefill_step():
+    engine, runner, logger = make_engine(num_blocks=6, caching=False, max_num_seqs=2, max_batched=24,
+                                         max_model_len=24, chunked=False)
+    engine.add_request("old", [3] * 7, greedy(12))  # grows to 19 tokens = 5 blocks
+    engine.add_request("new", [4] * 7, greedy(12))
+    out = run_all(engine)
+    assert sum(it.num_preempted_reqs for it in logger.iterations) > 0
+    solo, _, _ = make_engine()
+    solo.add_request("new", [4] * 7, greedy(12))
+    assert run_all(solo)["new"] == out["new"]  # recompute reproduces the same answer
+    # The recompute prefilled prompt + output so far in one step, with no decode beside it.
+    assert any(len(step) == 1 and step[0] > 7 for step in runner.new_tokens)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_without_chunked_prefill_the_budget_must_hold_the_longest_prompt():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(max_batched=64, max_model_len=256, chunked=False)
 
 
 @pytest.mark.parametrize("caching", [False, True])
