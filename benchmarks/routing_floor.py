@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,42 @@ def floors(result: dict, profiles: list[SimProfile], concurrency: int) -> Floors
     return Floors(statistics.fmean(ttfts), float(np.percentile(ttfts, 99)), tpot)
 
 
+def with_worker_flags(profile: SimProfile, flags: str) -> SimProfile:
+    """The profile as a worker started with `flags` runs it: the engine-size flags that
+    change a floor (KV pool, step budget, chunked prefill) replace the profile's values."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--num-kv-blocks", type=int)
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--no-enable-chunked-prefill", action="store_true")
+    known, _ = ap.parse_known_args(shlex.split(flags))
+    engine = profile.engine
+    update: dict = {}
+    if known.max_model_len:
+        update["max_model_len"] = known.max_model_len
+    max_model_len = update.get("max_model_len", engine.max_model_len)
+    if known.max_num_batched_tokens:
+        update["max_num_batched_tokens"] = known.max_num_batched_tokens
+    elif known.no_enable_chunked_prefill:  # the worker's default then: every prompt fits one step
+        update["max_num_batched_tokens"] = max(engine.max_num_batched_tokens, max_model_len)
+    if known.num_kv_blocks:
+        update["num_kv_blocks"] = known.num_kv_blocks
+    if not update:
+        return profile
+    changes: dict = {"engine": engine.model_copy(update=update)}
+    if "num_kv_blocks" in update:
+        changes["kv_memory"] = None
+    return profile.model_copy(update=changes)
+
+
+def scenario_profiles(scenario: dict) -> list[SimProfile]:
+    """Each worker's profile with its --worker-args applied (one entry: every worker's)."""
+    names = scenario["profiles"]
+    flags = scenario.get("worker_args") or []
+    per_worker = flags if len(flags) > 1 else [flags[0] if flags else ""] * len(names)
+    return [with_worker_flags(load_profile(n), f) for n, f in zip(names, per_worker, strict=True)]
+
+
 def floor_table(doc: dict, baseline: str = "baseline") -> str:
     """Markdown: baseline, the best policy, and the floor, with the best change possible."""
     scenario = doc["scenario"]
@@ -93,7 +130,7 @@ def floor_table(doc: dict, baseline: str = "baseline") -> str:
         # Shared prefixes hit the prefix cache: how much of each prompt needs computing
         # depends on the placement itself, so "each prompt alone" is no floor there.
         raise ValueError("floors assume prompts that miss the prefix cache (single-turn datasets)")
-    profiles = [load_profile(name) for name in scenario["profiles"]]
+    profiles = scenario_profiles(scenario)
     base = doc["policies"][baseline]
     f = floors(base, profiles, int(scenario["concurrency"]))
     rows = [("mean TTFT (ms)", "mean_ttft_ms", f.mean_ttft_ms),

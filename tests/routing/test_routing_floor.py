@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.routing_floor import floor_table, floors
+from benchmarks.routing_floor import floor_table, floors, scenario_profiles
 from inference_worker.sim.latency_model import LatencyModel
 from inference_worker.sim.profile import load_profile
 
@@ -55,3 +55,18 @@ def test_floor_table_reports_best_possible_change_and_refuses_real_backends():
     doc["scenario"].update(dataset="sharegpt", backend="torch")
     with pytest.raises(ValueError):
         floor_table(doc)
+
+
+def test_floors_use_the_workers_flags_not_just_their_profile():
+    """A run with --worker-args "--num-kv-blocks 680" decodes fewer streams per worker at once,
+    so its TPOT floor differs from the profile's 965-block one; per-worker flags apply per worker."""
+    long_run = run([1000] * 160, [800] * 160)
+    base = {"profiles": ["llama2-7b-a10"] * 5, "concurrency": 160, "backend": "sim"}
+    doc = {"scenario": base, "policies": {"baseline": long_run}}
+    as_profile = floor_table(doc)
+    doc["scenario"] = {**base, "worker_args": ["--num-kv-blocks 200 --max-num-seqs 64"]}
+    assert floor_table(doc) != as_profile
+    v0 = scenario_profiles({**base, "worker_args": ["--no-enable-chunked-prefill"]})
+    assert {p.engine.max_num_batched_tokens for p in v0} == {4096}  # the worker's own default
+    mixed = scenario_profiles({**base, "worker_args": ["--num-kv-blocks 300"] + [""] * 4})
+    assert [p.num_kv_blocks for p in mixed] == [300, 965, 965, 965, 965]
