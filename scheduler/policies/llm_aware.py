@@ -14,10 +14,6 @@ What it does, in order:
          + w_prefill*prefill_backlog_tokens/1000
          + w_gen_rate*gen_tok_per_s/1000 + w_prompt_rate*prompt_tok_per_s/1000
          + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
-   A worker that holds at least `prefix_join_match` of the prompt's chunks may also take it
-   while saturated by its waiting count or KV, as long as fewer than `prefix_join_waiting`
-   requests wait there: the request joins the queue of the worker that holds its history
-   rather than re-prefilling (and evicting) it on whichever worker frees first.
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
    than piled onto one worker; else the least bad saturated one is used.
 Every knob is a policy parameter, so tuning is a config change.
@@ -64,10 +60,6 @@ class LlmAwareParams:
     w_prompt_rate: float = 0.0
     w_age: float = 1.0
     w_prefix: float = 2.0
-    # 0: off. Else a worker holding >= prefix_join_match of the prompt's chunks stays a
-    # candidate while saturated by waiting or KV, up to this many waiting requests.
-    prefix_join_waiting: float = 0.0
-    prefix_join_match: float = 0.5
 
 
 class LlmAware(Policy):
@@ -128,23 +120,15 @@ class LlmAware(Policy):
         stale_before = now - self.env.stale_after_s
         best = None
         best_r = _INF
-        joined = False  # best was taken by prefix_join, past a guard
         if matches:
             bonus = p.w_prefix / len(hashes)
-            join_chunks = p.prefix_join_match * len(hashes) if p.prefix_join_waiting else _INF
             for w in cands:
-                if w.taken_at < stale_before:
-                    continue
-                matched = matches.get(w.worker_id, 0)
-                if w.saturated is None and (need <= w.free_tokens or need > w.capacity_tokens):
-                    join = False
-                elif matched >= join_chunks and self._may_join(w):
-                    join = True
-                else:
-                    continue
-                r = w.rank - bonus * matched
-                if r < best_r:
-                    best, best_r, joined = w, r, join
+                if w.saturated is None and w.taken_at >= stale_before and (
+                    need <= w.free_tokens or need > w.capacity_tokens
+                ):
+                    r = w.rank - bonus * matches.get(w.worker_id, 0)
+                    if r < best_r:
+                        best, best_r = w, r
         else:
             for w in cands:
                 # unsaturated, fresh data, and room for this request's KV (a request larger
@@ -158,22 +142,14 @@ class LlmAware(Policy):
         age_term = p.w_age * now
         if best is not None:
             if matches:
-                detail = {"saturated": None, "prefix_match": matches.get(best.worker_id, 0)}
-                if joined:
-                    detail["prefix_join"] = self._why(best, need, stale_before)
-                return Pick(best, best_r + age_term, detail)
+                return Pick(best, best_r + age_term,
+                            {"saturated": None, "prefix_match": matches.get(best.worker_id, 0)})
             return Pick(best, best_r + age_term, {"saturated": None})
         if p.hold_when_saturated:
             return None
         # Every candidate is saturated and holding is off: the least bad one.
         w = min(cands, key=_rank)
         return Pick(w, w.rank + age_term, {"saturated": self._why(w, need, stale_before)})
-
-    def _may_join(self, w: WorkerState) -> bool:
-        """Saturated only by its queue or KV (not stale data, not a prefill backlog or
-        running cap), with room left in the queue it would join."""
-        return (w.saturated in ("waiting", "kv_usage", None)
-                and w.waiting_eff < self.p.prefix_join_waiting)
 
     @staticmethod
     def _why(w: WorkerState, need: float, stale_before: float) -> str:

@@ -154,34 +154,6 @@ def test_llm_aware_prefers_prefix_hit_when_balanced():
         svc.release(d["lease_id"], True)
 
 
-def test_llm_aware_prefix_join_queues_at_the_worker_holding_the_history():
-    """Every worker saturated, a long history cached on one of them: with prefix_join_waiting
-    the request joins that worker's queue (up to the limit) instead of being held for whichever
-    worker frees first, which would re-prefill the history there; without it, it is held."""
-    history = list(range(1, 21))
-    for join in (0.0, 3.0):
-        svc = make_service(prefix_join_waiting=join)
-        home = decide(svc, prefix_hashes=history)
-        svc.release(home["lease_id"], True)
-        hid = home["worker_id"]
-        for i in range(3):
-            feed(svc, worker(svc, f"w{i}"), running=30, waiting=1, kv=0.97)  # all queueing, KV full
-        out = decide(svc, prefix_hashes=[*history, 99])  # the next turn: 20 of 21 chunks cached
-        if not join:
-            assert isinstance(out, Wait)
-            continue
-        assert out["worker_id"] == hid and out["reason"]["prefix_join"] == "waiting"
-        svc.release(out["lease_id"], True)
-        # The join has a limit (3 waiting), and a weak match (5 of 25 chunks) never joins.
-        assert isinstance(decide(svc, prefix_hashes=[*history[:5], *range(100, 120)]), Wait)
-        feed(svc, worker(svc, hid), running=30, waiting=3, kv=0.97)
-        assert isinstance(decide(svc, prefix_hashes=[*history, 98]), Wait)
-        # With room elsewhere the weights decide as before: far less load beats the cached prefix.
-        feed(svc, worker(svc, hid), running=30, waiting=1, kv=0.97)
-        feed(svc, worker(svc, "w0" if hid != "w0" else "w1"), running=5, kv=0.3)
-        assert decide(svc, prefix_hashes=[*history, 97])["worker_id"] != hid
-
-
 def test_gateway_failure_report_then_half_open_single_trial():
     svc = make_service("round_robin")
     w1 = worker(svc, "w1")
