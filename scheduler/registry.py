@@ -104,7 +104,7 @@ class WorkerState:
                 tokens += lease.tokens
         self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
         self.freed_tokens = 0.0
-        total = snap.prompt_tokens_total
+        total = snap.prefilled_tokens_total
         if total is not None:
             prev = self.prompt_total_seen
             if prev is not None and total > prev:  # a drop is a restarted worker: no drain

@@ -79,6 +79,7 @@ _VLLM = _wire(
     },
     (
         ("vllm:prompt_tokens", "prompt_tokens"),
+        ("vllm:prompt_tokens_by_source", "prompt_tokens_by_source"),
         ("vllm:generation_tokens", "generation_tokens"),
         ("vllm:prefix_cache_hits", "prefix_hits"),
         ("vllm:prefix_cache_queries", "prefix_queries"),
@@ -101,6 +102,8 @@ def _vllm(fams: Families) -> RawSample:
             continue
     c: dict[str, float] = {}
     _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
+    # Newer vLLM splits prompts by source: the computed part is the prefill work done.
+    _put(c, "prompt_tokens_computed", _total(fams, "prompt_tokens_by_source", source="local_compute"))
     _put(c, "generation_tokens", _total(fams, "generation_tokens"))
     hits, queries = _total(fams, "prefix_hits"), _total(fams, "prefix_queries")
     if hits is None:
@@ -165,6 +168,7 @@ def _sglang(fams: Families) -> RawSample:
         # Updated every log interval, unlike the request-end counters: the better rate source.
         prefill = [v for labels, v in realtime if labels.get("mode", "").startswith("prefill")]
         _put(c, "prompt_tokens", sum(prefill) if prefill else None)
+        _put(c, "prompt_tokens_computed", _total(fams, "realtime_tokens", mode="prefill_compute"))
         _put(c, "generation_tokens", _total(fams, "realtime_tokens", mode="decode"))
     else:
         _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))

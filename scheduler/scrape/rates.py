@@ -75,8 +75,16 @@ def build_snapshot(
         num_blocks=raw.num_blocks,
         ttft_mean_s=_ratio(rates.get("ttft_sum"), rates.get("ttft_count")),
         itl_mean_s=_ratio(rates.get("itl_sum"), rates.get("itl_count")),
-        prompt_tokens_total=raw.counters.get("prompt_tokens"),
+        prefilled_tokens_total=_first_present(raw.counters, "prompt_tokens_computed", "prompt_tokens"),
         taken_at=taken_at,
         wall_time=wall_time,
         dialect=dialect,
     )
+
+
+def _first_present(counters: dict[str, float], *keys: str) -> float | None:
+    for key in keys:
+        value = counters.get(key)
+        if value is not None:
+            return value
+    return None

@@ -42,7 +42,10 @@ class LoadSnapshot:
     dialect: str
     # Cumulative prompt tokens the engine has finished prefilling (vLLM counts a request's
     # prompt when its first token comes out): the scheduler's prefill backlog drains by it.
-    prompt_tokens_total: float | None = None
+    # Only the computed part where the engine tells it apart from prefix-cache hits (vLLM's
+    # prompt_tokens_by_source{source="local_compute"}, SGLang's prefill_compute), as the
+    # backlog is charged only the uncached part of each prompt; else whole prompts.
+    prefilled_tokens_total: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

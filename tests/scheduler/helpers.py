@@ -25,7 +25,7 @@ def feed(svc: SchedulerService, w: WorkerState, running=0.0, waiting=0.0, kv=0.0
     snap = LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, prompt_tps=None, gen_tps=None,
                         prefix_hit_rate=None, block_size=block_size, num_blocks=num_blocks, ttft_mean_s=None,
                         itl_mean_s=None, taken_at=now, wall_time=time.time(), dialect="vllm_v1",
-                        prompt_tokens_total=prompt_total)
+                        prefilled_tokens_total=prompt_total)
     svc.on_snapshot(w, snap)
 
 

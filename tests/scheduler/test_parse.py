@@ -42,6 +42,23 @@ def test_vllm_real_running20():
     assert raw.counters["itl_count"] == 359.0
 
 
+def test_prefilled_tokens_are_the_computed_part_when_the_engine_splits_prompts_by_source():
+    """The prefill backlog is charged only the uncached part of each prompt, so it must drain by
+    the computed part: vLLM's prompt_tokens_by_source{source="local_compute"} where published
+    (here a capture edited to show 300 of 454 prompt tokens served from the prefix cache)."""
+    text = (HERE / "vllm-0.32-cpu-running20.txt").read_text()
+    text = text.replace('source="local_compute"} 454.0', 'source="local_compute"} 154.0')
+    text = text.replace('source="local_cache_hit"} 0.0', 'source="local_cache_hit"} 300.0')
+    d = dialects.detect(text)
+    raw = d.extract(parse_selected(text, d.wanted))
+    assert raw.counters["prompt_tokens"] == 454.0
+    assert build_snapshot(raw, {}, 1.0, 1.0, "vllm_v1").prefilled_tokens_total == 154.0
+    # An engine without the split (vLLM V0 names here): whole prompts.
+    _, v0 = load("vllm_v0.txt")
+    assert v0.counters["prompt_tokens"] > 0
+    assert build_snapshot(v0, {}, 1.0, 1.0, "vllm_v0").prefilled_tokens_total == v0.counters["prompt_tokens"]
+
+
 def test_vllm_real_waiting():
     _, raw = load("vllm-0.32-cpu-running4-waiting8.txt")
     assert (raw.running, raw.waiting) == (4.0, 8.0)
@@ -86,6 +103,7 @@ def test_sglang(fixture, dialect):
     assert raw.kv_usage == pytest.approx(0.4)
     assert (raw.block_size, raw.num_blocks) == (1, 200000)
     assert raw.counters["prompt_tokens"] == 4000.0  # realtime prefill_compute + prefill_cache
+    assert raw.counters["prompt_tokens_computed"] == 3000.0  # prefill_compute alone
     assert raw.counters["generation_tokens"] == 9500.0  # realtime decode
     assert raw.counters["prefix_hits"] == 1000.0
     assert raw.counters["ttft_count"] == 10.0
