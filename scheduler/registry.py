@@ -49,6 +49,12 @@ class WorkerState:
         self.prefill_backlog = 0.0
         self.open_prompt_tokens = 0.0  # prompts of open leases: the backlog's ceiling
         self.prompt_total_seen: float | None = None
+        # The counter moves only when a prompt is done, yet the engine prefills all along:
+        # at each scrape, the tokens its recent prefill rate has done since the counter last
+        # moved count as progress, so a worker about to run out of prompt work takes more a
+        # scrape or two before its counter shows the drain.
+        self.prefill_progress = 0.0
+        self._progress_since: float | None = None
         # Policy-maintained fields.
         self.score = 0.0
         self.free_tokens = math.inf
@@ -105,11 +111,24 @@ class WorkerState:
         self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
         self.freed_tokens = 0.0
         total = snap.prefilled_tokens_total
+        drained = False
         if total is not None:
             prev = self.prompt_total_seen
             if prev is not None and total > prev:  # a drop is a restarted worker: no drain
                 self.prefill_backlog = max(0.0, self.prefill_backlog - (total - prev))
+                drained = True
             self.prompt_total_seen = total
+        if drained or self.prefill_backlog <= 0.0 or self._progress_since is None:
+            self._progress_since, self.prefill_progress = snap.taken_at, 0.0
+        else:
+            elapsed = snap.taken_at - self._progress_since
+            self.prefill_progress = min(self.prefill_backlog, (snap.prefill_tps or 0.0) * elapsed)
+
+    @property
+    def prefill_pending(self) -> float:
+        """The prefill backlog less the progress the worker has likely made on it since its
+        counter last moved: what a policy should weigh."""
+        return max(0.0, self.prefill_backlog - self.prefill_progress)
 
     def view(self, now: float) -> dict:
         age = self.data_age_s(now)

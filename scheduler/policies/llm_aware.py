@@ -74,7 +74,7 @@ class LlmAware(Policy):
         if s is None:
             # No load data (unknown dialect): only leases tell; never stale, never full.
             w.score = (p.w_running * running + p.w_pending * unseen
-                       + p.w_prefill * w.prefill_backlog / 1000.0)
+                       + p.w_prefill * w.prefill_pending / 1000.0)
             w.free_tokens = w.capacity_tokens = _INF
             w.saturated, w.taken_at = None, _INF
             w.rank = w.score
@@ -94,7 +94,7 @@ class LlmAware(Policy):
             sat = "kv_usage"
         elif p.max_running and running >= p.max_running:
             sat = "running"
-        elif p.max_prefill_backlog and w.prefill_backlog >= p.max_prefill_backlog:
+        elif p.max_prefill_backlog and w.prefill_pending >= p.max_prefill_backlog:
             sat = "prefill_backlog"
         w.saturated = sat
         w.taken_at = s.taken_at
@@ -103,7 +103,7 @@ class LlmAware(Policy):
             + p.w_running * running
             + p.w_pending * unseen
             + p.w_kv * kv
-            + p.w_prefill * w.prefill_backlog / 1000.0
+            + p.w_prefill * w.prefill_pending / 1000.0
             + p.w_gen_rate * (s.gen_tps or 0.0) / 1000.0
             + p.w_prompt_rate * (s.prompt_tps or 0.0) / 1000.0
         )

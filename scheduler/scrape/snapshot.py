@@ -46,6 +46,7 @@ class LoadSnapshot:
     # prompt_tokens_by_source{source="local_compute"}, SGLang's prefill_compute), as the
     # backlog is charged only the uncached part of each prompt; else whole prompts.
     prefilled_tokens_total: float | None = None
+    prefill_tps: float | None = None  # smoothed rate of that counter
 
     def as_dict(self) -> dict:
         return asdict(self)

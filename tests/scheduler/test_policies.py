@@ -234,6 +234,34 @@ def test_prefill_backlog_drains_by_the_prompt_counter_and_never_outlives_its_lea
     assert w3.prefill_backlog == level - 100
 
 
+def test_prefill_progress_between_counter_moves_opens_the_cap_before_the_counter_shows_it():
+    """The prompt counter moves only when a prompt is done: at 4000 prefill tokens/s, 0.1 s after
+    the counter last moved a 2048-token backlog is likely 400 tokens along, so the capped worker
+    takes the next request; when the counter moves, the real drain replaces the guess."""
+    svc = make_service(max_waiting=100, max_prefill_backlog=2048, n=1)
+    w = worker(svc, "w0")
+    t0 = time.monotonic()
+    feed(svc, w, prompt_total=0, prefill_tps=4000.0, taken_at=t0)
+    lease = decide(svc, prompt_tokens=2048)
+    assert isinstance(decide(svc, prompt_tokens=100), Wait)  # capped: 2048 pending
+    feed(svc, w, running=1, prompt_total=0, prefill_tps=4000.0, taken_at=t0 + 0.1)
+    assert w.prefill_pending == pytest.approx(2048 - 400) and w.prefill_backlog == 2048
+    nxt = decide(svc, prompt_tokens=100)
+    assert nxt["worker_id"] == "w0"
+    feed(svc, w, running=2, prompt_total=0, prefill_tps=4000.0, taken_at=t0 + 0.3)
+    assert w.prefill_pending == pytest.approx(2148 - 1200)
+    # The counter moves by 1000: that is the drain now, the guess starts again from it.
+    feed(svc, w, running=2, prompt_total=1000, prefill_tps=4000.0, taken_at=t0 + 0.5)
+    assert w.prefill_backlog == 2148 - 1000 and w.prefill_pending == w.prefill_backlog
+    # Never more progress than backlog; without a rate, no guess at all.
+    feed(svc, w, running=2, prompt_total=1000, prefill_tps=4000.0, taken_at=t0 + 5.0)
+    assert w.prefill_pending == 0.0
+    feed(svc, w, running=2, prompt_total=1000, prefill_tps=None, taken_at=t0 + 5.1)
+    assert w.prefill_pending == w.prefill_backlog
+    for out in (lease, nxt):
+        svc.release(out["lease_id"], True)
+
+
 def test_llm_aware_steers_arrivals_away_from_a_worker_still_prefilling():
     svc = make_service(max_waiting=100)
     for w in svc.registry.workers.values():
