@@ -21,7 +21,7 @@ class Lease:
         self.worker = worker
         self.issued_at = issued_at
         self.expires_at = issued_at + ttl_s
-        self.tokens = tokens  # KV need: prompt + max_tokens
+        self.tokens = tokens  # KV it takes until a scrape shows it (the policy's kv_need)
         self.prompt = prompt  # prompt tokens still to prefill when issued
         self.trial = trial
         self.unseen = True

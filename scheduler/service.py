@@ -131,7 +131,7 @@ class SchedulerService:
         matched = pick.detail.get("prefix_match")
         if matched and req.prefix_hashes:
             prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))
-        lease = self.leases.issue(w, now, req.prompt_tokens + max_tokens, trial=trial, prompt=prompt)
+        lease = self.leases.issue(w, now, self.policy.kv_need(req, max_tokens), trial=trial, prompt=prompt)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
         self.policy.on_issued(req, w, now)

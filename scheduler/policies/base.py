@@ -73,6 +73,11 @@ class Policy:
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         """A lease went to w (prefix-aware policies remember where prefixes live)."""
 
+    def kv_need(self, req: Request, max_tokens: int) -> float:
+        """KV tokens a new lease counts as taken until a scrape shows the worker's own usage:
+        by default the request's whole span (prompt + max_tokens)."""
+        return req.prompt_tokens + max_tokens
+
 
 def load_of(w: WorkerState) -> float:
     """Requests on the worker: what it reported, reconciled with leases it cannot show yet."""

@@ -157,6 +157,12 @@ class LlmAware(Policy):
             return "stale"
         return w.saturated or "kv_headroom"
 
+    def kv_need(self, req: Request, max_tokens: int) -> float:
+        # The same need its headroom guard checks: an engine admits on the prompt's blocks and
+        # the answer's grow step by step, which later scrapes show. Counting all of max_tokens
+        # until the next scrape made a KV-bound worker look full and held requests that fit.
+        return req.prompt_tokens + self.p.output_fraction * max_tokens
+
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         if req.prefix_hashes and self.p.w_prefix:
             self.env.prefix_index.record(req.prefix_hashes, w.worker_id, now)

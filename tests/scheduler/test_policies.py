@@ -43,6 +43,26 @@ def test_request_larger_than_free_kv_goes_where_it_fits():
     assert big["worker_id"] in ("w1", "w2")
 
 
+def test_unseen_leases_take_the_kv_the_policy_counts_as_need():
+    """Between scrapes a lease stands for KV the worker cannot show yet. With output_fraction 0
+    llm_aware admits on the prompt alone, so a lease counts its prompt, not prompt + max_tokens:
+    a worker with 1,600 free tokens takes three 500-token prompts with max_tokens 1000 before
+    the next scrape (counting max_tokens, it would have been full after the first)."""
+    svc = make_service(n=1, output_fraction=0.0, max_waiting=100, max_kv_usage=1.0)
+    feed(svc, worker(svc, "w0"), running=5, kv=0.9)  # 16,000-token pool: 1,600 free
+    picks = [decide(svc, prompt_tokens=500, max_tokens=1000) for _ in range(4)]
+    assert [isinstance(p, Wait) for p in picks] == [False, False, False, True]
+    assert worker(svc, "w0").unseen_tokens == 1500
+    half = make_service(n=1, output_fraction=0.5, max_waiting=100, max_kv_usage=1.0)
+    feed(half, worker(half, "w0"), running=5, kv=0.9)
+    assert not isinstance(decide(half, prompt_tokens=500, max_tokens=1000), Wait)
+    assert isinstance(decide(half, prompt_tokens=500, max_tokens=1000), Wait)  # 1000 + 1000 > 1600
+    # Policies without their own need keep the whole span (least_kv weighs it).
+    lkv = make_service("least_kv", n=1)
+    decide(lkv, prompt_tokens=500, max_tokens=1000)
+    assert worker(lkv, "w0").unseen_tokens == 1500
+
+
 @pytest.mark.parametrize(
     "policy", ["llm_aware", "least_request", "least_kv", "power_of_two", "prefix_affinity"]
 )
