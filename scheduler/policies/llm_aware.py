@@ -7,11 +7,13 @@ What it does, in order:
    KV usage (including blocks unseen leases will take, less what requests released since
    the scrape held) is at `max_kv_usage` or more,
    it runs `max_running` requests (if set), it has `max_prefill_backlog` or more prompt
-   tokens sent and not yet prefilled (if set), its load data is stale, or its free KV
-   cannot hold this request (prompt + output_fraction * max_tokens).
+   tokens sent and not yet prefilled (if set; less the progress its prefill rate implies
+   since its prompt counter last moved), its load data is stale, or its free KV cannot
+   hold this request (prompt + output_fraction * max_tokens, which is also what a lease
+   counts as taken until the next scrape).
 2. Among the unsaturated, the lowest score wins:
    score = w_waiting*waiting + w_running*running + w_pending*unseen_leases + w_kv*kv
-         + w_prefill*prefill_backlog_tokens/1000
+         + w_prefill*pending_prefill_tokens/1000
          + w_gen_rate*gen_tok_per_s/1000 + w_prompt_rate*prompt_tok_per_s/1000
          + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
