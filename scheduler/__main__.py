@@ -28,7 +28,8 @@ async def serve(cfg: SchedulerConfig) -> None:
         from scheduler.discovery.kubernetes import KubernetesDiscovery
 
         tasks.append(asyncio.create_task(KubernetesDiscovery(service, cfg).run(), name="k8s"))
-    runner = web.AppRunner(build_app(service), access_log=None)
+    # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
+    runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()

@@ -78,6 +78,7 @@ class SchedulerMetrics:
         self._unknown = self.decisions.labels(policy, "unknown_model")
         self._held_ok = self.wait_seconds.labels("scheduled")
         self._held_timeout = self.wait_seconds.labels("timeout")
+        self._held_cancelled = self.wait_seconds.labels("cancelled")
 
     def decision_done(self, out, seconds: float) -> None:
         self.decision_latency.observe(seconds)
@@ -87,6 +88,10 @@ class SchedulerMetrics:
             self._unknown.inc()
         else:
             self._wait.inc()
+
+    def wait_cancelled(self, seconds: float) -> None:
+        """The caller went away while held: no decision, no lease."""
+        self._held_cancelled.observe(seconds)
 
     def wait_done(self, scheduled: bool, seconds: float) -> None:
         (self._held_ok if scheduled else self._held_timeout).observe(seconds)

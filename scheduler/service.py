@@ -176,7 +176,13 @@ class SchedulerService:
             if remaining <= 0:
                 self.metrics.wait_done(False, time.monotonic() - now)
                 return out
-            await asyncio.wait([self._change_future()], timeout=remaining)
+            try:
+                await asyncio.wait([self._change_future()], timeout=remaining)
+            except asyncio.CancelledError:
+                # The caller hung up (the HTTP handler is cancelled): deciding later would hand
+                # a lease to nobody, counted as load on a worker until it expired.
+                self.metrics.wait_cancelled(time.monotonic() - now)
+                raise
             out = self.decide(req, time.monotonic())
             if not isinstance(out, Wait):
                 self.metrics.wait_done(True, time.monotonic() - now)

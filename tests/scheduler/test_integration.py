@@ -33,6 +33,15 @@ TOKEN = "s3cret"
 pytestmark = pytest.mark.timeout(240)
 
 
+def metrics_text(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def leases_in_flight(base: str) -> int:
+    return sum(w["in_flight_leases"] for w in workers_by_id(base).values())
+
+
 @pytest.fixture(scope="module")
 def cluster():
     sched_port = free_port()
@@ -167,6 +176,22 @@ async def test_saturation_holds_then_answers_when_a_lease_is_released(cluster):
             async with aiohttp.ClientSession() as session, session.get(f"{base}/metrics") as resp:
                 text = await resp.text()
             assert 'scheduler_wait_seconds_count{outcome="scheduled"} 1.0' in text
+            # A held call whose caller hangs up stops holding: when capacity frees later, no
+            # lease goes to the closed connection (it would count as load until it expired).
+            async with aiohttp.ClientSession() as session:
+                hung_up = asyncio.create_task(session.post(
+                    f"{base}/v1/schedule", json={"model": "m", "prompt_tokens": 4, "max_tokens": 100,
+                                                 "wait_ms": 20_000}))
+                await asyncio.sleep(0.5)
+                assert not hung_up.done()
+                hung_up.cancel()
+            cancelled = 'scheduler_wait_seconds_count{outcome="cancelled"} 1.0'
+            await asyncio.to_thread(wait_until, lambda: cancelled in metrics_text(base), 10, "cancelled hold",
+                                    sched)
+            in_flight = await asyncio.to_thread(leases_in_flight, base)
+            await client.release(LeaseRelease(lease_id=leases[0].lease_id, ok=True, output_tokens=100))
+            await asyncio.sleep(0.3)
+            assert await asyncio.to_thread(leases_in_flight, base) == in_flight - 1
     finally:
         sched.stop()
 
