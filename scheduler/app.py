@@ -95,10 +95,7 @@ async def release(request: web.Request) -> web.Response:
     except ValidationError as exc:
         bad = _validation_error(exc)
         return error_response(400, str(bad), bad.param)
-    lease_id, ok, error = rel.lease_id, rel.ok, rel.error
-    found = svc.release(lease_id, ok, error, rel.prompt_tokens + rel.output_tokens)
-    svc.metrics.releases.labels("ok" if ok else "failed" if found else "unknown").inc()
-    if not found:
+    if not svc.release_reported(rel):
         return error_response(404, "unknown or expired lease", "lease_id", "lease_not_found")
     return web.Response(status=204)
 

@@ -73,9 +73,7 @@ def _release(svc: SchedulerService, op: dict) -> list:
         rel = LeaseRelease.model_validate(op)
     except ValidationError as exc:
         return _bad(exc)
-    found = svc.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens)
-    svc.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
-    if not found:
+    if not svc.release_reported(rel):
         return _error(404, "unknown or expired lease", "lease_id", "lease_not_found")
     return [204, None]
 

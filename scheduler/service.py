@@ -12,6 +12,7 @@ from scheduler.health import HALF_OPEN
 from scheduler.leases import LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
+from scheduler.protocol import LeaseRelease
 from scheduler.registry import Registry, WorkerState
 from scheduler.scrape.snapshot import LoadSnapshot
 
@@ -205,6 +206,13 @@ class SchedulerService:
             self.policy.refresh(w)
             self.capacity_changed()
         return True
+
+    def release_reported(self, rel: LeaseRelease) -> bool:
+        """A gateway's release (HTTP or channel): end the lease, credit the KV its prompt and
+        output held, count the outcome. False: unknown or expired lease."""
+        found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens)
+        self.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
+        return found
 
     def report_failure(self, worker_id: str, error: str) -> bool:
         w = self.registry.workers.get(worker_id)
