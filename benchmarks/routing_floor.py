@@ -30,8 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from inference_worker.config import load_worker_config
+from inference_worker.engine.factory import step_token_budget
+from inference_worker.sim import build_sim_setup
 from inference_worker.sim.latency_model import LatencyModel
-from inference_worker.sim.profile import SimProfile, load_profile
+from inference_worker.sim.profile import SimProfile
 
 
 @dataclass
@@ -85,32 +88,20 @@ def floors(result: dict, profiles: list[SimProfile], concurrency: int) -> Floors
     return Floors(statistics.fmean(ttfts), float(np.percentile(ttfts, 99)), tpot)
 
 
-def with_worker_flags(profile: SimProfile, flags: str) -> SimProfile:
-    """The profile as a worker started with `flags` runs it: the engine-size flags that
-    change a floor (KV pool, step budget, chunked prefill) replace the profile's values."""
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--num-kv-blocks", type=int)
-    ap.add_argument("--max-num-batched-tokens", type=int)
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--no-enable-chunked-prefill", action="store_true")
-    known, _ = ap.parse_known_args(shlex.split(flags))
-    engine = profile.engine
-    update: dict = {}
-    if known.max_model_len:
-        update["max_model_len"] = known.max_model_len
-    max_model_len = update.get("max_model_len", engine.max_model_len)
-    if known.max_num_batched_tokens:
-        update["max_num_batched_tokens"] = known.max_num_batched_tokens
-    elif known.no_enable_chunked_prefill:  # the worker's default then: every prompt fits one step
-        update["max_num_batched_tokens"] = max(engine.max_num_batched_tokens, max_model_len)
-    if known.num_kv_blocks:
-        update["num_kv_blocks"] = known.num_kv_blocks
-    if not update:
-        return profile
-    changes: dict = {"engine": engine.model_copy(update=update)}
-    if "num_kv_blocks" in update:
-        changes["kv_memory"] = None
-    return profile.model_copy(update=changes)
+def with_worker_flags(profile_name: str, flags: str) -> SimProfile:
+    """The profile as a sim worker started with `flags` runs it: the worker's own config
+    resolution (profile defaults, flags, its step-budget rule) gives the engine sizes."""
+    config = load_worker_config(["--backend", "sim", "--sim-profile", profile_name, *shlex.split(flags)])
+    setup = build_sim_setup(config)
+    budget = step_token_budget(config, setup.max_num_batched_tokens, setup.max_model_len)
+    engine = setup.profile.engine.model_copy(update={
+        "block_size": setup.block_size,
+        "num_kv_blocks": setup.num_kv_blocks,
+        "max_num_seqs": setup.max_num_seqs,
+        "max_model_len": setup.max_model_len,
+        "max_num_batched_tokens": budget,
+    })
+    return setup.profile.model_copy(update={"engine": engine, "kv_memory": None})
 
 
 def scenario_profiles(scenario: dict) -> list[SimProfile]:
@@ -118,7 +109,7 @@ def scenario_profiles(scenario: dict) -> list[SimProfile]:
     names = scenario["profiles"]
     flags = scenario.get("worker_args") or []
     per_worker = flags if len(flags) > 1 else [flags[0] if flags else ""] * len(names)
-    return [with_worker_flags(load_profile(n), f) for n, f in zip(names, per_worker, strict=True)]
+    return [with_worker_flags(n, f) for n, f in zip(names, per_worker, strict=True)]
 
 
 def floor_table(doc: dict, baseline: str = "baseline") -> str:
