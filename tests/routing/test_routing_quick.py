@@ -34,6 +34,7 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
             assert f"| {row.label} |" in table, (name, row.label)
     assert any(title.startswith("steady state") for title in sections)
     assert "throughput kept vs baseline" in proc.stdout
+    assert any(title.startswith("what the engines did") for title in sections)
 
     doc = json.loads(out.read_text())
     assert doc["scenario"]["quick"] is True
@@ -49,6 +50,14 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
         samples = doc["timelines"][name]
         assert samples and all(len(s["workers"]) == 2 for s in samples)
         assert any(w.get("running", 0) > 0 for s in samples for w in s["workers"]), name
+        # The engines' own counters, read at the end, account for every prompt and output token.
+        engines = doc["engines"][name]
+        assert len(engines) == 2, name
+        assert sum(w["generation_tokens"] for w in engines) == sum(result["output_lens"]), name
+        # The engine counts the prompt as served (special tokens included), the client the text.
+        assert sum(w["prompt_tokens"] for w in engines) >= result["total_input_tokens"], name
+    engine_prompts = {sum(w["prompt_tokens"] for w in doc["engines"][n]) for n in POLICIES}
+    assert len(engine_prompts) == 1, engine_prompts  # same prompts wherever they were sent
     for suffix in ("ttft-cdf", "tpot-cdf", "load"):
         png = tmp_path / f"routing-quick-{suffix}.png"
         assert png.read_bytes()[:4] == b"\x89PNG", suffix

@@ -1,0 +1,85 @@
+"""What each policy made the engines do: counters read from every worker's `/metrics` at the end.
+
+Latency tables say how a run went; these say why. Read once per worker when the client is
+done (the workers still run), summed over label sets:
+- preemptions: requests the engine evicted for KV and recomputes (`vllm:num_preemptions_total`);
+  a KV-blind router causes them, and each one is a prompt prefilled twice.
+- prefix cache hit %: prompt tokens found cached of those looked up
+  (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`): where a router sends a
+  follow-up turn decides whether its history is prefilled again.
+- computed prompt tokens: prompt tokens the engines actually prefilled
+  (`vllm:prompt_tokens_by_source_total{source="local_compute"}`), the prefill work the
+  placement cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+
+# counter name (without _total) -> key in the result; a (name, label) pair selects one series.
+COUNTERS: dict[str, str] = {
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_queried_tokens",
+    "vllm:prefix_cache_hits": "prefix_hit_tokens",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+}
+COMPUTED_SERIES = ('vllm:prompt_tokens_by_source', 'source="local_compute"')
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The counters above from one Prometheus text page, each summed over its label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:") or "_total" not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if not name.endswith("_total"):
+            continue
+        base = name[: -len("_total")]
+        if base == COMPUTED_SERIES[0] and COMPUTED_SERIES[1] in head:
+            key = "computed_prompt_tokens"
+        else:
+            key = COUNTERS.get(base)
+        if key is None:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+async def read_engine_counters(worker_urls: list[str]) -> list[dict[str, float]]:
+    """One dict per worker (empty where its page could not be read)."""
+    async def one(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    return parse_counters(await resp.text())
+        return {}
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, u) for u in worker_urls)))
+
+
+def engine_table(engines: dict[str, list[dict[str, float]]]) -> str:
+    """Markdown: one row per policy, the cluster's totals."""
+    lines = ["| policy | preemptions | prefix cache hit % | computed prompt tokens | prompt tokens |",
+             "|---|---|---|---|---|"]
+    for name, workers in engines.items():
+        total: dict[str, float] = {}
+        for w in workers:
+            for k, v in w.items():
+                total[k] = total.get(k, 0.0) + v
+        queried = total.get("prefix_queried_tokens", 0.0)
+        hit = f"{100.0 * total.get('prefix_hit_tokens', 0.0) / queried:.1f}" if queried else "-"
+        computed = total.get("computed_prompt_tokens")
+        computed_text = "-" if computed is None else f"{computed:.0f}"
+        lines.append(f"| {name} | {total.get('preemptions', 0):.0f} | {hit} | {computed_text} | "
+                     f"{total.get('prompt_tokens', 0):.0f} |")
+    return "\n".join(lines)

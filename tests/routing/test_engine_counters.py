@@ -1,0 +1,43 @@
+"""The end-of-run engine counters of the routing experiment, read from real vLLM output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.routing_engine_counters import engine_table, parse_counters
+
+VLLM_RUNNING = Path(__file__).parents[1] / "scheduler" / "fixtures" / "vllm-0.32-cpu-running20.txt"
+
+
+def test_counters_from_a_real_vllm_page():
+    counters = parse_counters(VLLM_RUNNING.read_text())
+    assert counters == {
+        "prefix_queried_tokens": 454.0, "prefix_hit_tokens": 0.0, "preemptions": 0.0,
+        "prompt_tokens": 454.0, "computed_prompt_tokens": 454.0, "generation_tokens": 386.0,
+    }
+
+
+def test_counters_sum_label_sets_and_ignore_other_series():
+    page = "\n".join([
+        '# HELP vllm:num_preemptions_total x',
+        'vllm:num_preemptions_total{engine="0"} 3.0',
+        'vllm:num_preemptions_total{engine="1"} 4.0',
+        'vllm:num_preemptions_created{engine="0"} 1.7e+09',
+        'vllm:prompt_tokens_by_source_total{source="local_cache_hit"} 90.0',
+        'vllm:prompt_tokens_by_source_total{source="local_compute"} 10.0',
+        'vllm:prompt_tokens_cached_total 90.0',
+    ])
+    assert parse_counters(page) == {"preemptions": 7.0, "computed_prompt_tokens": 10.0}
+
+
+def test_table_totals_the_cluster_per_policy():
+    engines = {
+        "baseline": [{"preemptions": 5, "prefix_queried_tokens": 100, "prefix_hit_tokens": 20,
+                      "computed_prompt_tokens": 80, "prompt_tokens": 100},
+                     {"preemptions": 1, "prefix_queried_tokens": 100, "prefix_hit_tokens": 30,
+                      "computed_prompt_tokens": 70, "prompt_tokens": 100}],
+        "peer": [{}, {}],  # pages that could not be read
+    }
+    rows = engine_table(engines).splitlines()
+    assert rows[2] == "| baseline | 6 | 25.0 | 150 | 200 |"
+    assert rows[3] == "| peer | 0 | - | - | 0 |"
