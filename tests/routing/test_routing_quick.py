@@ -50,14 +50,14 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
         samples = doc["timelines"][name]
         assert samples and all(len(s["workers"]) == 2 for s in samples)
         assert any(w.get("running", 0) > 0 for s in samples for w in s["workers"]), name
-        # The engines' own counters, read at the end, account for every prompt and output token.
+        # The engines' own counters, read at the end, account for every output token.
         engines = doc["engines"][name]
         assert len(engines) == 2, name
         assert sum(w["generation_tokens"] for w in engines) == sum(result["output_lens"]), name
-        # The engine counts the prompt as served (special tokens included), the client the text.
-        assert sum(w["prompt_tokens"] for w in engines) >= result["total_input_tokens"], name
+    # Prompts are counted by the worker's tokenizer (the sim's approximates the client's), so
+    # they are compared between policies: the same prompts, wherever they were sent.
     engine_prompts = {sum(w["prompt_tokens"] for w in doc["engines"][n]) for n in POLICIES}
-    assert len(engine_prompts) == 1, engine_prompts  # same prompts wherever they were sent
+    assert len(engine_prompts) == 1, engine_prompts
     for suffix in ("ttft-cdf", "tpot-cdf", "load"):
         png = tmp_path / f"routing-quick-{suffix}.png"
         assert png.read_bytes()[:4] == b"\x89PNG", suffix
