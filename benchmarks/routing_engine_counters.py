@@ -19,38 +19,28 @@ import contextlib
 
 import aiohttp
 
-# counter name (without _total) -> key in the result; a (name, label) pair selects one series.
+from scheduler.scrape.parse import parse_selected
+
+# Counter series -> key in the result. prompt_tokens_by_source is narrowed to local_compute.
 COUNTERS: dict[str, str] = {
-    "vllm:num_preemptions": "preemptions",
-    "vllm:prefix_cache_queries": "prefix_queried_tokens",
-    "vllm:prefix_cache_hits": "prefix_hit_tokens",
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:generation_tokens": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_queried_tokens",
+    "vllm:prefix_cache_hits_total": "prefix_hit_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:prompt_tokens_by_source_total": "computed_prompt_tokens",
 }
-COMPUTED_SERIES = ('vllm:prompt_tokens_by_source', 'source="local_compute"')
 
 
 def parse_counters(text: str) -> dict[str, float]:
     """The counters above from one Prometheus text page, each summed over its label sets."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:") or "_total" not in line:
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0]
-        if not name.endswith("_total"):
-            continue
-        base = name[: -len("_total")]
-        if base == COMPUTED_SERIES[0] and COMPUTED_SERIES[1] in head:
-            key = "computed_prompt_tokens"
-        else:
-            key = COUNTERS.get(base)
-        if key is None:
-            continue
-        try:
-            out[key] = out.get(key, 0.0) + float(value)
-        except ValueError:
-            continue
+    for key, samples in parse_selected(text, COUNTERS).items():
+        if key == "computed_prompt_tokens":
+            samples = [s for s in samples if s[0].get("source") == "local_compute"]
+            if not samples:
+                continue
+        out[key] = sum(value for _, value in samples)
     return out
 
 
