@@ -15,10 +15,10 @@ done (the workers still run), summed over label sets:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import aiohttp
 
+from benchmarks.routing_sampler import fetch_metrics
 from scheduler.scrape.parse import parse_selected
 
 # Counter series -> key in the result. prompt_tokens_by_source is narrowed to local_compute.
@@ -47,11 +47,8 @@ def parse_counters(text: str) -> dict[str, float]:
 async def read_engine_counters(worker_urls: list[str]) -> list[dict[str, float]]:
     """One dict per worker (empty where its page could not be read)."""
     async def one(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 200:
-                    return parse_counters(await resp.text())
-        return {}
+        text = await fetch_metrics(session, url, timeout_s=5)
+        return {} if text is None else parse_counters(text)
 
     async with aiohttp.ClientSession() as session:
         return list(await asyncio.gather(*(one(session, u) for u in worker_urls)))

@@ -48,6 +48,15 @@ def parse_gauges(text: str) -> dict[str, float]:
     return out
 
 
+async def fetch_metrics(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """A worker's `/metrics` page, or None when it cannot be read (down, slow, not 200)."""
+    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status == 200:
+                return await resp.text()
+    return None
+
+
 class LoadSampler:
     """`async with LoadSampler(urls, ...) as s:` ... then s.samples: list of per-tick dicts."""
 
@@ -73,11 +82,8 @@ class LoadSampler:
                 await self._task
 
     async def _scrape(self, session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status == 200:
-                    return parse_gauges(await resp.text())
-        return None
+        text = await fetch_metrics(session, url, timeout_s=2)
+        return None if text is None else parse_gauges(text)
 
     async def _loop(self) -> None:
         async with aiohttp.ClientSession() as session:
