@@ -116,7 +116,7 @@ class LlmAware(Policy):
     def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         p: LlmAwareParams = self.p
         max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
-        need = req.prompt_tokens + p.output_fraction * max_tokens
+        need = self.kv_need(req, max_tokens)
         hashes = req.prefix_hashes
         matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
         stale_before = now - self.env.stale_after_s
