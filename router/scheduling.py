@@ -112,8 +112,19 @@ class Scheduling:
         model = body["model"]
         if exclude:
             body["exclude"] = exclude
-        if not self.fallback_active and not self.queue.has_waiters(model):
-            route = await self._try_schedule(body, 0)
+        if not self.fallback_active:
+            if not self.queue.has_waiters(model):
+                route = await self._try_schedule(body, 0)
+            elif body.get("prefix_hashes"):
+                # Others queue: this one passes them only into room the scheduler holds for
+                # its prefix (a conversation's next turn; scheduler/reservations.py).
+                body["reserved_only"] = True
+                try:
+                    route = await self._try_schedule(body, 0)
+                finally:
+                    del body["reserved_only"]
+            else:
+                route = None
             if route is not None:
                 return route
         if self.fallback_active:

@@ -50,6 +50,10 @@ class SchedulerConfig(BaseSettings):
     lease_ttl_s: float = Field(600.0, gt=0, description="a lease never released expires after this")
     visibility_lag_ms: float = Field(50.0, ge=0, description="leases this close before a scrape: unseen")
     retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")
+    followup_hold_ms: float = Field(
+        0.0, ge=0, le=5000,
+        description="hold a finished request's KV this long for its follow-up turn (0: off; "
+        "scheduler/reservations.py)")
 
     @field_validator("policy")
     @classmethod

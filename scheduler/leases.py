@@ -13,10 +13,11 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "issued_at", "lease_id", "prompt", "tokens", "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "issued_at", "lease_id", "prefix_key", "prompt", "tokens", "trial",
+                 "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
-                 tokens: float, trial: bool, prompt: float = 0.0) -> None:
+                 tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
         self.lease_id = lease_id
         self.worker = worker
         self.issued_at = issued_at
@@ -25,6 +26,8 @@ class Lease:
         self.prompt = prompt  # prompt tokens still to prefill when issued
         self.trial = trial
         self.unseen = True
+        # The request's last prefix fingerprint: its follow-up's prompt carries it.
+        self.prefix_key = prefix_key
 
 
 class LeaseTable:
@@ -37,9 +40,9 @@ class LeaseTable:
         self._counter = itertools.count(1)
 
     def issue(self, worker: WorkerState, now: float, tokens: float, trial: bool = False,
-              prompt: float = 0.0) -> Lease:
+              prompt: float = 0.0, prefix_key: int | None = None) -> Lease:
         lease = Lease(f"{self._prefix}-{next(self._counter)}", worker, now, self.ttl_s, tokens, trial,
-                      prompt)
+                      prompt, prefix_key)
         self.leases[lease.lease_id] = lease
         worker.leases[lease.lease_id] = lease
         worker.unseen += 1

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from scheduler.service import SchedulerService
@@ -50,6 +50,22 @@ class _WorkerCollector:
                 if s.kv_usage is not None:
                     kv.add_metric(wid, s.kv_usage)
         yield from (healthy, age, leases, backlog, running, waiting, kv)
+        yield from self._reservations()
+
+    def _reservations(self):
+        table = self.service.reservations
+        ends = CounterMetricFamily("scheduler_followup_reservations",
+                                   "follow-up holds that ended, by outcome", labels=["outcome"])
+        ends.add_metric(["claimed"], table.claimed)
+        ends.add_metric(["expired"], table.expired)
+        held = GaugeMetricFamily("scheduler_worker_reserved_tokens",
+                                 "freed KV held for a follow-up turn", labels=["worker"])
+        for w in list(self.service.registry.workers.values()):
+            held.add_metric([w.worker_id], w.reserved_tokens)
+        rate = GaugeMetricFamily("scheduler_followup_claim_rate",
+                                 "running share of holds claimed (below the minimum, few are held)")
+        rate.add_metric([], table.claim_rate)
+        yield from (ends, held, rate)
 
 
 class SchedulerMetrics:

@@ -35,6 +35,9 @@ class ScheduleRequest(BaseModel):
     exclude: list[str] = Field(default_factory=list)
     # Hold the call up to this long when every worker is saturated.
     wait_ms: int = Field(0, ge=0, le=60_000)
+    # Only take room the scheduler holds for this prompt's prefix (a follow-up reservation);
+    # else answer wait. The gateway sets it for arrivals while its queue is not empty.
+    reserved_only: bool = False
 
 
 class ScheduleDecision(BaseModel):

@@ -41,6 +41,9 @@ class WorkerState:
         self.unseen_tokens = 0.0
         self.finished_since = 0  # leases the snapshot saw that were released since
         self.freed_tokens = 0.0  # their KV (prompt + output, as the gateway reported), freed since
+        # Freed KV held for a finished request's follow-up (scheduler/reservations.py): not
+        # free for anyone else until claimed or expired.
+        self.reserved_tokens = 0.0
         # Prefill backlog: prompt tokens sent here that the worker has not reported as
         # prefilled yet (its prompt-token counter lags them). It is the queue of work that
         # stands between a new request and its first token; running counts cannot show it.

@@ -14,6 +14,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
 from scheduler.protocol import LeaseRelease
 from scheduler.registry import Registry, WorkerState
+from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class SchedulerService:
         self.leases = LeaseTable(config.lease_ttl_s)
         self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0)
         self.policy = make_policy(config.policy, config.policy_params, self.env)
+        self.reservations = ReservationTable(config.followup_hold_ms / 1000.0, self._reservation_ended)
         self.metrics = metrics or SchedulerMetrics(self)
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
@@ -94,6 +96,7 @@ class SchedulerService:
         if w is None:
             return False
         self.leases.drop_worker(w)
+        self.reservations.forget_worker(w)
         self.half_open.discard(w.worker_id)
         self.env.prefix_index.forget(w.worker_id)
         return True
@@ -116,7 +119,11 @@ class SchedulerService:
         if not cands:
             return Wait(self._retry_after_ms, "no_routable_worker")
         pick = None
-        if self.half_open:
+        if self.reservations.by_key and req.prefix_hashes:
+            pick = self._claim(req, cands)
+        if pick is None and req.reserved_only:
+            return Wait(self._retry_after_ms, "no_reservation")
+        if pick is None and self.half_open:
             trial = next((w for w in cands if w.worker_id in self.half_open), None)
             if trial is not None:
                 pick = Pick(trial, trial.score, {"trial": True})
@@ -132,7 +139,8 @@ class SchedulerService:
         matched = pick.detail.get("prefix_match")
         if matched and req.prefix_hashes:
             prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))
-        lease = self.leases.issue(w, now, self.policy.kv_need(req, max_tokens), trial=trial, prompt=prompt)
+        lease = self.leases.issue(w, now, self.policy.kv_need(req, max_tokens), trial=trial, prompt=prompt,
+                                  prefix_key=req.prefix_hashes[-1] if req.prefix_hashes else None)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
         self.policy.on_issued(req, w, now)
@@ -156,6 +164,25 @@ class SchedulerService:
             "policy": self.policy.name,
             "reason": reason,
         }
+
+    def _claim(self, req: Request, cands: list[WorkerState]) -> Pick | None:
+        """The room held for this prompt's prefix, if its worker can still take it. The
+        worker holds the whole previous turn in its cache, so no policy choice is needed."""
+        res = self.reservations.claim(req.prefix_hashes)
+        if res is None:
+            return None
+        w = res.worker
+        self.policy.refresh(w)  # its reserved room is free again, for this request
+        if w not in cands:
+            self.capacity_changed()
+            return None
+        key_at = req.prefix_hashes.index(res.key)
+        return Pick(w, w.score, {"followup": True, "prefix_match": key_at + 1})
+
+    def _reservation_ended(self, w: WorkerState) -> None:
+        """A hold expired unclaimed: its room is everyone's again."""
+        self.policy.refresh(w)
+        self.capacity_changed()
 
     def schedule_now(self, req: Request, now: float):
         """decide() with its metrics; never holds (the batch channel's path)."""
@@ -200,6 +227,11 @@ class SchedulerService:
         w = lease.worker
         if lease.trial:
             self._routable.clear()
+        if (ok and not error and lease.prefix_key is not None and self.reservations.enabled
+                and not lease.unseen):
+            # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
+            # unseen_tokens on close, and were never in the scrape's usage.
+            self.reservations.hold(lease.prefix_key, w, used_tokens)
         if lease.trial and w.health.trial_result(ok and not error):
             self.on_health_change(w)
         else:

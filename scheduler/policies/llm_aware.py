@@ -5,7 +5,7 @@ affinity.
 What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
    KV usage (including blocks unseen leases will take, less what requests released since
-   the scrape held) is at `max_kv_usage` or more,
+   the scrape held, plus what is reserved for follow-ups) is at `max_kv_usage` or more,
    it runs `max_running` requests (if set), it has `max_prefill_backlog` or more prompt
    tokens sent and not yet prefilled (if set; less the progress its prefill rate implies
    since its prompt counter last moved), its load data is stale, or its free KV cannot
@@ -84,7 +84,8 @@ class LlmAware(Policy):
         kv = s.kv_usage or 0.0
         if s.num_blocks and s.block_size:
             capacity = s.num_blocks * s.block_size
-            free = min(capacity, capacity * (1.0 - kv) - w.unseen_tokens + w.freed_tokens)
+            free = (min(capacity, capacity * (1.0 - kv) - w.unseen_tokens + w.freed_tokens)
+                    - w.reserved_tokens)
             kv = 1.0 - free / capacity
             w.free_tokens, w.capacity_tokens = free, capacity
         else:
