@@ -47,7 +47,7 @@ class Gateway:
         self.stats = Stats()
         self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
         self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
-        self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token)
+        self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers)
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None
@@ -77,6 +77,7 @@ class Gateway:
             try_period_s=cfg.wait_schedule_try_period_ms / 1000,
             probe_period_s=cfg.scheduler_probe_ms / 1000,
             schedule_wait_ms=cfg.schedule_wait_ms,
+            followup_pass_s=cfg.followup_pass_ms / 1000,
             workers_refresh_s=cfg.workers_refresh_ms / 1000,
         )
         if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):

@@ -61,6 +61,17 @@ class RouterConfig(BaseSettings):
         description="0: the queue is FIFO; above 0, shorter prompts go first: a prompt of N tokens "
         "queues as if it had arrived N x this many ms later",
     )
+    queue_askers: int = Field(
+        1, ge=1, le=64,
+        description="queued requests (best first) that ask the scheduler at once: above 1, room "
+        "the head's prompt does not fit goes to the next request that fits",
+    )
+    followup_pass_ms: float = Field(
+        0.0, ge=0, le=60_000,
+        description="an arrival may take room the scheduler holds for its prefix (a follow-up turn, "
+        "scheduler --followup-hold-ms) ahead of queued requests while the oldest of those asking "
+        "has waited less than this (0: never passes)",
+    )
     schedule_wait_ms: int = Field(
         1000, ge=1, le=60_000, description="long-poll length of one queued call"
     )

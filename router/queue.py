@@ -1,10 +1,13 @@
 """Bounded admission queue, one line per model, FIFO or shortest-prompt-first.
 
-A request that the scheduler cannot place yet takes a place here. Only the head of
-a model's line asks the scheduler (with a long-poll `wait_ms`, so it is answered
-the moment capacity frees, without a polling delay); when it is placed it leaves
-and the next one becomes head at once. New arrivals for a model that already has
-a line join it instead of overtaking the head. The bound is global: past
+A request that the scheduler cannot place yet takes a place here. Only the first
+`askers` of a model's line (the head, by default one) ask the scheduler (with a
+long-poll `wait_ms`, so they are answered the moment capacity frees, without a
+polling delay); when one is placed it leaves and the next one asks at once. With
+more than one asker, room the head cannot use (its prompt does not fit the KV a
+worker has free) goes to the next one that fits instead of idling: the scheduler
+wakes held calls in the order they came, so the head still has first pick. New
+arrivals for a model that already has a line join it instead of overtaking the head. The bound is global: past
 `max_size` waiting requests, a newcomer is refused (429). A request cancelled
 while waiting (its client went away) leaves the line and wakes its successor.
 
@@ -34,38 +37,44 @@ class QueueTimeout(Exception):
 
 
 class _Line:
-    """One model's waiters: a heap of (place, ticket, future) plus the current head."""
+    """One model's waiters: a heap of (place, ticket, arrival, future) plus those asking now."""
 
-    __slots__ = ("head", "heap")
+    __slots__ = ("askers", "heap")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[float, int, asyncio.Future[None]]] = []
-        self.head: asyncio.Future[None] | None = None
+        self.heap: list[tuple[float, int, float, asyncio.Future[None]]] = []
+        self.askers: dict[asyncio.Future[None], float] = {}  # asking future -> arrival time
 
     def __bool__(self) -> bool:
-        return self.head is not None or bool(self.heap)
+        return bool(self.askers) or bool(self.heap)
 
-    def promote(self) -> None:
-        """The best waiter still waiting becomes head and is woken."""
-        while self.heap:
-            _, _, fut = heapq.heappop(self.heap)
+    def promote(self, max_askers: int) -> None:
+        """The best waiters still waiting ask, up to max_askers, and are woken."""
+        while self.heap and len(self.askers) < max_askers:
+            _, _, arrival, fut = heapq.heappop(self.heap)
             if not fut.done():  # a cancelled waiter's future is done: skip it
-                self.head = fut
+                self.askers[fut] = arrival
                 fut.set_result(None)
-                return
-        self.head = None
 
 
 class AdmissionQueue:
-    def __init__(self, max_size: int, ms_per_prompt_token: float = 0.0) -> None:
+    def __init__(self, max_size: int, ms_per_prompt_token: float = 0.0, askers: int = 1) -> None:
         self.max_size = max_size
         self.s_per_prompt_token = ms_per_prompt_token / 1000.0
+        self.askers = max(1, askers)
         self._lines: dict[str, _Line] = {}
         self._tickets = itertools.count()
         self.size = 0
 
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))
+
+    def oldest_asker_wait_s(self, model: str) -> float:
+        """How long the longest-waiting request now asking has been in line (0: none)."""
+        line = self._lines.get(model)
+        if not line or not line.askers:
+            return 0.0
+        return time.monotonic() - min(line.askers.values())
 
     @asynccontextmanager
     async def place(self, model: str, prompt_tokens: int = 0) -> AsyncIterator[None]:
@@ -76,19 +85,20 @@ class AdmissionQueue:
         if line is None:
             line = self._lines[model] = _Line()
         me: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        arrival = time.monotonic()
         self.size += 1
         try:
-            if line.head is None:
-                line.head = me
+            if not line.heap and len(line.askers) < self.askers:
+                line.askers[me] = arrival
             else:
-                place = time.monotonic() + self.s_per_prompt_token * max(0, prompt_tokens)
-                heapq.heappush(line.heap, (place, next(self._tickets), me))
+                place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
+                heapq.heappush(line.heap, (place, next(self._tickets), arrival, me))
                 await me  # resolved by promote() when it is this waiter's turn
             yield
         finally:
             self.size -= 1
-            if line.head is me:
-                line.promote()
+            if line.askers.pop(me, None) is not None:
+                line.promote(self.askers)
             elif not me.done():
                 me.cancel()  # left before its turn: promote() will skip it
             if not line and self._lines.get(model) is line:

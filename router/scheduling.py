@@ -53,6 +53,7 @@ class Scheduling:
         probe_period_s: float,
         schedule_wait_ms: int,
         workers_refresh_s: float,
+        followup_pass_s: float = 0.0,
     ) -> None:
         self.client = client
         # Optional pipelined channel for the non-waiting schedule call and releases.
@@ -64,6 +65,7 @@ class Scheduling:
         self.try_period_s = try_period_s
         self.probe_period_s = probe_period_s
         self.schedule_wait_ms = schedule_wait_ms
+        self.followup_pass_s = followup_pass_s
         self.workers_refresh_s = workers_refresh_s
         # No scheduler configured: round robin over --workers from the start.
         self.fallback_active = client is None
@@ -115,9 +117,13 @@ class Scheduling:
         if not self.fallback_active:
             if not self.queue.has_waiters(model):
                 route = await self._try_schedule(body, 0)
-            elif body.get("prefix_hashes"):
+            elif body.get("prefix_hashes") and (
+                self.queue.oldest_asker_wait_s(model) < self.followup_pass_s
+            ):
                 # Others queue: this one passes them only into room the scheduler holds for
-                # its prefix (a conversation's next turn; scheduler/reservations.py).
+                # its prefix (a conversation's next turn; scheduler/reservations.py), and only
+                # while they have not waited long (under steady saturation, follow-ups passing
+                # without a bound starve first turns: P99 TTFT doubled in RESULTS.md).
                 body["reserved_only"] = True
                 try:
                     route = await self._try_schedule(body, 0)
