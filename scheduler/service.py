@@ -132,14 +132,13 @@ class SchedulerService:
         if pick is None:
             return Wait(self._retry_after_ms, "saturated")
         w = pick.worker
-        max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
         trial = w.health.state == HALF_OPEN
         # Prefill work: the prompt less the chunks the worker likely holds in its prefix cache.
         prompt = req.prompt_tokens
         matched = pick.detail.get("prefix_match")
         if matched and req.prefix_hashes:
             prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))
-        lease = self.leases.issue(w, now, self.policy.kv_need(req, max_tokens), trial=trial, prompt=prompt,
+        lease = self.leases.issue(w, now, self.policy.kv_need(req), trial=trial, prompt=prompt,
                                   prefix_key=req.prefix_hashes[-1] if req.prefix_hashes else None)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends

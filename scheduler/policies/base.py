@@ -77,10 +77,14 @@ class Policy:
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         """A lease went to w (prefix-aware policies remember where prefixes live)."""
 
-    def kv_need(self, req: Request, max_tokens: int) -> float:
+    def kv_need(self, req: Request) -> float:
         """KV tokens a new lease counts as taken until a scrape shows the worker's own usage:
         by default the request's whole span (prompt + max_tokens)."""
-        return req.prompt_tokens + max_tokens
+        return req.prompt_tokens + self.max_tokens(req)
+
+    def max_tokens(self, req: Request) -> int:
+        """The request's answer limit, or the default the engines apply when none is given."""
+        return req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
 
 
 def load_of(w: WorkerState) -> float:

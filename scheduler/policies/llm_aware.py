@@ -116,8 +116,7 @@ class LlmAware(Policy):
 
     def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         p: LlmAwareParams = self.p
-        max_tokens = req.max_tokens if req.max_tokens is not None else self.env.default_max_tokens
-        need = self.kv_need(req, max_tokens)
+        need = self.kv_need(req)
         hashes = req.prefix_hashes
         matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
         stale_before = now - self.env.stale_after_s
@@ -160,11 +159,11 @@ class LlmAware(Policy):
             return "stale"
         return w.saturated or "kv_headroom"
 
-    def kv_need(self, req: Request, max_tokens: int) -> float:
+    def kv_need(self, req: Request) -> float:
         # The same need its headroom guard checks: an engine admits on the prompt's blocks and
         # the answer's grow step by step, which later scrapes show. Counting all of max_tokens
         # until the next scrape made a KV-bound worker look full and held requests that fit.
-        return req.prompt_tokens + self.p.output_fraction * max_tokens
+        return req.prompt_tokens + self.p.output_fraction * self.max_tokens(req)
 
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         if req.prefix_hashes and self.p.w_prefix:
