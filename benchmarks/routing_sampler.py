@@ -14,6 +14,8 @@ import time
 
 import aiohttp
 
+from scheduler.scrape.parse import parse_selected
+
 GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_requests_running": "running",
@@ -23,25 +25,10 @@ GAUGES = {
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Sum each wanted gauge over its label sets (data-parallel engines report one series each)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        name = line[: brace if 0 <= brace < space else space]
-        key = GAUGES.get(name)
-        if key is None:
-            continue
-        rest = line[line.rfind("}") + 1:] if brace >= 0 else line[space:]
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            out[key] = out.get(key, 0.0) + float(fields[0])
-        except ValueError:
-            continue
+    """Sum each wanted gauge over its label sets (data-parallel engines report one series each),
+    read with the scheduler's own Prometheus parser."""
+    out = {key: sum(value for _, value in samples)
+           for key, samples in parse_selected(text, GAUGES).items() if samples}
     if "kv" not in out and "kv_v0" in out:
         out["kv"] = out["kv_v0"]
     out.pop("kv_v0", None)
