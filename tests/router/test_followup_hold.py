@@ -45,7 +45,8 @@ def test_follow_up_turn_passes_the_queue_into_its_own_freed_room():
         sched, su = start_scheduler([u1, u2], "--policy-params", json.dumps(params),
                                     "--followup-hold-ms", "3000", "--scrape-interval-ms", "50")
         procs.append(sched)
-        gw_proc, gw = start_gateway("--scheduler", su, "--debug-headers", "--max-queue-size", "8")
+        gw_proc, gw = start_gateway("--scheduler", su, "--debug-headers", "--max-queue-size", "8",
+                                    "--followup-pass-ms", "10000")
         procs.append(gw_proc)
 
         def leases() -> int:

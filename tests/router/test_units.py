@@ -137,6 +137,36 @@ async def test_queue_can_put_short_prompts_first_without_starving_long_ones():
     assert await drain(AdmissionQueue(10, ms_per_prompt_token=0.01), [5, 2000, 5], gap_s=0.03) == [0, 1, 2]
 
 
+async def test_queue_lets_the_best_k_ask_at_once_and_reports_their_wait():
+    q = AdmissionQueue(max_size=10, ms_per_prompt_token=1.0, askers=2)
+    asking: list[int] = []
+    done = {i: asyncio.Event() for i in range(5)}
+
+    async def waiter(i: int, prompt: int) -> None:
+        async with q.place("m", prompt):
+            asking.append(i)
+            await done[i].wait()
+
+    assert q.oldest_asker_wait_s("m") == 0.0
+    tasks = []
+    for i, prompt in enumerate([500, 400, 900, 10, 300]):
+        tasks.append(asyncio.create_task(waiter(i, prompt)))
+        await asyncio.sleep(0.005)
+    # The first two ask at once; the rest wait in shortest-first order.
+    assert asking == [0, 1] and q.size == 5
+    assert 0.015 <= q.oldest_asker_wait_s("m") < 1.0
+    done[1].set()  # the second asker is placed first (the head's prompt fit nowhere yet)
+    await asyncio.sleep(0.01)
+    assert asking == [0, 1, 3]  # the shortest waiter takes its place; the head still asks
+    done[0].set()
+    await asyncio.sleep(0.01)
+    assert asking == [0, 1, 3, 4]
+    for ev in done.values():
+        ev.set()
+    await asyncio.gather(*tasks)
+    assert asking == [0, 1, 3, 4, 2] and q.size == 0 and not q.has_waiters("m")
+
+
 async def test_queue_lines_are_per_model():
     q = AdmissionQueue(max_size=10)
     hold = asyncio.Event()
