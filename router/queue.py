@@ -7,9 +7,10 @@ polling delay); when one is placed it leaves and the next one asks at once. With
 more than one asker, room the head cannot use (its prompt does not fit the KV a
 worker has free) goes to the next one that fits instead of idling: the scheduler
 wakes held calls in the order they came, so the head still has first pick. New
-arrivals for a model that already has a line join it instead of overtaking the head. The bound is global: past
-`max_size` waiting requests, a newcomer is refused (429). A request cancelled
-while waiting (its client went away) leaves the line and wakes its successor.
+arrivals for a model that already has a line join it instead of overtaking the head.
+The bound is global: past `max_size` waiting requests, a newcomer is refused (429).
+A request cancelled while waiting (its client went away) leaves the line and wakes
+its successor.
 
 Order: with `ms_per_prompt_token` 0 the line is FIFO. Above 0, a request's place is
 its arrival time plus its prompt length times that many milliseconds: after a burst,
@@ -78,7 +79,7 @@ class AdmissionQueue:
 
     @asynccontextmanager
     async def place(self, model: str, prompt_tokens: int = 0) -> AsyncIterator[None]:
-        """Join `model`'s line and return once at its head; leave the line on exit."""
+        """Join `model`'s line and return once it is among those asking; leave the line on exit."""
         if self.size >= self.max_size:
             raise QueueFull
         line = self._lines.get(model)

@@ -117,8 +117,10 @@ class Scheduling:
         if not self.fallback_active:
             if not self.queue.has_waiters(model):
                 route = await self._try_schedule(body, 0)
-            elif body.get("prefix_hashes") and (
-                self.queue.oldest_asker_wait_s(model) < self.followup_pass_s
+            elif (
+                self.followup_pass_s
+                and body.get("prefix_hashes")
+                and self.queue.oldest_asker_wait_s(model) < self.followup_pass_s
             ):
                 # Others queue: this one passes them only into room the scheduler holds for
                 # its prefix (a conversation's next turn; scheduler/reservations.py), and only
