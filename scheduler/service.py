@@ -120,7 +120,7 @@ class SchedulerService:
             return Wait(self._retry_after_ms, "no_routable_worker")
         pick = None
         if self.reservations.by_key and req.prefix_hashes:
-            pick = self._claim(req, cands)
+            pick = self._claim(req, cands, now)
         if pick is None and req.reserved_only:
             return Wait(self._retry_after_ms, "no_reservation")
         if pick is None and self.half_open:
@@ -164,15 +164,18 @@ class SchedulerService:
             "reason": reason,
         }
 
-    def _claim(self, req: Request, cands: list[WorkerState]) -> Pick | None:
+    def _claim(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         """The room held for this prompt's prefix, if its worker can still take it. The
-        worker holds the whole previous turn in its cache, so no policy choice is needed."""
+        worker holds the whole previous turn in its cache, so no policy choice is needed,
+        unless it has since started to queue or its load data went stale: then the hold
+        ends and the request is placed like any other."""
         res = self.reservations.claim(req.prefix_hashes)
         if res is None:
             return None
         w = res.worker
         self.policy.refresh(w)  # its reserved room is free again, for this request
-        if w not in cands:
+        if (w not in cands or w.saturated not in (None, "kv_usage")
+                or w.taken_at < now - self.env.stale_after_s):
             self.capacity_changed()
             return None
         key_at = req.prefix_hashes.index(res.key)

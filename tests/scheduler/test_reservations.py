@@ -111,6 +111,15 @@ async def test_holds_become_rare_when_no_follow_up_ever_claims_them():
     assert w.reserved_tokens == 0
 
 
+async def test_a_hold_on_a_worker_that_started_queueing_is_not_used():
+    svc = service()
+    home = finish_first_turn_on_full_cluster(svc)
+    feed(svc, worker(svc, home), running=30, waiting=2, kv=0.96)  # its engine queues now
+    out = svc.decide(req(FOLLOW_UP), time.monotonic())
+    assert isinstance(out, Wait)  # held in the gateway, not sent behind that queue
+    assert not svc.reservations.by_key and worker(svc, home).reserved_tokens == 0
+
+
 async def test_a_removed_worker_takes_its_holds_along():
     svc = service()
     home = finish_first_turn_on_full_cluster(svc)
