@@ -78,17 +78,18 @@ class ReservationTable:
         self.by_key[key] = res
         return res
 
-    def claim(self, hashes: Sequence[int]) -> Reservation | None:
-        """The reservation made for a prefix of this prompt (longest first), removed."""
+    def claim(self, hashes: Sequence[int]) -> tuple[Reservation, int] | None:
+        """The reservation made for a prefix of this prompt (longest first), removed, and how
+        many of the prompt's chunks that prefix covers."""
         if not self.by_key:
             return None
-        for h in reversed(hashes):
-            res = self.by_key.pop(h, None)
+        for i in range(len(hashes) - 1, -1, -1):
+            res = self.by_key.pop(hashes[i], None)
             if res is not None:
                 self._drop(res)
                 self.claimed += 1
                 self._outcome(1.0)
-                return res
+                return res, i + 1
         return None
 
     def forget_worker(self, worker: WorkerState) -> None:

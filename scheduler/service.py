@@ -169,17 +169,17 @@ class SchedulerService:
         worker holds the whole previous turn in its cache, so no policy choice is needed,
         unless it has since started to queue or its load data went stale: then the hold
         ends and the request is placed like any other."""
-        res = self.reservations.claim(req.prefix_hashes)
-        if res is None:
+        claimed = self.reservations.claim(req.prefix_hashes)
+        if claimed is None:
             return None
+        res, matched_chunks = claimed
         w = res.worker
         self.policy.refresh(w)  # its reserved room is free again, for this request
         if (w not in cands or w.saturated not in (None, "kv_usage")
                 or w.taken_at < now - self.env.stale_after_s):
             self.capacity_changed()
             return None
-        key_at = req.prefix_hashes.index(res.key)
-        return Pick(w, w.score, {"followup": True, "prefix_match": key_at + 1})
+        return Pick(w, w.score, {"followup": True, "prefix_match": matched_chunks})
 
     def _reservation_ended(self, w: WorkerState) -> None:
         """A hold expired unclaimed: its room is everyone's again."""
@@ -229,8 +229,7 @@ class SchedulerService:
         w = lease.worker
         if lease.trial:
             self._routable.clear()
-        if (ok and not error and lease.prefix_key is not None and self.reservations.enabled
-                and not lease.unseen):
+        if ok and not error and lease.prefix_key is not None and not lease.unseen:
             # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
             # unseen_tokens on close, and were never in the scrape's usage.
             self.reservations.hold(lease.prefix_key, w, used_tokens)
