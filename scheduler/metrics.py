@@ -36,12 +36,15 @@ class _WorkerCollector:
         backlog = GaugeMetricFamily("scheduler_worker_prefill_backlog_tokens",
                                     "prompt tokens sent that the worker has not reported prefilled",
                                     labels=["worker"])
+        reserved = GaugeMetricFamily("scheduler_worker_reserved_tokens",
+                                     "freed KV held for a follow-up turn", labels=["worker"])
         now = time.monotonic()
         for w in list(self.service.registry.workers.values()):
             wid = [w.worker_id]
             healthy.add_metric(wid, 1.0 if w.health.routable else 0.0)
             leases.add_metric(wid, float(w.in_flight))
             backlog.add_metric(wid, w.prefill_backlog)
+            reserved.add_metric(wid, w.reserved_tokens)
             s = w.snapshot
             if s is not None:
                 age.add_metric(wid, now - s.taken_at)
@@ -49,7 +52,7 @@ class _WorkerCollector:
                 waiting.add_metric(wid, s.waiting)
                 if s.kv_usage is not None:
                     kv.add_metric(wid, s.kv_usage)
-        yield from (healthy, age, leases, backlog, running, waiting, kv)
+        yield from (healthy, age, leases, backlog, reserved, running, waiting, kv)
         yield from self._reservations()
 
     def _reservations(self):
@@ -58,14 +61,10 @@ class _WorkerCollector:
                                    "follow-up holds that ended, by outcome", labels=["outcome"])
         ends.add_metric(["claimed"], table.claimed)
         ends.add_metric(["expired"], table.expired)
-        held = GaugeMetricFamily("scheduler_worker_reserved_tokens",
-                                 "freed KV held for a follow-up turn", labels=["worker"])
-        for w in list(self.service.registry.workers.values()):
-            held.add_metric([w.worker_id], w.reserved_tokens)
         rate = GaugeMetricFamily("scheduler_followup_claim_rate",
                                  "running share of holds claimed (below the minimum, few are held)")
         rate.add_metric([], table.claim_rate)
-        yield from (ends, held, rate)
+        yield from (ends, rate)
 
 
 class SchedulerMetrics:
