@@ -52,6 +52,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
+# OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
+# "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
+_POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"}
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
@@ -124,6 +127,11 @@ class Proxy(StreamForwarding):
         if not self.keys.allows(request.headers.get("Authorization")):
             return error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
+        if path in _POST_ONLY and request.method != "POST":
+            return error_response(
+                405, f"{request.method} is not allowed on {path}: use POST",
+                code="method_not_allowed", headers={"Allow": "POST"},
             )
         max_body = self.cfg.max_body_bytes
         if (request.content_length or 0) > max_body:

@@ -27,6 +27,8 @@ from router.sched_pipe import SchedulerPipe
 from scheduler.client import SchedulerClient, SchedulerUnavailableError
 
 log = logging.getLogger("router.scheduling")
+# How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
+_PASSING_PAUSE_S = 60.0
 
 
 @dataclass(slots=True)
@@ -66,6 +68,10 @@ class Scheduling:
         self.probe_period_s = probe_period_s
         self.schedule_wait_ms = schedule_wait_ms
         self.followup_pass_s = followup_pass_s
+        # Set when the scheduler answers that it holds no room for follow-ups at all: passing
+        # would cost one call per queued arrival for nothing. Tried again after a while, in
+        # case the scheduler was restarted with holds on.
+        self._passing_paused_until = 0.0
         self.workers_refresh_s = workers_refresh_s
         # No scheduler configured: round robin over --workers from the start.
         self.fallback_active = client is None
@@ -120,6 +126,7 @@ class Scheduling:
             elif (
                 self.followup_pass_s
                 and body.get("prefix_hashes")
+                and time.monotonic() >= self._passing_paused_until
                 and self.queue.oldest_asker_wait_s(model) < self.followup_pass_s
             ):
                 # Others queue: this one passes them only into room the scheduler holds for
@@ -186,6 +193,10 @@ class Scheduling:
             # Nobody to wait for (every worker of the model is down or already failed this
             # request): answer now rather than hold the client until the queue timeout.
             raise NoWorkerError(f"no healthy worker serves model {body['model']!r} right now")
+        if payload.get("reason") == "holds_off":
+            self._passing_paused_until = time.monotonic() + _PASSING_PAUSE_S
+            log.warning("--followup-pass-ms is set but the scheduler holds no room for follow-ups "
+                        "(its --followup-hold-ms is 0); not passing for %.0f s", _PASSING_PAUSE_S)
         if not wait_ms:
             return None
         # A long poll that ended without capacity: go round again (no sleep: the next

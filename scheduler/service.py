@@ -122,7 +122,8 @@ class SchedulerService:
         if self.reservations.by_key and req.prefix_hashes:
             pick = self._claim(req, cands, now)
         if pick is None and req.reserved_only:
-            return Wait(self._retry_after_ms, "no_reservation")
+            # "holds_off" tells the gateway that asking again is pointless (it stops passing).
+            return Wait(self._retry_after_ms, "no_reservation" if self.reservations.enabled else "holds_off")
         if pick is None and self.half_open:
             trial = next((w for w in cands if w.worker_id in self.half_open), None)
             if trial is not None:

@@ -103,6 +103,13 @@ def test_bad_input_gets_openai_shaped_4xx(stack, content, status):
     assert set(err) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_generation_endpoints_take_only_post(stack, method):
+    r = httpx.request(method, stack["gw"] + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_unknown_model_is_4xx_from_worker(stack):
     r = httpx.post(stack["gw"] + "/v1/completions", json={"model": "nope", "prompt": "p"})
     assert r.status_code == 404 and "error" in r.json()

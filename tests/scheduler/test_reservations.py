@@ -82,6 +82,13 @@ async def test_reserved_only_passes_the_queue_into_its_own_reservation_only():
     assert isinstance(again, Wait) and again.reason == "no_reservation"
 
 
+async def test_reserved_only_without_holds_says_so():
+    svc = service(hold_ms=0)
+    finish_first_turn_on_full_cluster(svc)
+    out = svc.decide(req(FOLLOW_UP, reserved_only=True), time.monotonic())
+    assert isinstance(out, Wait) and out.reason == "holds_off"  # the gateway stops asking
+
+
 async def test_an_unclaimed_hold_expires_and_wakes_a_held_request():
     svc = service(hold_ms=40)
     home = finish_first_turn_on_full_cluster(svc)
