@@ -33,6 +33,10 @@ class WorkerState:
         self.snapshot: LoadSnapshot | None = None
         self.rates = RateTracker()
         self.models_fetched_at = -math.inf
+        # KV pool size in tokens from the engine's info endpoint, for engines whose /metrics
+        # shows the KV in use but not the pool (TGI: /info max_batch_total_tokens).
+        self.info_kv_capacity: int | None = None
+        self.info_fetched_at = -math.inf
         self.scraping = False
         self.expires_at: float | None = None  # registrations expire without heartbeats
         # Lease accounting.

@@ -197,6 +197,7 @@ _TGI = _wire(
     {
         "tgi_batch_current_size": "running",
         "tgi_queue_size": "waiting",
+        "tgi_batch_current_max_tokens": "used_tokens",
         "tgi_request_input_length_sum": "prompt_tokens",
         "tgi_request_generated_tokens_sum": "generation_tokens",
         **_hist("tgi_request_mean_time_per_token_duration", "itl"),
@@ -208,8 +209,10 @@ def _tgi(fams: Families) -> RawSample:
     c: dict[str, float] = {}
     for key in ("prompt_tokens", "generation_tokens", "itl_sum", "itl_count"):
         _put(c, key, _total(fams, key))
-    # TGI has no KV-usage gauge and no TTFT histogram.
-    return RawSample(running=_total(fams, "running"), waiting=_total(fams, "waiting"), counters=c)
+    # TGI has no KV-usage gauge and no TTFT histogram. The tokens its running batch reserves
+    # become a usage once the scraper has read the pool size from TGI's /info.
+    return RawSample(running=_total(fams, "running"), waiting=_total(fams, "waiting"), counters=c,
+                     used_tokens=_total(fams, "used_tokens"))
 
 
 # ---- Triton core, and TensorRT-LLM on Triton ----------------------------------------------

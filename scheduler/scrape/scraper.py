@@ -123,6 +123,8 @@ class Scraper:
                 await self.refresh_models(w)
             if status == 200:
                 self._ingest(w, text, sent)
+            if w.dialect == "tgi" and now - w.info_fetched_at > cfg.models_refresh_ms / 1000.0:
+                await self.refresh_tgi_info(w)
             changed = w.health.on_success(now, cfg.recover_streak)
             if changed:
                 svc.on_health_change(w)
@@ -145,6 +147,10 @@ class Scraper:
                 w.rates.reset()
             w.dialect = dialect.name
             raw = dialect.extract(parse_selected(text, dialect.wanted))
+        cap = w.info_kv_capacity
+        if raw.kv_usage is None and raw.used_tokens is not None and cap:
+            raw.kv_usage = min(1.0, raw.used_tokens / cap)
+            raw.block_size, raw.num_blocks = 1, cap  # a pool counted in tokens
         rates = w.rates.update(raw, sent)
         self.service.on_snapshot(w, build_snapshot(raw, rates, sent, time.time(), w.dialect))
 
@@ -163,6 +169,22 @@ class Scraper:
             self._failure(w, f"health probe: {type(exc).__name__}", connection_level=True)
         except (TimeoutError, aiohttp.ClientError):
             self._failure(w, "metrics and health timeout", connection_level=False)
+
+    async def refresh_tgi_info(self, w: WorkerState) -> None:
+        """TGI's KV pool size: /info's max_batch_total_tokens (the token budget its batches
+        are admitted against, which tgi_batch_current_max_tokens fills)."""
+        w.info_fetched_at = time.monotonic()
+        try:
+            async with self.session.get(w.url + "/info", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return
+                info = json.loads(await resp.read())
+            cap = info.get("max_batch_total_tokens")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            log.debug("info of %s: %r", w.worker_id, exc)
+            return
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+            w.info_kv_capacity = cap
 
     async def refresh_models(self, w: WorkerState) -> None:
         """Served models come from the worker's /v1/models (registrations may name them)."""

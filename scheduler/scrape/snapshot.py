@@ -14,6 +14,9 @@ class RawSample:
     kv_usage: float | None = None  # 0-1
     block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None  # KV blocks in the pool
+    # KV tokens in use (or reserved), from an engine that publishes that count but not its
+    # pool size (TGI's tgi_batch_current_max_tokens): usage needs the capacity from elsewhere.
+    used_tokens: float | None = None
     # Cumulative counters by canonical key: prompt_tokens, generation_tokens, prefix_hits,
     # prefix_queries, ttft_sum, ttft_count, itl_sum, itl_count.
     counters: dict[str, float] = field(default_factory=dict)

@@ -23,8 +23,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 class StandIn:
     """One stand-in worker: /metrics from a fixture (counters advanced by `bump` per scrape)."""
 
-    def __init__(self, fixture: str, model: str, bump: str | None = None, stall_s: float = 0.0) -> None:
+    def __init__(self, fixture: str, model: str, bump: str | None = None, stall_s: float = 0.0,
+                 info: dict | None = None) -> None:
         self.text = (FIXTURES / fixture).read_text()
+        self.info = info  # TGI's GET /info body (None: no such endpoint, 404)
         self.model = model
         self.bump = bump
         self.stall_s = stall_s
@@ -47,11 +49,17 @@ class StandIn:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def info_page(self, request: web.Request) -> web.Response:
+        if self.info is None:
+            raise web.HTTPNotFound()
+        return web.json_response(self.info)
+
     async def start(self) -> web.AppRunner:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/info", self.info_page)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -110,6 +118,34 @@ async def test_every_dialect_over_http_and_stalled_metrics():
         assert isinstance(out, Wait), "stale load data counts as saturated, not idle"
         stalled.stall_s = 0.0
         await _until(lambda: isinstance(svc.decide(Request("stally", 10, 10), time.monotonic()), dict))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scraper.stop()
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
+    """TGI publishes the tokens its running batch reserves (tgi_batch_current_max_tokens 20480
+    in the fixture) but not its budget; /info's max_batch_total_tokens gives it. Without /info
+    the usage stays unknown rather than guessed."""
+    with_info = StandIn("tgi.txt", "llama", info={"model_id": "llama", "max_batch_total_tokens": 81920})
+    without = StandIn("tgi.txt", "llama")
+    runners = [await s.start() for s in (with_info, without)]
+    svc = SchedulerService(SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=300))
+    add_static_workers(svc, [with_info.url, without.url])
+    scraper = Scraper(svc)
+    task = asyncio.create_task(scraper.run())
+    try:
+        by_url = {w.url: w for w in svc.registry.workers.values()}
+        tgi, blind = by_url[with_info.url], by_url[without.url]
+        await _until(lambda: tgi.snapshot is not None and tgi.snapshot.kv_usage is not None)
+        s = tgi.snapshot
+        assert (s.kv_usage, s.block_size, s.num_blocks) == (0.25, 1, 81920)
+        await _until(lambda: blind.snapshot is not None and blind.info_fetched_at > 0)
+        await asyncio.sleep(0.12)  # scrapes after the failed /info read
+        assert blind.snapshot.kv_usage is None and blind.snapshot.num_blocks is None
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
