@@ -51,8 +51,9 @@ class WorkerState:
         # Prefill backlog: prompt tokens sent here that the worker has not reported as
         # prefilled yet (its prompt-token counter lags them). It is the queue of work that
         # stands between a new request and its first token; running counts cannot show it.
-        # (An engine whose prompt counter moves only when a request ends, like TGI's input
-        # length histogram, drains it late: there it reads as the prompts of open requests.)
+        # (An engine whose prompt counter moves when a request arrives, like TGI's input length
+        # histogram, recorded at validation in its router, drains it at the next scrape: there
+        # the backlog only spans the time between scrapes, and queued prompts show as waiting.)
         self.prefill_backlog = 0.0
         self.open_prompt_tokens = 0.0  # prompts of open leases: the backlog's ceiling
         self.prompt_total_seen: float | None = None
