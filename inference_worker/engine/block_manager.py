@@ -82,12 +82,14 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def can_allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
-        """Whether seq (holding no blocks yet) can get `num_tokens` of slots, reusing cached_blocks."""
+    def can_allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int,
+                     keep_free: int = 0) -> bool:
+        """Whether seq (holding no blocks yet) can get `num_tokens` of slots, reusing cached_blocks,
+        and still leave `keep_free` blocks free."""
         need = -(-num_tokens // self.block_size) - len(cached_blocks)
         # Cached blocks that sit in the free queue would be taken out of it, not allocated.
         reclaimable = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        return need <= len(self._free) - reclaimable
+        return need + keep_free <= len(self._free) - reclaimable
 
     def take_cached(self, seq: Sequence, cached_blocks: list[int]) -> None:
         """Attach cached blocks to seq's (empty) block table; their tokens count as computed."""

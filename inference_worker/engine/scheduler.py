@@ -11,7 +11,10 @@ With chunked prefill off (vLLM's `--no-enable-chunked-prefill`, the vLLM V0 defa
 is either all prefills or all decodes, as in the V0 scheduler: waiting sequences are
 admitted first, each with its whole prompt in one step (the prompt must fit the budget);
 only a step that admits nobody runs the decodes. Every prefill then stalls every decode of
-the worker, and a preempted sequence recomputes in a step of its own.
+the worker, and a preempted sequence recomputes in a step of its own. Admission also keeps
+1 % of the blocks free (V0's watermark): without it a sequence preempted for lack of blocks
+is re-admitted into the room its neighbours grow into a step later, recomputes, and is
+preempted again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from inference_worker.engine.block_manager import BlockManager
 from inference_worker.engine.sequence import Sequence, SequenceStatus
 from inference_worker.engine.stats import EngineEventType, PrefixCacheStats
 from inference_worker.engine.types import ScheduledSequence, StepBatch
+
+# vLLM V0's BlockSpaceManager watermark: the share of blocks a prompt admission leaves free.
+V0_ADMISSION_WATERMARK = 0.01
 
 
 @dataclass(slots=True)
@@ -52,6 +58,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
         self.chunked_prefill = chunked_prefill
+        # V1 admits into any free block; V0 keeps a watermark (see the module docstring).
+        self.admission_keep_free = 0 if chunked_prefill else int(
+            V0_ADMISSION_WATERMARK * block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -109,7 +118,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - cached_tokens, budget)
             if num_new < seq.num_tokens - cached_tokens and not self.chunked_prefill:
                 break  # the whole prompt must go in one step; FCFS: nobody overtakes it
-            if not bm.can_allocate(seq, cached, cached_tokens + num_new):
+            if not bm.can_allocate(seq, cached, cached_tokens + num_new, self.admission_keep_free):
                 break
             self.waiting.popleft()
             bm.take_cached(seq, cached)

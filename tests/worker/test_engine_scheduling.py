@@ -193,6 +193,25 @@ def test_without_chunked_prefill_a_preempted_request_recomputes_in_a_prefill_ste
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("chunked, small, expected", [
+    (False, 36, [1]),  # V0: 9 of the 10 free blocks would leave 1 < the 2-block watermark: decode
+    (False, 28, [28]),  # V0: 7 blocks leave 3: admitted, alone in its prefill step
+    (True, 36, [1, 36]),  # V1: no watermark, admitted beside the decode
+])
+def test_without_chunked_prefill_admission_keeps_one_percent_of_blocks_free(chunked, small, expected):
+    """vLLM V0 admits a prompt only while 1 % of the blocks stay free (its watermark), so a
+    sequence just preempted for lack of blocks is not re-admitted into the room its
+    neighbours grow into next step, to be recomputed and preempted again."""
+    engine, runner, _ = make_engine(num_blocks=200, max_batched=800, max_model_len=800,
+                                    caching=False, chunked=chunked)
+    engine.add_request("big", [3] * 760, greedy(8))  # 190 of 200 blocks
+    engine.step()
+    assert runner.new_tokens[-1] == [760]
+    engine.add_request("small", [5] * small, greedy(2))
+    engine.step()
+    assert runner.new_tokens[-1] == expected
+
+
 def test_without_chunked_prefill_the_budget_must_hold_the_longest_prompt():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(max_batched=64, max_model_len=256, chunked=False)
