@@ -17,7 +17,7 @@ from inference_worker.engine.errors import (
     EngineRequestError,
     PromptTooLongError,
 )
-from inference_worker.engine.scheduler import Scheduler, SchedulerOutput
+from inference_worker.engine.scheduler import Scheduler, SchedulerOutput, admission_keep_free
 from inference_worker.engine.sequence import Sequence as Seq
 from inference_worker.engine.sequence import SequenceStatus
 from inference_worker.engine.stats import (
@@ -73,8 +73,11 @@ class LLMEngine:
         if num_kv_blocks is not None and num_kv_blocks > runner.num_kv_blocks:
             raise ValueError(f"num_kv_blocks {num_kv_blocks} > the runner's pool ({runner.num_kv_blocks})")
         self.num_kv_blocks = num_kv_blocks or runner.num_kv_blocks
-        # A sequence must fit in the pool on its own, or preempting everyone else could not help it.
-        self.max_model_len = min(max_model_len, self.num_kv_blocks * self.block_size)
+        # A sequence must fit in the pool on its own, or preempting everyone else could not help
+        # it; in V0 order beside the admission watermark, or it would wait forever (and, FCFS,
+        # everyone behind it): such a request is refused up front instead.
+        usable = self.num_kv_blocks - admission_keep_free(self.num_kv_blocks, enable_chunked_prefill)
+        self.max_model_len = min(max_model_len, usable * self.block_size)
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             # As vLLM: without chunking a prompt must fit one step, so a smaller budget would
             # silently cap the context length.

@@ -32,6 +32,11 @@ from inference_worker.engine.types import ScheduledSequence, StepBatch
 V0_ADMISSION_WATERMARK = 0.01
 
 
+def admission_keep_free(num_blocks: int, chunked_prefill: bool) -> int:
+    """Blocks an admission must leave free: none in V1 order, V0's watermark without chunking."""
+    return 0 if chunked_prefill else int(V0_ADMISSION_WATERMARK * num_blocks)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     batch: StepBatch
@@ -59,8 +64,7 @@ class Scheduler:
         self.clock = clock
         self.chunked_prefill = chunked_prefill
         # V1 admits into any free block; V0 keeps a watermark (see the module docstring).
-        self.admission_keep_free = 0 if chunked_prefill else int(
-            V0_ADMISSION_WATERMARK * block_manager.num_blocks)
+        self.admission_keep_free = admission_keep_free(block_manager.num_blocks, chunked_prefill)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 

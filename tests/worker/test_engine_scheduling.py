@@ -212,6 +212,18 @@ def test_without_chunked_prefill_admission_keeps_one_percent_of_blocks_free(chun
     assert runner.new_tokens[-1] == expected
 
 
+def test_without_chunked_prefill_a_request_the_watermark_leaves_no_room_for_is_refused():
+    """Beside the watermark a whole-pool request could never be admitted, and FCFS would stall
+    everyone behind it: it is refused with the context-length error instead."""
+    v0, _, _ = make_engine(num_blocks=200, max_batched=800, max_model_len=800, chunked=False)
+    assert v0.max_model_len == (200 - 2) * BS
+    with pytest.raises(PromptTooLongError):
+        v0.add_request("whole-pool", [3] * 790, greedy(5))
+    v1, _, _ = make_engine(num_blocks=200, max_batched=800, max_model_len=800, chunked=True)
+    v1.add_request("whole-pool", [3] * 790, greedy(5))
+    assert len(run_all(v1)["whole-pool"]) == 5
+
+
 def test_without_chunked_prefill_the_budget_must_hold_the_longest_prompt():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(max_batched=64, max_model_len=256, chunked=False)
