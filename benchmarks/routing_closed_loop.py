@@ -43,24 +43,37 @@ class ClosedLoop:
     mean_output: float
 
 
+def _successful(result: dict) -> list[int]:
+    errors = result.get("errors") or [""] * len(result["e2els"])
+    return [i for i, err in enumerate(errors) if not err]
+
+
+def token_weighted_tpot_ms(result: dict) -> float | None:
+    """Decode time per output token after the first, over every successful request's tokens
+    (None without the per-request lists, or without any such token)."""
+    if not result.get("e2els") or not result.get("ttfts") or not result.get("output_lens"):
+        return None
+    ok = _successful(result)
+    tokens = sum(max(result["output_lens"][i] - 1, 0) for i in ok)
+    if not tokens:
+        return None
+    return 1000.0 * sum(result["e2els"][i] - result["ttfts"][i] for i in ok) / tokens
+
+
 def closed_loop(result: dict) -> ClosedLoop:
     """Little's-law quantities of one benchmark-client result (its per-request lists)."""
-    ok = [i for i, err in enumerate(result.get("errors") or [""] * len(result["e2els"])) if not err]
-    e2e = [result["e2els"][i] for i in ok]
-    ttft = [result["ttfts"][i] for i in ok]
-    out = [result["output_lens"][i] for i in ok]
+    ok = _successful(result)
     x = len(ok) / result["duration"]
-    mean_e2e = statistics.fmean(e2e)
-    decode_tokens = sum(max(o - 1, 0) for o in out)
-    token_tpot = (sum(e2e) - sum(ttft)) / decode_tokens if decode_tokens else float("nan")
+    mean_e2e = statistics.fmean(result["e2els"][i] for i in ok)
+    token_tpot = token_weighted_tpot_ms(result)
     return ClosedLoop(
         in_system=x * mean_e2e,
         req_per_s=x,
         mean_e2e_s=mean_e2e,
-        mean_ttft_ms=1000.0 * statistics.fmean(ttft),
+        mean_ttft_ms=1000.0 * statistics.fmean(result["ttfts"][i] for i in ok),
         mean_tpot_ms=float(result["mean_tpot_ms"]),
-        token_tpot_ms=1000.0 * token_tpot,
-        mean_output=statistics.fmean(out),
+        token_tpot_ms=float("nan") if token_tpot is None else token_tpot,
+        mean_output=statistics.fmean(result["output_lens"][i] for i in ok),
     )
 
 

@@ -52,6 +52,17 @@ def test_policy_table_has_every_reference_row_with_change():
     assert "| failed requests | 0 | 0 |" in table
 
 
+def test_decode_time_per_token_row_weighs_every_token_once():
+    base = synthetic(2.0, 100.0, 2000.0)
+    assert row_value(base, "token_tpot_ms") is None  # no per-request latencies: n/a, not 0
+    # Two 11-token answers at 50 ms per token and a 3-token one that stalled 1 s.
+    stalled = dict(base, e2els=[0.6, 0.6, 1.2], ttfts=[0.1, 0.1, 0.1], output_lens=[11, 11, 3],
+                   errors=["", "", ""])
+    assert row_value(stalled, "token_tpot_ms") == pytest.approx(1000.0 * (0.5 + 0.5 + 1.1) / 22)
+    table = policy_table("llm_aware", stalled, stalled)
+    assert "| decode time per output token (token-weighted) | 95.45 ms | 95.45 ms |" in table
+
+
 def test_busy_throughput_counts_only_the_window_while_every_client_is_busy():
     # Clients send at 0, 0 and 10 s (the last send): the window is 10 s. Tokens are spread
     # evenly from each request's first token to its end; the third starts after the window.
