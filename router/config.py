@@ -44,6 +44,11 @@ class RouterConfig(BaseSettings):
         description="pipelined channel: ws (scheduler's /v1/channel), http (pipelined HTTP/1.1), "
         "auto (ws, else http for a scheduler without the channel)",
     )
+    report_prefilled: bool = Field(
+        True,
+        description="tell the scheduler when a streamed request's first token arrives (its prompt is "
+        "prefilled), so its prefill backlog drains then instead of at the worker's next scrape",
+    )
     scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")
     models_cache_ms: int = Field(1000, ge=0, description="how long GET /v1/models answers are cached")

@@ -311,6 +311,12 @@ class Proxy(StreamForwarding):
             client.report_failure_nowait(route.worker_id, reason)
         self._release(route, rec, ok=False, error=reason)
 
+    def _prefilled(self, route: Route) -> None:
+        """The first chunk of a stream comes after the worker prefilled the prompt: the
+        scheduler can count the worker free for more prompt work a scrape earlier."""
+        if route.lease_id is not None and not route.released and self.cfg.report_prefilled:
+            self.sched.prefilled_nowait(route.lease_id)
+
     def _release(self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None) -> None:
         if route.lease_id is None or route.released or self.sched.client is None:
             return

@@ -1,5 +1,5 @@
 """The gateway's channel to the scheduler for the calls on every request's path: a schedule
-call without a long-poll, and the lease release.
+call without a long-poll, the first-token report, and the lease release.
 
 Why: a request through the gateway makes two scheduler calls, and with one HTTP request
 each the per-request HTTP machinery costs more CPU, on both sides, than the rest of the
@@ -78,6 +78,7 @@ class SchedulerPipe:
             + b"\r\nContent-Type: application/json\r\nContent-Length: "
         )
         self._release_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/release")
+        self._prefilled_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/prefilled")
         key = base64.b64encode(os.urandom(16))
         self._upgrade = (
             b"GET "
@@ -199,23 +200,31 @@ class SchedulerPipe:
 
     def release_nowait(self, rel: dict[str, Any]) -> None:
         """Fire and forget (a lost release is covered by the scheduler's lease expiry)."""
+        self._send_lazy(b"release", self._release_head, rel)
+
+    def prefilled_nowait(self, lease_id: str) -> None:
+        """Fire and forget: the lease's first token came back (a lost report is covered by
+        the worker's prompt counter at the next scrape)."""
+        self._send_lazy(b"prefilled", self._prefilled_head, {"lease_id": lease_id})
+
+    def _send_lazy(self, op: bytes, head: bytes, body: dict[str, Any]) -> None:
         pipe = self._pipe
         if pipe is not None and not pipe.closed:
-            pipe.send_lazy(self._release_message(pipe, rel))
+            pipe.send_lazy(self._lazy_message(pipe, op, head, body))
         else:
-            self.loop.create_task(self._release_later(rel))
+            self.loop.create_task(self._send_later(op, head, body))
 
-    def _release_message(self, pipe: _Pipe | _WsPipe, rel: dict[str, Any]) -> bytes:
+    def _lazy_message(self, pipe: _Pipe | _WsPipe, op: bytes, head: bytes, body: dict[str, Any]) -> bytes:
         if pipe.kind == "ws":
-            return b'{"op":"release",' + to_json(rel)[1:]
-        return self._frame(self._release_head, _dumps(rel).encode())
+            return b'{"op":"%s",%s' % (op, to_json(body)[1:])
+        return self._frame(head, _dumps(body).encode())
 
-    async def _release_later(self, rel: dict[str, Any]) -> None:
+    async def _send_later(self, op: bytes, head: bytes, body: dict[str, Any]) -> None:
         try:
             pipe = await self._get_pipe()
         except SchedulerUnavailableError:
             return
-        msg = self._release_message(pipe, rel)
+        msg = self._lazy_message(pipe, op, head, body)
         if pipe.kind == "ws":
             pipe.send_lazy(msg)
         else:

@@ -91,6 +91,12 @@ class Scheduling:
         elif self.client is not None:
             self.client.release_nowait(rel)
 
+    def prefilled_nowait(self, lease_id: str) -> None:
+        if self.pipe is not None:
+            self.pipe.prefilled_nowait(lease_id)
+        elif self.client is not None:
+            self.client.prefilled_nowait(lease_id)
+
     def start(self, session: aiohttp.ClientSession | None = None) -> None:
         loop = asyncio.get_running_loop()
         if self.client is not None:

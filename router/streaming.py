@@ -84,6 +84,7 @@ class StreamForwarding:
             if not first:
                 raise RetryElsewhere("empty_stream")
             rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
+            self._prefilled(route)
             tap = StreamTap(strip_usage)
             resp = web.StreamResponse(status=200, headers=self._response_headers(route, rec))
             resp.content_type = "text/event-stream"

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -99,7 +100,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         rec.worker = route.worker_id
         rec.status = 101
         await upstream.send_str(first.data)
-        await _pump_both(client, upstream)
+        await _pump_both(client, upstream, lambda: proxy._prefilled(route))
         return client
     finally:
         if upstream is not None:
@@ -112,9 +113,14 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         proxy._finish(rec)
 
 
-async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
+async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
+                     on_first_answer: Callable[[], None]) -> None:
     async def copy(src, dst) -> None:
+        first = src is upstream
         async for msg in src:
+            if first:  # the worker's first chunk: the first request's prompt is prefilled
+                first = False
+                on_first_answer()
             if msg.type == aiohttp.WSMsgType.TEXT:
                 await dst.send_str(msg.data)
             elif msg.type == aiohttp.WSMsgType.BINARY:

@@ -16,7 +16,7 @@ from pydantic_core import to_json
 from scheduler.channel import OPEN_CHANNELS, close_channels, run_batch_bytes, serve_channel
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
-from scheduler.protocol import LeaseRelease, ScheduleRequest
+from scheduler.protocol import LeasePrefilled, LeaseRelease, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,19 @@ async def release(request: web.Request) -> web.Response:
         return error_response(400, str(bad), bad.param)
     if not svc.release_reported(rel):
         return error_response(404, "unknown or expired lease", "lease_id", "lease_not_found")
+    return web.Response(status=204)
+
+
+async def prefilled(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE_KEY]
+    try:
+        rep = LeasePrefilled.model_validate_json(await request.read())
+    except ValidationError as exc:
+        bad = _validation_error(exc)
+        return error_response(400, str(bad), bad.param)
+    if not svc.prefilled(rep.lease_id):
+        return error_response(404, "unknown or released lease, or already reported", "lease_id",
+                              "lease_not_found")
     return web.Response(status=204)
 
 
@@ -191,6 +204,7 @@ def build_app(service: SchedulerService) -> web.Application:
     routes = [
         ("POST", "/v1/schedule", schedule),
         ("POST", "/v1/release", release),
+        ("POST", "/v1/prefilled", prefilled),
         ("POST", "/v1/batch", batch),
         ("GET", "/v1/channel", channel),
         ("GET", "/v1/workers", list_workers),

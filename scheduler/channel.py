@@ -11,12 +11,14 @@ the same order:
                                                                        [503, ScheduleWait]
                                                                        [404 or 400, OpenAI error]
     {"op": "release", <LeaseRelease fields>}                         -> [204, null] or [404/400, error]
+    {"op": "prefilled", <LeasePrefilled fields>}                     -> [204, null] or [404/400, error]
 Held calls (wait_ms > 0) would hold up every answer behind them, so they stay on
 `POST /v1/schedule`.
 
 On the channel every binary or text message is one batch. A message with at least one
 schedule operation is answered by one message (the answer array); a message of releases
-only is not answered (releases are fire-and-forget; the lease expiry covers a lost one).
+and prefilled reports only is not answered (both are fire-and-forget; the lease expiry
+covers a lost release, the next scrape a lost report).
 A message that is not a JSON array closes the channel with code 1007.
 """
 
@@ -32,7 +34,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.policies import Request
-from scheduler.protocol import LeaseRelease, ScheduleRequest
+from scheduler.protocol import LeasePrefilled, LeaseRelease, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 
@@ -78,6 +80,16 @@ def _release(svc: SchedulerService, op: dict) -> list:
     return [204, None]
 
 
+def _prefilled(svc: SchedulerService, op: dict) -> list:
+    try:
+        rep = LeasePrefilled.model_validate(op)
+    except ValidationError as exc:
+        return _bad(exc)
+    if not svc.prefilled(rep.lease_id):
+        return _error(404, "unknown or released lease, or already reported", "lease_id", "lease_not_found")
+    return [204, None]
+
+
 def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
     """The answers, in order, and whether any operation was a schedule call."""
     answers = []
@@ -89,9 +101,11 @@ def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
             answers.append(_schedule(svc, op))
         elif kind == "release":
             answers.append(_release(svc, op))
+        elif kind == "prefilled":
+            answers.append(_prefilled(svc, op))
         else:
-            answers.append(_error(400, "each operation must be an object with op 'schedule' or 'release'",
-                                  "op"))
+            answers.append(_error(400, "each operation must be an object with op 'schedule', 'release' "
+                                  "or 'prefilled'", "op"))
     return answers, any_schedule
 
 

@@ -99,6 +99,7 @@ class SchedulerClient:
         self._background: set[asyncio.Task] = set()
         self._schedule_url = f"{self.base_url}/v1/schedule"
         self._release_url = f"{self.base_url}/v1/release"
+        self._prefilled_url = f"{self.base_url}/v1/prefilled"
         self._workers_url = f"{self.base_url}/v1/workers"
 
     def _get_session(self) -> aiohttp.ClientSession:
@@ -163,6 +164,17 @@ class SchedulerClient:
     def release_nowait(self, rel: LeaseRelease | dict[str, Any]) -> None:
         """Schedule `release` in the background (keeps a reference so the task is not GC'd)."""
         self._spawn(self.release(rel))
+
+    async def prefilled(self, lease_id: str) -> None:
+        """Report a lease's first token (its prompt is prefilled). Never raises: a lost report
+        only means the worker's prompt counter tells the scheduler a scrape later."""
+        try:
+            await self._post(self._prefilled_url, to_json({"lease_id": lease_id}), self.timeout_s)
+        except SchedulerUnavailableError as exc:
+            log.debug("prefilled report lost: %s", exc)
+
+    def prefilled_nowait(self, lease_id: str) -> None:
+        self._spawn(self.prefilled(lease_id))
 
     async def report_failure(self, worker_id: str, error: str) -> None:
         """The gateway saw a connection-level failure: the worker leaves rotation at once.

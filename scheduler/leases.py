@@ -13,8 +13,8 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "issued_at", "lease_id", "prefix_key", "prompt", "tokens", "trial",
-                 "unseen", "worker")
+    __slots__ = ("expires_at", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt", "tokens",
+                 "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
                  tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
@@ -26,6 +26,7 @@ class Lease:
         self.prompt = prompt  # prompt tokens still to prefill when issued
         self.trial = trial
         self.unseen = True
+        self.prefilled = False  # the gateway reported its first token
         # The request's last prefix fingerprint: its follow-up's prompt carries it.
         self.prefix_key = prefix_key
 
@@ -70,6 +71,18 @@ class LeaseTable:
             # lease's KV was never in the scrape, only in unseen_tokens).
             w.finished_since += 1
             w.freed_tokens += used_tokens
+        return lease
+
+    def prefilled(self, lease_id: str, now: float) -> Lease | None:
+        """The gateway saw this request's first token: its prompt leaves the worker's backlog.
+        None: unknown lease, or already reported."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.prefilled:
+            return None
+        lease.prefilled = True
+        if lease.prompt > 0.0:
+            lease.worker.on_prefilled(lease.prompt, now)
+            lease.prompt = 0.0
         return lease
 
     def expire(self, now: float) -> list[Lease]:

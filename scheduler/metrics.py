@@ -84,6 +84,8 @@ class SchedulerMetrics:
         self.scrape_failures = Counter("scheduler_scrape_failures", "failed scrapes", ["worker", "kind"],
                                        registry=r)
         self.releases = Counter("scheduler_lease_releases", "lease ends", ["outcome"], registry=r)
+        self.prefilled = Counter("scheduler_prefilled_reports", "first tokens the gateway reported",
+                                 ["outcome"], registry=r)
         self.failure_reports = Counter("scheduler_failure_reports", "gateway failure reports", registry=r)
         r.register(_WorkerCollector(service))
         policy = service.cfg.policy

@@ -6,8 +6,11 @@ POST /v1/schedule   ScheduleRequest  -> 200 ScheduleDecision
                                       -> 503 ScheduleWait   (every eligible worker saturated)
                                       -> 404 OpenAI error   (no worker serves the model)
 POST /v1/release    LeaseRelease     -> 204
+POST /v1/prefilled  LeasePrefilled   -> 204 (the request's first token came back: its prompt
+                                            is prefilled) | 404 unknown, released or reported
 POST /v1/batch      [{"op": "schedule", ...ScheduleRequest (wait_ms 0)} | {"op": "release",
-                    ...LeaseRelease}, ...] -> 200 [[status, answer body or null], ...] (same order)
+                    ...LeaseRelease} | {"op": "prefilled", ...LeasePrefilled}, ...]
+                    -> 200 [[status, answer body or null], ...] (same order)
 GET  /v1/channel    WebSocket: one message per batch, as /v1/batch; a batch with a schedule
                     operation is answered by one message (scheduler/channel.py)
 GET  /v1/workers    -> {"workers": [WorkerView, ...]}
@@ -61,6 +64,13 @@ class LeaseRelease(BaseModel):
     ttft_ms: float | None = None
     # Set when the gateway saw the worker fail: "connect", "timeout", "http_5xx", ...
     error: str | None = None
+
+
+class LeasePrefilled(BaseModel):
+    """Sent by the gateway when a streamed request's first token arrives: the worker has
+    prefilled its prompt, which its prompt counter shows only at the next scrape."""
+
+    lease_id: str
 
 
 class WorkerRegistration(BaseModel):

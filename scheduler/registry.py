@@ -63,6 +63,12 @@ class WorkerState:
         # scrape or two before its counter shows the drain.
         self.prefill_progress = 0.0
         self._progress_since: float | None = None
+        # Prompts the gateway saw finish (their first token streamed back) and already took
+        # off the backlog; the prompt counter reports them too, a scrape later. Kept in two
+        # generations, so a report the counter never matches (a wrong size, or a scrape
+        # that counted it before the report came) stops absorbing drains after one scrape.
+        self.prefilled_credit_old = 0.0
+        self.prefilled_credit_new = 0.0
         # Policy-maintained fields.
         self.score = 0.0
         self.free_tokens = math.inf
@@ -123,14 +129,39 @@ class WorkerState:
         if total is not None:
             prev = self.prompt_total_seen
             if prev is not None and total > prev:  # a drop is a restarted worker: no drain
-                self.prefill_backlog = max(0.0, self.prefill_backlog - (total - prev))
+                self.prefill_backlog = max(0.0, self.prefill_backlog - self._absorb_credit(total - prev))
                 drained = True
             self.prompt_total_seen = total
+        self.prefilled_credit_old, self.prefilled_credit_new = self.prefilled_credit_new, 0.0
         if drained or self.prefill_backlog <= 0.0 or self._progress_since is None:
             self._progress_since, self.prefill_progress = snap.taken_at, 0.0
         else:
             elapsed = snap.taken_at - self._progress_since
             self.prefill_progress = min(self.prefill_backlog, (snap.prefill_tps or 0.0) * elapsed)
+
+    def _absorb_credit(self, counted: float) -> float:
+        """The part of a prompt-counter increase that is not a prompt already reported
+        prefilled by the gateway (those left the backlog when their first token came)."""
+        take = min(counted, self.prefilled_credit_old)
+        self.prefilled_credit_old -= take
+        counted -= take
+        take = min(counted, self.prefilled_credit_new)
+        self.prefilled_credit_new -= take
+        return counted - take
+
+    def on_prefilled(self, prompt: float, now: float) -> None:
+        """A request's first token reached the gateway: its prompt is prefilled now, a scrape
+        before the worker's counter can say so."""
+        self.prefill_backlog = max(0.0, self.prefill_backlog - prompt)
+        self.open_prompt_tokens = max(0.0, self.open_prompt_tokens - prompt)
+        self.prefilled_credit_new += prompt
+        # The progress the prefill rate implies since the counter last moved covers this
+        # prompt too (if the rate kept up): take the prompt out of it, and its time out of
+        # the span the next scrape extrapolates over.
+        self.prefill_progress = max(0.0, self.prefill_progress - prompt)
+        rate = self.snapshot.prefill_tps if self.snapshot is not None else None
+        if self._progress_since is not None and rate:
+            self._progress_since = min(now, self._progress_since + prompt / rate)
 
     @property
     def prefill_pending(self) -> float:

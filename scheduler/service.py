@@ -248,6 +248,18 @@ class SchedulerService:
         self.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
         return found
 
+    def prefilled(self, lease_id: str) -> bool:
+        """The gateway saw the lease's first token: its prompt leaves the worker's prefill
+        backlog now, and calls held for a worker with room to prefill may go. False: unknown
+        or released lease, or its prompt was already reported."""
+        lease = self.leases.prefilled(lease_id, time.monotonic())
+        self.metrics.prefilled.labels("ok" if lease is not None else "unknown").inc()
+        if lease is None:
+            return False
+        self.policy.refresh(lease.worker)
+        self.capacity_changed()
+        return True
+
     def report_failure(self, worker_id: str, error: str) -> bool:
         w = self.registry.workers.get(worker_id)
         if w is None:

@@ -4,6 +4,7 @@ replicas, bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -210,3 +211,53 @@ def test_client_gone_before_the_answer_gives_the_lease_back(cluster):
     while leases() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leases() == 0
+
+
+def _prefilled_reports(cluster) -> float:
+    text = httpx.get(cluster["scheduler"] + "/metrics").text
+    m = re.search(r'^scheduler_prefilled_reports_total\{outcome="ok"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _stream_one(gateway: str) -> None:
+    body = {"model": "m", "prompt": "count to ten", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            pass
+
+
+def _wait_reports(cluster, expected: float) -> None:
+    deadline = time.monotonic() + 5
+    while _prefilled_reports(cluster) < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _prefilled_reports(cluster) == expected
+
+
+async def _websocket_one(gateway: str) -> None:
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}))
+        while json.loads((await ws.receive(timeout=30)).data).get("type") != "done":
+            pass
+
+
+def test_streamed_first_token_is_reported_to_the_scheduler(cluster):
+    # The first chunk of a stream means the worker has prefilled the prompt: the gateway tells
+    # the scheduler at once (the worker's prompt counter would show it only at the next scrape).
+    expected = _prefilled_reports(cluster) + 1
+    _stream_one(cluster["gw"])
+    _wait_reports(cluster, expected)
+    expected += 1
+    asyncio.run(_websocket_one(cluster["gw"]))  # a WebSocket connection's first answer too
+    _wait_reports(cluster, expected)
+    # A non-streamed answer has no first token to report; a gateway told not to report stays quiet.
+    r = httpx.post(cluster["gw"] + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3},
+                   timeout=30)
+    assert r.status_code == 200
+    quiet, quiet_url = start_gateway("--scheduler", cluster["scheduler"], "--no-report-prefilled")
+    try:
+        _stream_one(quiet_url)
+    finally:
+        quiet.stop()
+    time.sleep(0.3)
+    assert _prefilled_reports(cluster) == expected

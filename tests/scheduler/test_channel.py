@@ -146,3 +146,27 @@ async def test_scheduler_with_an_open_channel_stops_on_sigterm():
     finally:
         s.stop()
         w.stop()
+
+
+def test_prefilled_reports_in_a_batch_and_over_http(scheduler):
+    ops = [{"op": "schedule", "model": "m", "prompt_tokens": 40} for _ in range(2)]
+    (_, d1), (_, d2) = httpx.post(scheduler + "/v1/batch", json=ops).json()
+    reports = [
+        {"op": "prefilled", "lease_id": d1["lease_id"]},
+        {"op": "prefilled", "lease_id": d1["lease_id"]},  # reported already
+        {"op": "prefilled", "lease_id": "no-such-lease"},
+        {"op": "prefilled"},
+    ]
+    answers = httpx.post(scheduler + "/v1/batch", json=reports).json()
+    assert [a[0] for a in answers] == [204, 404, 404, 400]
+    assert answers[3][1]["error"]["param"] == "lease_id"
+    r = httpx.post(scheduler + "/v1/prefilled", json={"lease_id": d2["lease_id"]})
+    assert r.status_code == 204
+    r = httpx.post(scheduler + "/v1/prefilled", json={"lease_id": d2["lease_id"]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lease_not_found"
+    r = httpx.post(scheduler + "/v1/prefilled", content=b"{")
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    metrics = httpx.get(scheduler + "/metrics").text
+    assert 'scheduler_prefilled_reports_total{outcome="ok"} 2.0' in metrics
+    rel = [{"op": "release", "lease_id": d["lease_id"], "ok": True} for d in (d1, d2)]
+    assert [a[0] for a in httpx.post(scheduler + "/v1/batch", json=rel).json()] == [204, 204]

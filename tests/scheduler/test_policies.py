@@ -359,3 +359,51 @@ def test_llm_aware_kv_freed_by_a_release_counts_before_the_next_scrape():
     w = worker(svc, placed["worker_id"])
     feed(svc, w, running=30, kv=0.97, taken_at=time.monotonic() + 2.0)
     assert w.freed_tokens == 0
+
+
+def test_prefilled_report_drains_the_backlog_at_once_and_the_counter_never_drains_it_twice():
+    """The gateway reports a request's first token: its prompt leaves the backlog then, not at
+    the worker's next scrape; when the counter then shows that prompt, nothing drains twice."""
+    svc = make_service(max_waiting=100, max_prefill_backlog=2048, n=1)
+    w = worker(svc, "w0")
+    feed(svc, w, prompt_total=0)
+    a, b, c, d, e = (decide(svc, prompt_tokens=500) for _ in range(5))
+    assert w.prefill_backlog == 2500 and isinstance(decide(svc, prompt_tokens=500), Wait)
+    assert svc.prefilled(a["lease_id"])
+    assert w.prefill_backlog == 2000
+    assert not svc.prefilled(a["lease_id"])  # reported once
+    assert not svc.prefilled("no-such-lease")
+    f = decide(svc, prompt_tokens=500)  # room again, before any scrape
+    assert f["worker_id"] == "w0" and w.prefill_backlog == 2500
+    # The next scrape's counter shows a's 500 tokens: already off the backlog.
+    feed(svc, w, running=6, prompt_total=500, taken_at=time.monotonic() + 1.0)
+    assert w.prefill_backlog == 2500
+    # b was prefilled without a report (a non-streamed request): the counter drains it.
+    feed(svc, w, running=6, prompt_total=1000, taken_at=time.monotonic() + 1.1)
+    assert w.prefill_backlog == 2000
+    # A report the counter never matches stops absorbing drains after one more scrape.
+    assert svc.prefilled(c["lease_id"])
+    feed(svc, w, running=6, prompt_total=1000, taken_at=time.monotonic() + 1.2)
+    feed(svc, w, running=6, prompt_total=1000, taken_at=time.monotonic() + 1.3)
+    feed(svc, w, running=6, prompt_total=1500, taken_at=time.monotonic() + 1.4)
+    assert w.prefill_backlog == 1000
+    # A released lease is no longer reportable, and its release takes nothing off twice.
+    svc.release(c["lease_id"], True)
+    assert not svc.prefilled(c["lease_id"])
+    assert w.prefill_backlog == 1000
+    for out in (d, e, f, b, a):
+        svc.release(out["lease_id"], True)
+    assert w.prefill_backlog == 0
+
+
+async def test_prefilled_report_wakes_a_call_held_by_the_backlog_cap():
+    svc = make_service(max_waiting=100, max_prefill_backlog=1000, n=1)
+    w = worker(svc, "w0")
+    feed(svc, w, prompt_total=0)
+    first = decide(svc, prompt_tokens=1000)
+    held = asyncio.create_task(svc.schedule(Request("m", 200, None), wait_ms=5000))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    svc.prefilled(first["lease_id"])
+    out = await asyncio.wait_for(held, 1.0)
+    assert out["worker_id"] == "w0"
