@@ -28,7 +28,8 @@ def cluster(tmp_path_factory):
         procs.append(s)
         keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
         keyfile.write_text("# gateway keys\nkey-one\nkey-two\n")
-        ga, gua = start_gateway("--scheduler", su, "--debug-headers", "--max-body-bytes", "65536")
+        ga, gua = start_gateway("--scheduler", su, "--debug-headers", "--max-body-bytes", "65536",
+                                "--report-prefilled")
         procs.append(ga)
         gb, gub = start_gateway("--scheduler", su, "--api-key-file", str(keyfile))
         procs.append(gb)
@@ -242,19 +243,21 @@ async def _websocket_one(gateway: str) -> None:
 
 
 def test_streamed_first_token_is_reported_to_the_scheduler(cluster):
-    # The first chunk of a stream means the worker has prefilled the prompt: the gateway tells
-    # the scheduler at once (the worker's prompt counter would show it only at the next scrape).
+    # The first chunk of a stream means the worker has prefilled the prompt: a gateway run with
+    # --report-prefilled tells the scheduler at once (the worker's prompt counter would show it
+    # only at the next scrape).
     expected = _prefilled_reports(cluster) + 1
     _stream_one(cluster["gw"])
     _wait_reports(cluster, expected)
     expected += 1
     asyncio.run(_websocket_one(cluster["gw"]))  # a WebSocket connection's first answer too
     _wait_reports(cluster, expected)
-    # A non-streamed answer has no first token to report; a gateway told not to report stays quiet.
+    # A non-streamed answer has no first token to report; a gateway with the default settings
+    # (reports off) stays quiet.
     r = httpx.post(cluster["gw"] + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3},
                    timeout=30)
     assert r.status_code == 200
-    quiet, quiet_url = start_gateway("--scheduler", cluster["scheduler"], "--no-report-prefilled")
+    quiet, quiet_url = start_gateway("--scheduler", cluster["scheduler"])
     try:
         _stream_one(quiet_url)
     finally:

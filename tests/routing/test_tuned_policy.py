@@ -7,6 +7,7 @@ what made llm_aware win must stay true of the committed config.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from pathlib import Path
 
@@ -98,14 +99,29 @@ def test_headroom_counts_the_prompt_not_max_tokens(config):
 
 def test_burst_between_scrapes_spreads_then_waits_for_prefill(config):
     # 30 arrivals of 250-token prompts before any scrape: spread evenly while each worker has
-    # less than one step's budget (2,048 tokens) of prompts to prefill, then held (Wait) in
-    # the gateway rather than queued behind them in the engines.
+    # less than the cap (`max_prefill_backlog`, about an engine step's budget) of prompts to
+    # prefill, then held (Wait) in the gateway rather than queued behind them in the engines.
     svc = service(config)
+    cap = yaml.safe_load(config.read_text())["policy_params"]["max_prefill_backlog"]
+    per_worker = math.ceil(cap / 250)  # placed while less than the cap is pending
     outs = [decide(svc) for _ in range(30)]
     placed = [d for d in outs if not isinstance(d, Wait)]
     counts = collections.Counter(d["worker_id"] for d in placed)
-    assert len(counts) == 3 and max(counts.values()) - min(counts.values()) <= 1, counts
-    assert len(placed) == 27 and all(isinstance(d, Wait) for d in outs[27:])
+    assert counts == {"w0": per_worker, "w1": per_worker, "w2": per_worker}, counts
+    assert all(isinstance(d, Wait) for d in outs[3 * per_worker:])
+
+
+def test_first_token_report_reopens_a_capped_worker_before_its_next_scrape(config):
+    # The burst has capped every worker. When the gateway reports a request's first token
+    # (--report-prefilled), that worker takes the next prompt at once: no waiting for its prompt
+    # counter at the next scrape.
+    svc = service(config)
+    placed = []
+    while not isinstance(out := decide(svc), Wait):
+        placed.append(out)
+    done = next(d for d in placed if d["worker_id"] == "w1")
+    assert svc.prefilled(done["lease_id"])
+    assert decide(svc)["worker_id"] == "w1"
 
 
 def test_every_worker_saturated_means_hold(config):
