@@ -251,7 +251,7 @@ class SchedulerService:
     def prefilled(self, lease_id: str) -> bool:
         """The gateway saw the lease's first token: its prompt leaves the worker's prefill
         backlog now, and calls held for a worker with room to prefill may go. False: unknown
-        or released lease, or its prompt was already reported."""
+        or released lease, or already reported."""
         lease = self.leases.prefilled(lease_id, time.monotonic())
         self.metrics.prefilled.labels("ok" if lease is not None else "unknown").inc()
         if lease is None:
