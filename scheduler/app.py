@@ -13,10 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from scheduler.channel import OPEN_CHANNELS, close_channels, run_batch_bytes, serve_channel
+from scheduler.channel import LEASE_OPS, OPEN_CHANNELS, close_channels, run_batch_bytes, serve_channel
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
-from scheduler.protocol import LeasePrefilled, LeaseRelease, ScheduleRequest
+from scheduler.protocol import ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)
@@ -89,29 +89,25 @@ async def schedule(request: web.Request) -> web.Response:
                         headers={"Retry-After": str(max(1, out.retry_after_ms // 1000))})
 
 
-async def release(request: web.Request) -> web.Response:
-    svc = request.app[SERVICE_KEY]
+async def _lease_call(request: web.Request, kind: str) -> web.Response:
+    """POST /v1/release and /v1/prefilled: the batch's lease operations (LEASE_OPS), one per call."""
+    model, apply, not_found = LEASE_OPS[kind]
     try:
-        rel = LeaseRelease.model_validate_json(await request.read())
+        body = model.model_validate_json(await request.read())
     except ValidationError as exc:
         bad = _validation_error(exc)
         return error_response(400, str(bad), bad.param)
-    if not svc.release_reported(rel):
-        return error_response(404, "unknown or expired lease", "lease_id", "lease_not_found")
+    if not apply(request.app[SERVICE_KEY], body):
+        return error_response(404, not_found, "lease_id", "lease_not_found")
     return web.Response(status=204)
+
+
+async def release(request: web.Request) -> web.Response:
+    return await _lease_call(request, "release")
 
 
 async def prefilled(request: web.Request) -> web.Response:
-    svc = request.app[SERVICE_KEY]
-    try:
-        rep = LeasePrefilled.model_validate_json(await request.read())
-    except ValidationError as exc:
-        bad = _validation_error(exc)
-        return error_response(400, str(bad), bad.param)
-    if not svc.prefilled(rep.lease_id):
-        return error_response(404, "unknown or released lease, or already reported", "lease_id",
-                              "lease_not_found")
-    return web.Response(status=204)
+    return await _lease_call(request, "prefilled")
 
 
 async def batch(request: web.Request) -> web.Response:

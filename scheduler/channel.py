@@ -28,9 +28,11 @@ import asyncio
 import socket
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.policies import Request
@@ -70,23 +72,23 @@ def _schedule(svc: SchedulerService, op: dict) -> list:
     return [503, {"wait": True, "retry_after_ms": out.retry_after_ms, "reason": out.reason}]
 
 
-def _release(svc: SchedulerService, op: dict) -> list:
-    try:
-        rel = LeaseRelease.model_validate(op)
-    except ValidationError as exc:
-        return _bad(exc)
-    if not svc.release_reported(rel):
-        return _error(404, "unknown or expired lease", "lease_id", "lease_not_found")
-    return [204, None]
+# The lease operations, in both the batch and the plain HTTP form (scheduler/app.py): the wire
+# model, what the service does with it (False: no such lease), and the 404 message.
+LEASE_OPS: dict[str, tuple[type[BaseModel], Callable[[SchedulerService, Any], bool], str]] = {
+    "release": (LeaseRelease, SchedulerService.release_reported, "unknown or expired lease"),
+    "prefilled": (LeasePrefilled, lambda svc, rep: svc.prefilled(rep.lease_id),
+                  "unknown or released lease, or already reported"),
+}
 
 
-def _prefilled(svc: SchedulerService, op: dict) -> list:
+def _lease_op(svc: SchedulerService, kind: str, op: dict) -> list:
+    model, apply, not_found = LEASE_OPS[kind]
     try:
-        rep = LeasePrefilled.model_validate(op)
+        body = model.model_validate(op)
     except ValidationError as exc:
         return _bad(exc)
-    if not svc.prefilled(rep.lease_id):
-        return _error(404, "unknown or released lease, or already reported", "lease_id", "lease_not_found")
+    if not apply(svc, body):
+        return _error(404, not_found, "lease_id", "lease_not_found")
     return [204, None]
 
 
@@ -99,10 +101,8 @@ def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
         if kind == "schedule":
             any_schedule = True
             answers.append(_schedule(svc, op))
-        elif kind == "release":
-            answers.append(_release(svc, op))
-        elif kind == "prefilled":
-            answers.append(_prefilled(svc, op))
+        elif kind in LEASE_OPS:
+            answers.append(_lease_op(svc, kind, op))
         else:
             answers.append(_error(400, "each operation must be an object with op 'schedule', 'release' "
                                   "or 'prefilled'", "op"))
