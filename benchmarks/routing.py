@@ -27,7 +27,12 @@ from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.routing_client import prepare, run_client, slim_result
-from benchmarks.routing_engine_counters import engine_table, read_engine_counters
+from benchmarks.routing_engine_counters import (
+    engine_table,
+    gateway_table,
+    read_engine_counters,
+    read_gateway_queue,
+)
 from benchmarks.routing_floor import floor_table
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
 from benchmarks.routing_report import goal_check, policy_table, steady_state_table, summary_table
@@ -137,7 +142,7 @@ def client_extra(args: argparse.Namespace) -> dict:
 
 
 async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
-                     workload: list) -> tuple[dict, list[dict], list[dict], float]:
+                     workload: list) -> tuple[dict, list[dict], list[dict], dict, float]:
     spec = ClusterSpec(
         profiles=worker_profiles(args), policy=None if policy == "baseline" else policy, model=args.model,
         backend=args.backend, time_scale=args.time_scale,
@@ -156,7 +161,9 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
                 workload=workload, extra=client_extra(args),
             )
         engines = await read_engine_counters(cluster.worker_urls)
-    return result, sampler.samples, engines, time.monotonic() - t0
+        # Peers serve no such series: their entry stays empty.
+        gateway = await read_gateway_queue(cluster.gateway_url)
+    return result, sampler.samples, engines, gateway, time.monotonic() - t0
 
 
 SAME_SCENARIO = ("profiles", "backend", "dataset", "num_prompts", "concurrency", "seed", "time_scale",
@@ -171,7 +178,7 @@ def merge_into(old: dict, scenario: dict) -> dict:
     merged = old["scenario"]
     merged.setdefault("appended", []).append({k: scenario[k] for k in (
         "command", "policies", "scheduler_config", "scheduler_config_text", "gateway_args", "git_commit")})
-    for key in ("policies", "timelines", "engines", "wall_s"):
+    for key in ("policies", "timelines", "engines", "gateway", "wall_s"):
         old.setdefault(key, {})
     return old
 
@@ -192,6 +199,9 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     if doc.get("engines"):
         engines = engine_table(doc["engines"])
         print(f"### what the engines did (counters at the end of each run)\n\n{engines}\n")
+    held = gateway_table(doc.get("gateway", {}))
+    if held:
+        print(f"### time held in the gateway before a worker was chosen\n\n{held}\n")
     if sc.get("backend", "sim") == "sim" and sc.get("dataset") == "sharegpt" and ref == "baseline":
         print(f"### floors: what no placement beats (benchmarks.routing_floor)\n\n{floor_table(doc)}\n")
     homogeneous = len(set(sc["profiles"])) == 1 and sc["dataset"] == "sharegpt"
@@ -218,7 +228,8 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
     out = Path(args.output)
     policies = [s for s in args.policies.split(",") if s]
     log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
-    doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "engines": {}, "wall_s": {}}
+    doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "engines": {}, "gateway": {},
+                 "wall_s": {}}
     if previous is not None:
         doc = merge_into(previous, doc["scenario"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,10 +237,11 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
     for policy in policies:
         print(f"[routing] {policy}: starting {len(worker_profiles(args))} workers ...",
               file=sys.stderr, flush=True)
-        result, samples, engines, wall = await run_policy(policy, args, log_dir, workload)
+        result, samples, engines, gateway, wall = await run_policy(policy, args, log_dir, workload)
         doc["policies"][policy] = slim_result(result)
         doc["timelines"][policy] = samples
         doc["engines"][policy] = engines
+        doc["gateway"][policy] = gateway
         doc["wall_s"][policy] = round(wall, 1)
         print(f"[routing] {policy}: done in {wall:.0f}s wall, {result.get('completed')} ok, "
               f"{result.get('failed', 0)} failed, mean TTFT {result.get('mean_ttft_ms', 0):.1f} ms",

@@ -10,6 +10,11 @@ done (the workers still run), summed over label sets:
 - computed prompt tokens: prompt tokens the engines actually prefilled
   (`vllm:prompt_tokens_by_source_total{source="local_compute"}`), the prefill work the
   placement cost.
+
+And from our gateway (not the peers, which publish no such series), how long requests were held
+before a worker was chosen (`router_queue_wait_seconds`): a policy that holds requests when every
+worker is saturated moves waiting from the engines' queues into the gateway's, and this says how
+much of each TTFT was spent there.
 """
 
 from __future__ import annotations
@@ -42,6 +47,60 @@ def parse_counters(text: str) -> dict[str, float]:
                 continue
         out[key] = sum(value for _, value in samples)
     return out
+
+
+QUEUE_WAIT: dict[str, str] = {
+    "router_queue_wait_seconds_bucket": "buckets",
+    "router_queue_wait_seconds_sum": "sum_s",
+    "router_queue_wait_seconds_count": "count",
+}
+# Rows of the gateway table: requests held at least this long (bucket bounds of the histogram).
+HELD_OVER_S = ("1", "5", "10")
+
+
+def parse_queue_wait(text: str) -> dict:
+    """{"count", "sum_s", "buckets": {le: cumulative count}} from a gateway's page; {} without one."""
+    found = parse_selected(text, QUEUE_WAIT)
+    if "count" not in found:
+        return {}
+    return {
+        "count": sum(v for _, v in found["count"]),
+        "sum_s": sum(v for _, v in found.get("sum_s", [])),
+        "buckets": {labels["le"]: v for labels, v in found.get("buckets", []) if "le" in labels},
+    }
+
+
+async def read_gateway_queue(gateway_url: str | None) -> dict:
+    if gateway_url is None:
+        return {}
+    async with aiohttp.ClientSession() as session:
+        text = await fetch_metrics(session, gateway_url, timeout_s=5)
+    return {} if text is None else parse_queue_wait(text)
+
+
+def gateway_table(gateways: dict[str, dict]) -> str:
+    """Markdown: one row per policy whose gateway published its queue waits."""
+    head = " | ".join(f"held > {s} s" for s in HELD_OVER_S)
+    lines = [f"| policy | requests | mean wait (ms) | {head} |", "|---" * (3 + len(HELD_OVER_S)) + "|"]
+    for name, q in gateways.items():
+        count = q.get("count")
+        if not count:
+            continue
+        buckets = q.get("buckets", {})
+        held = []
+        for bound in HELD_OVER_S:
+            below = next((v for le, v in buckets.items() if _le(le) == float(bound)), None)
+            held.append("-" if below is None else f"{count - below:.0f}")
+        lines.append(f"| {name} | {count:.0f} | {1000.0 * q.get('sum_s', 0.0) / count:.1f} | "
+                     + " | ".join(held) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _le(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 async def read_engine_counters(worker_urls: list[str]) -> list[dict[str, float]]:

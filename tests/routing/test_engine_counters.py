@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.routing_engine_counters import engine_table, parse_counters
+from benchmarks.routing_engine_counters import engine_table, gateway_table, parse_counters, parse_queue_wait
+from router.metrics import RouterMetrics
 
 VLLM_RUNNING = Path(__file__).parents[1] / "scheduler" / "fixtures" / "vllm-0.32-cpu-running20.txt"
 
@@ -41,3 +42,21 @@ def test_table_totals_the_cluster_per_policy():
     rows = engine_table(engines).splitlines()
     assert rows[2] == "| baseline | 6 | 25.0 | 150 | 200 |"
     assert rows[3] == "| peer | 0 | - | - | 0 |"
+
+
+def test_queue_wait_from_the_gateways_own_page():
+    metrics = RouterMetrics()
+    for waited in (0.0005, 0.2, 3.0, 7.0, 12.0):
+        metrics.queue_wait.observe(waited)
+    q = parse_queue_wait(metrics.render().decode())
+    assert q["count"] == 5
+    assert abs(q["sum_s"] - 22.2005) < 1e-9
+    rows = gateway_table({"llm_aware": q, "peer:sglang-cache_aware": {}}).splitlines()
+    # held > 1 s, > 5 s, > 10 s; the peer (no such series) gets no row.
+    assert rows[2] == "| llm_aware | 5 | 4440.1 | 3 | 2 | 1 |"
+    assert len(rows) == 3
+
+
+def test_queue_wait_absent_from_a_worker_page():
+    assert parse_queue_wait(VLLM_RUNNING.read_text()) == {}
+    assert gateway_table({"baseline": {}}) == ""

@@ -35,6 +35,7 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
     assert any(title.startswith("steady state") for title in sections)
     assert "throughput kept vs baseline" in proc.stdout
     assert any(title.startswith("what the engines did") for title in sections)
+    assert any(title.startswith("time held in the gateway") for title in sections)
 
     doc = json.loads(out.read_text())
     assert doc["scenario"]["quick"] is True
@@ -54,6 +55,11 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
         engines = doc["engines"][name]
         assert len(engines) == 2, name
         assert sum(w["generation_tokens"] for w in engines) == sum(result["output_lens"]), name
+    # Every request through our gateway waited for a worker once (no retries in a quiet run);
+    # baseline has no gateway.
+    assert doc["gateway"]["baseline"] == {}
+    for name in POLICIES[1:]:
+        assert doc["gateway"][name]["count"] == 24, name
     # Prompts are counted by the worker's tokenizer (the sim's approximates the client's), so
     # they are compared between policies: the same prompts, wherever they were sent.
     engine_prompts = {sum(w["prompt_tokens"] for w in doc["engines"][n]) for n in POLICIES}
