@@ -54,6 +54,15 @@ class SchedulerConfig(BaseSettings):
         0.0, ge=0, le=5000,
         description="hold a finished request's KV this long for its follow-up turn (0: off; "
         "scheduler/reservations.py)")
+    # Why a bound: on a worker whose cache is nearly full admissions wait for KV, not prefill;
+    # draining its backlog early only sends it prompts that then wait in its FCFS queue
+    # instead of the gateway's (multi-turn chat: P99 TTFT +5 % unbounded, level at 0.8;
+    # benchmarks/RESULTS.md, "First-token reports and a smaller prefill cap").
+    prefilled_max_kv_usage: float = Field(
+        0.8, gt=0, le=1.0,
+        description="a gateway's first-token report drains its worker's prefill backlog only while "
+        "the worker's KV usage is below this (1.0: always); above it the prompt counter drains it "
+        "at the next scrape")
 
     @field_validator("policy")
     @classmethod

@@ -73,17 +73,22 @@ class LeaseTable:
             w.freed_tokens += used_tokens
         return lease
 
-    def prefilled(self, lease_id: str, now: float) -> Lease | None:
-        """The gateway saw this request's first token: its prompt leaves the worker's backlog.
-        None: unknown lease, or already reported."""
+    def prefilled(self, lease_id: str, now: float, max_kv_usage: float = 1.0) -> tuple[Lease | None, bool]:
+        """The gateway saw this request's first token: its prompt leaves the worker's backlog,
+        unless the worker's last scrape showed KV usage at `max_kv_usage` or more (then the
+        prompt counter drains it at the next scrape). (None, False): unknown lease, or already
+        reported; else (lease, whether the backlog drained now)."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.prefilled:
-            return None
+            return None, False
         lease.prefilled = True
+        snap = lease.worker.snapshot
+        if snap is not None and snap.kv_usage is not None and snap.kv_usage >= max_kv_usage:
+            return lease, False
         if lease.prompt > 0.0:
             lease.worker.on_prefilled(lease.prompt, now)
             lease.prompt = 0.0
-        return lease
+        return lease, True
 
     def expire(self, now: float) -> list[Lease]:
         dead = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]

@@ -252,12 +252,13 @@ class SchedulerService:
         """The gateway saw the lease's first token: its prompt leaves the worker's prefill
         backlog now, and calls held for a worker with room to prefill may go. False: unknown
         or released lease, or already reported."""
-        lease = self.leases.prefilled(lease_id, time.monotonic())
-        self.metrics.prefilled.labels("ok" if lease is not None else "unknown").inc()
+        lease, drained = self.leases.prefilled(lease_id, time.monotonic(), self.cfg.prefilled_max_kv_usage)
+        self.metrics.prefilled.labels("unknown" if lease is None else "ok" if drained else "kv_bound").inc()
         if lease is None:
             return False
-        self.policy.refresh(lease.worker)
-        self.capacity_changed()
+        if drained:
+            self.policy.refresh(lease.worker)
+            self.capacity_changed()
         return True
 
     def report_failure(self, worker_id: str, error: str) -> bool:

@@ -396,6 +396,29 @@ def test_prefilled_report_drains_the_backlog_at_once_and_the_counter_never_drain
     assert w.prefill_backlog == 0
 
 
+def test_prefilled_report_on_a_kv_bound_worker_leaves_the_backlog_to_the_counter():
+    """By default (prefilled_max_kv_usage 0.8) a report from a worker whose cache was nearly full at its
+    last scrape does not drain its backlog: there admissions wait for KV, not for prefill, and an
+    early drain would send prompts to wait inside the engine. The counter drains it, once."""
+    svc = make_service(max_waiting=100, max_prefill_backlog=2048, n=1)
+    w = worker(svc, "w0")
+    now = time.monotonic()
+    feed(svc, w, kv=0.85, prompt_total=0, taken_at=now)
+    a = decide(svc, prompt_tokens=500)
+    assert svc.prefilled(a["lease_id"])
+    assert w.prefill_backlog == 500
+    assert not svc.prefilled(a["lease_id"])  # reported once all the same
+    feed(svc, w, running=1, kv=0.85, prompt_total=500, taken_at=now + 1.0)
+    assert w.prefill_backlog == 0
+    # Below the bound a report drains at once, as without the setting.
+    feed(svc, w, running=1, kv=0.5, prompt_total=500, taken_at=now + 1.1)
+    b = decide(svc, prompt_tokens=300)
+    assert svc.prefilled(b["lease_id"]) and w.prefill_backlog == 0
+    outcomes = {o: svc.metrics.registry.get_sample_value("scheduler_prefilled_reports_total", {"outcome": o})
+                for o in ("ok", "kv_bound")}
+    assert outcomes == {"ok": 1.0, "kv_bound": 1.0}
+
+
 async def test_prefilled_report_wakes_a_call_held_by_the_backlog_cap():
     svc = make_service(max_waiting=100, max_prefill_backlog=1000, n=1)
     w = worker(svc, "w0")
