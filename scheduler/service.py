@@ -250,8 +250,9 @@ class SchedulerService:
 
     def prefilled(self, lease_id: str) -> bool:
         """The gateway saw the lease's first token: its prompt leaves the worker's prefill
-        backlog now, and calls held for a worker with room to prefill may go. False: unknown
-        or released lease, or already reported."""
+        backlog now, and calls held for a worker with room to prefill may go, unless the
+        worker's KV usage is at `prefilled_max_kv_usage` or more (its next scrape drains it
+        then). False: unknown or released lease, or already reported."""
         lease, drained = self.leases.prefilled(lease_id, time.monotonic(), self.cfg.prefilled_max_kv_usage)
         self.metrics.prefilled.labels("unknown" if lease is None else "ok" if drained else "kv_bound").inc()
         if lease is None:
