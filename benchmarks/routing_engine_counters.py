@@ -54,8 +54,8 @@ QUEUE_WAIT: dict[str, str] = {
     "router_queue_wait_seconds_sum": "sum_s",
     "router_queue_wait_seconds_count": "count",
 }
-# Rows of the gateway table: requests held at least this long (bucket bounds of the histogram).
-HELD_OVER_S = ("1", "5", "10")
+# Columns of the gateway table: requests held longer than this (bucket bounds of the histogram).
+HELD_OVER_S = (1.0, 5.0, 10.0)
 
 
 def parse_queue_wait(text: str) -> dict:
@@ -80,27 +80,18 @@ async def read_gateway_queue(gateway_url: str | None) -> dict:
 
 def gateway_table(gateways: dict[str, dict]) -> str:
     """Markdown: one row per policy whose gateway published its queue waits."""
-    head = " | ".join(f"held > {s} s" for s in HELD_OVER_S)
+    head = " | ".join(f"held > {s:g} s" for s in HELD_OVER_S)
     lines = [f"| policy | requests | mean wait (ms) | {head} |", "|---" * (3 + len(HELD_OVER_S)) + "|"]
     for name, q in gateways.items():
         count = q.get("count")
         if not count:
             continue
-        buckets = q.get("buckets", {})
-        held = []
-        for bound in HELD_OVER_S:
-            below = next((v for le, v in buckets.items() if _le(le) == float(bound)), None)
-            held.append("-" if below is None else f"{count - below:.0f}")
+        # Cumulative counts by bound; "+Inf" parses too and is never one of the columns.
+        at_or_below = {float(le): v for le, v in q.get("buckets", {}).items()}
+        held = ["-" if b not in at_or_below else f"{count - at_or_below[b]:.0f}" for b in HELD_OVER_S]
         lines.append(f"| {name} | {count:.0f} | {1000.0 * q.get('sum_s', 0.0) / count:.1f} | "
                      + " | ".join(held) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def _le(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return float("nan")
 
 
 async def read_engine_counters(worker_urls: list[str]) -> list[dict[str, float]]:

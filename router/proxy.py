@@ -314,7 +314,7 @@ class Proxy(StreamForwarding):
     def _prefilled(self, route: Route) -> None:
         """The first chunk of a stream comes after the worker prefilled the prompt: the
         scheduler can count the worker free for more prompt work a scrape earlier."""
-        if route.lease_id is not None and not route.released and self.cfg.report_prefilled:
+        if self.cfg.report_prefilled and route.lease_id is not None and not route.released:
             self.sched.prefilled_nowait(route.lease_id)
 
     def _release(self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None) -> None:
