@@ -45,10 +45,10 @@ class RouterConfig(BaseSettings):
         "auto (ws, else http for a scheduler without the channel)",
     )
     report_prefilled: bool = Field(
-        False,
+        True,
         description="tell the scheduler when a streamed request's first token arrives (its prompt is "
         "prefilled), so its prefill backlog drains then instead of at the worker's next scrape "
-        "(off by default: it cost chat traffic P99 TTFT in the sim, see benchmarks/RESULTS.md)",
+        "(the scheduler acts on it only below its prefilled_max_kv_usage; see benchmarks/RESULTS.md)",
     )
     scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")

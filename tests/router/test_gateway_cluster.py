@@ -28,8 +28,7 @@ def cluster(tmp_path_factory):
         procs.append(s)
         keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
         keyfile.write_text("# gateway keys\nkey-one\nkey-two\n")
-        ga, gua = start_gateway("--scheduler", su, "--debug-headers", "--max-body-bytes", "65536",
-                                "--report-prefilled")
+        ga, gua = start_gateway("--scheduler", su, "--debug-headers", "--max-body-bytes", "65536")
         procs.append(ga)
         gb, gub = start_gateway("--scheduler", su, "--api-key-file", str(keyfile))
         procs.append(gb)
@@ -243,8 +242,8 @@ async def _websocket_one(gateway: str) -> None:
 
 
 def test_streamed_first_token_is_reported_to_the_scheduler(cluster):
-    # The first chunk of a stream means the worker has prefilled the prompt: a gateway run with
-    # --report-prefilled tells the scheduler at once (the worker's prompt counter would show it
+    # The first chunk of a stream means the worker has prefilled the prompt: the gateway (reports
+    # are on by default) tells the scheduler at once (the worker's prompt counter would show it
     # only at the next scrape).
     expected = _prefilled_reports(cluster) + 1
     _stream_one(cluster["gw"])
@@ -252,12 +251,12 @@ def test_streamed_first_token_is_reported_to_the_scheduler(cluster):
     expected += 1
     asyncio.run(_websocket_one(cluster["gw"]))  # a WebSocket connection's first answer too
     _wait_reports(cluster, expected)
-    # A non-streamed answer has no first token to report; a gateway with the default settings
-    # (reports off) stays quiet.
+    # A non-streamed answer has no first token to report; a gateway run with
+    # --no-report-prefilled stays quiet.
     r = httpx.post(cluster["gw"] + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3},
                    timeout=30)
     assert r.status_code == 200
-    quiet, quiet_url = start_gateway("--scheduler", cluster["scheduler"])
+    quiet, quiet_url = start_gateway("--scheduler", cluster["scheduler"], "--no-report-prefilled")
     try:
         _stream_one(quiet_url)
     finally:
