@@ -18,6 +18,7 @@ import sys
 from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free, print_line
 
 HOST = "127.0.0.1"
+LOCAL_PREFILL_CAP = 1024  # llm_aware max_prefill_backlog for our worker (see build_specs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,12 +71,12 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
             argv += ["--time-scale", str(args.time_scale)]
         workers.append(ServiceSpec(f"worker-{i}", argv, f"{url}/health", {"HF_HUB_OFFLINE": "1"}))
     scheduler_url = f"http://{HOST}:{args.scheduler_port}"
-    scheduler = ServiceSpec(
-        "scheduler",
-        [py, "-m", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
-         "--workers", ",".join(worker_urls(args)), "--policy", args.policy],
-        f"{scheduler_url}/health",
-    )
+    scheduler_argv = [py, "-m", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
+                      "--workers", ",".join(worker_urls(args)), "--policy", args.policy]
+    if args.policy == "llm_aware":
+        # Half of our worker's 2048-token engine step (README, "Routing policies").
+        scheduler_argv += ["--policy-params", json.dumps({"max_prefill_backlog": LOCAL_PREFILL_CAP})]
+    scheduler = ServiceSpec("scheduler", scheduler_argv, f"{scheduler_url}/health")
     gateway = ServiceSpec(
         "gateway",
         [py, "-m", "router", "--host", HOST, "--port", str(args.gateway_port),

@@ -63,9 +63,10 @@ class RouterConfig(BaseSettings):
     max_queue_size: int = Field(128, ge=0, description="requests that may wait for a worker; more get 429")
     queue_timeout_ms: int = Field(60_000, ge=1, description="a request waiting longer gets 429")
     queue_ms_per_prompt_token: float = Field(
-        0.0, ge=0, le=1000,
+        1.0, ge=0, le=1000,
         description="0: the queue is FIFO; above 0, shorter prompts go first: a prompt of N tokens "
-        "queues as if it had arrived N x this many ms later",
+        "queues as if it had arrived N x this many ms later (1: the setting measured in "
+        "benchmarks/RESULTS.md)",
     )
     queue_askers: int = Field(
         1, ge=1, le=64,

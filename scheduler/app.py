@@ -4,6 +4,7 @@ measured cheaper than the stdlib json module (benchmarks/scheduler_bench.py, `wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import weakref
@@ -123,7 +124,9 @@ async def channel(request: web.Request) -> web.StreamResponse:
 
 async def list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
-    body = {"policy": svc.policy.name, "workers": svc.workers_view()}
+    # The parameters in force (defaults filled in), so an operator can see what the policy runs.
+    body = {"policy": svc.policy.name, "policy_params": dataclasses.asdict(svc.policy.p),
+            "workers": svc.workers_view()}
     return web.Response(body=_dumps(body), content_type="application/json")
 
 

@@ -18,7 +18,10 @@ What it does, in order:
          + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
    than piled onto one worker; else the least bad saturated one is used.
-Every knob is a policy parameter, so tuning is a config change.
+Every knob is a policy parameter, so tuning is a config change. The defaults are the settings
+measured in benchmarks/RESULTS.md (benchmarks/configs/llm_aware.yaml spells them out with each
+value's reason, and a test keeps the two equal) except `max_prefill_backlog`, which depends on
+the engines' step budget: see its comment.
 """
 
 from __future__ import annotations
@@ -44,9 +47,16 @@ class LlmAwareParams:
     max_running: float = 0.0  # 0: no cap
     # 0: no cap. Else a worker with this many prompt tokens still to prefill takes no more
     # until it drains: after a burst, the rest wait in the gateway, where the queue can put
-    # short prompts first, instead of in each engine's FCFS queue.
+    # short prompts first, instead of in each engine's FCFS queue. About half an engine step's
+    # token budget (1024 for the 2048 of vLLM on most cards and of our worker). Off by default
+    # because no engine publishes that budget (vLLM's server takes 8192 on cards of 70 GiB or
+    # more but the A100), and a cap far below it would leave prefill steps short in every burst;
+    # the deploy configs (deploy/, the local stack) set 1024 for our worker.
     max_prefill_backlog: float = 0.0
-    output_fraction: float = 0.5  # share of max_tokens counted as KV need
+    # Share of max_tokens counted as KV need on top of the prompt. 0: vLLM admits by prompt
+    # blocks, and reserving output too held long-history chats at the head of the gateway's
+    # queue for KV they did not need yet.
+    output_fraction: float = 0.0
     hold_when_saturated: bool = True
     w_waiting: float = 4.0
     w_running: float = 1.0
@@ -61,7 +71,9 @@ class LlmAwareParams:
     w_gen_rate: float = 0.0
     w_prompt_rate: float = 0.0
     w_age: float = 1.0
-    w_prefix: float = 2.0
+    # A worker holding the whole prefix is worth 8 queued requests: re-prefilling a long chat
+    # history elsewhere costs more than queueing behind a few decodes.
+    w_prefix: float = 8.0
 
 
 class LlmAware(Policy):

@@ -16,12 +16,13 @@ import yaml
 from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from tests.deploy.helpers import DEPLOY
+from tests.deploy.helpers import DEPLOY, REPO
 
 K8S = DEPLOY / "k8s"
 CHART = DEPLOY / "helm" / "llm-router"
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
 ALERTS = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
 
 
 def load_all(text: str) -> list[dict]:
@@ -95,6 +96,10 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     worker_service = find(objs, "Service", f"{prefix}-worker")
     assert sched["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
     check_slice_discovery(sched, worker_service)
+    # llm_aware with the prefill cap measured for our worker's engine step (off in the code,
+    # where the engines' step budget is unknown).
+    assert sched["policy"] == "llm_aware"
+    assert sched["policy_params"] == {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")
@@ -194,6 +199,8 @@ def test_helm_templates_reference_only_defined_values_and_includes():
     for service in CONFIGS:
         injected = {"workers": "http://w:1"} if service == "gateway" else {}  # set by the template
         validate_config(service, injected | values[service]["config"])
+    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}  # as in the raw manifests
+    assert values["scheduler"]["config"]["policy_params"] == cap
 
 
 def test_helm_chart_alert_rules_are_the_shipped_ones():

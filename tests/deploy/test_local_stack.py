@@ -17,9 +17,11 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.deploy.helpers import DEPLOY, free_port, pid_alive, wait_until
+from tests.deploy.helpers import DEPLOY, REPO, free_port, pid_alive, wait_until
 from tests.deploy.promql import PROMETHEUS_BUILTINS, exposed_sample_names, metric_names, shipped_queries
 from tests.deploy.stack import LocalStack, start_stack, stop_stack, wait_ready
+
+MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,6 +69,11 @@ def test_banner_names_the_gateway_and_ready_to_paste_examples(stack):
     # Everything listens where the launcher said.
     for url in [stack.gateway, stack.scheduler, *stack.workers]:
         assert httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200
+    # The scheduler runs llm_aware with the prefill cap measured for our worker's engine step.
+    view = httpx.get(f"{stack.scheduler}/v1/workers", timeout=5, trust_env=False).json()
+    assert view["policy"] == "llm_aware"
+    assert view["policy_params"]["max_prefill_backlog"] == MEASURED["max_prefill_backlog"]
+    assert view["policy_params"]["w_prefix"] == MEASURED["w_prefix"]  # a code default
 
 
 def test_completions_through_the_gateway(stack):

@@ -39,7 +39,9 @@ def test_request_larger_than_free_kv_goes_where_it_fits():
     feed(svc, worker(svc, "w2"), running=12, kv=0.1)
     small = decide(svc, prompt_tokens=100, max_tokens=100)
     assert small["worker_id"] == "w0"
-    big = decide(svc, prompt_tokens=3000, max_tokens=1000)  # needs 3500 > 3200 - small's share
+    # llm_aware admits on the prompt (output_fraction 0): 3150 tokens need 197 blocks, more than
+    # the 193 left on w0 after small's lease.
+    big = decide(svc, prompt_tokens=3150, max_tokens=1000)
     assert big["worker_id"] in ("w1", "w2")
 
 
