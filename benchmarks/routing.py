@@ -46,7 +46,8 @@ QUICK = {"profile": "tiny", "profiles": None, "workers": 2, "concurrency": 8, "n
 # first-byte timeout (wall time, so 2x at --time-scale 2) would turn slow requests into failures.
 # The baseline has no such limits either (the client talks to the workers directly).
 # --queue-ms-per-prompt-token 1: requests held in the gateway (only llm_aware holds) leave
-# shortest prompt first, a 1,000-token prompt queueing as if it came 1 s later.
+# shortest prompt first, a 1,000-token prompt queueing as if it came 1 s later (the gateway's
+# default since 2026-11-24; explicit so that the JSON's recorded args say it).
 GATEWAY_BENCH_ARGS = ("--max-queue-size 4096 --queue-timeout-ms 3600000 --first-byte-timeout-ms 3600000 "
                       "--idle-stream-timeout-ms 3600000 --queue-ms-per-prompt-token 1")
 # The tiny profile's context is 512 tokens (and the sim counts tokens a bit differently from the
