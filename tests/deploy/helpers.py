@@ -1,4 +1,4 @@
-"""Small helpers shared by the deploy tests (ports, pids, polling)."""
+"""Small helpers shared by the deploy tests (ports, pids, polling, the measured policy config)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
+# llm_aware's settings measured in benchmarks/RESULTS.md, which the deploy configs must carry.
+MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
 
 
 def free_port() -> int:

@@ -16,13 +16,12 @@ import yaml
 from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from tests.deploy.helpers import DEPLOY, REPO
+from tests.deploy.helpers import DEPLOY, MEASURED
 
 K8S = DEPLOY / "k8s"
 CHART = DEPLOY / "helm" / "llm-router"
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
 ALERTS = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
 
 
 def load_all(text: str) -> list[dict]:

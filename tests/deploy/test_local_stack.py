@@ -17,11 +17,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.deploy.helpers import DEPLOY, REPO, free_port, pid_alive, wait_until
+from tests.deploy.helpers import DEPLOY, MEASURED, free_port, pid_alive, wait_until
 from tests.deploy.promql import PROMETHEUS_BUILTINS, exposed_sample_names, metric_names, shipped_queries
 from tests.deploy.stack import LocalStack, start_stack, stop_stack, wait_ready
-
-MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
 
 pytestmark = pytest.mark.timeout(300)
 
