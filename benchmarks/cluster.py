@@ -155,41 +155,52 @@ class Cluster:
                 self.worker_urls.append(f"http://{HOST}:{port}")
                 self.workers.append(ManagedProcess(f"worker{i}", self._worker_argv(i, port),
                                                    log_dir / f"worker{i}.log"))
-            for w in self.workers:
-                await w.start()
-            await asyncio.gather(*(w.wait_ready(f"{u}/health", spec.startup_timeout_s, session)
-                                   for w, u in zip(self.workers, self.worker_urls, strict=True)))
-            if spec.policy is None:
-                return
-            if spec.policy.startswith("peer:"):
+            ready = [(w, f"{u}/health") for w, u in zip(self.workers, self.worker_urls, strict=True)]
+            if spec.policy is not None and spec.policy.startswith("peer:"):
+                # A peer router may check its workers once at start-up: it starts after them.
+                await self._start_all(ready, session)
                 from benchmarks.routing_peers import peer_argv, peer_env  # optional Rust routers
 
                 port = free_port()
                 self.gateway_url = f"http://{HOST}:{port}"
                 argv, ready_path = peer_argv(spec.policy, port, self.worker_urls)
                 self.gateway = ManagedProcess(tag, argv, log_dir / "peer.log", env=peer_env())
-                await self.gateway.start()
-                await self.gateway.wait_ready(self.gateway_url + ready_path, spec.startup_timeout_s, session)
+                await self._start_all([(self.gateway, self.gateway_url + ready_path)], session)
                 return
-            sport = free_port()
-            self.scheduler_url = f"http://{HOST}:{sport}"
-            sargv = [sys.executable, "-m", "scheduler", "--host", HOST, "--port", str(sport),
-                     "--workers", ",".join(self.worker_urls), "--policy", spec.policy,
-                     "--scrape-interval-ms", str(spec.scrape_interval_ms)]
-            if spec.scheduler_config:
-                sargv += ["--config", spec.scheduler_config]
-            self.scheduler = ManagedProcess("scheduler", sargv + spec.scheduler_args,
-                                            log_dir / "scheduler.log")
-            await self.scheduler.start()
-            await self.scheduler.wait_ready(self.scheduler_url + "/health", spec.startup_timeout_s, session)
-            gport = free_port()
-            self.gateway_url = f"http://{HOST}:{gport}"
-            gargv = [sys.executable, "-m", "router", "--host", HOST, "--port", str(gport),
-                     "--scheduler", self.scheduler_url, "--workers", ",".join(self.worker_urls)]
-            self.gateway = ManagedProcess("gateway", gargv + spec.gateway_args, log_dir / "gateway.log")
-            await self.gateway.start()
-            await self.gateway.wait_ready(self.gateway_url + "/health", spec.startup_timeout_s, session)
-            await self._wait_scheduler_sees_workers(session)
+            if spec.policy is not None:
+                # Ours start beside the workers (the scheduler takes a worker in at its first
+                # answered scrape, the gateway needs only the scheduler's URL): ~0.6 s less per run.
+                ready += self._our_router(log_dir)
+            await self._start_all(ready, session)
+            if spec.policy is not None:
+                await self._wait_scheduler_sees_workers(session)
+
+    def _our_router(self, log_dir: Path) -> list[tuple[ManagedProcess, str]]:
+        """The scheduler and the gateway in front of the workers, not started yet."""
+        spec = self.spec
+        sport = free_port()
+        self.scheduler_url = f"http://{HOST}:{sport}"
+        sargv = [sys.executable, "-m", "scheduler", "--host", HOST, "--port", str(sport),
+                 "--workers", ",".join(self.worker_urls), "--policy", str(spec.policy),
+                 "--scrape-interval-ms", str(spec.scrape_interval_ms)]
+        if spec.scheduler_config:
+            sargv += ["--config", spec.scheduler_config]
+        self.scheduler = ManagedProcess("scheduler", sargv + spec.scheduler_args, log_dir / "scheduler.log")
+        gport = free_port()
+        self.gateway_url = f"http://{HOST}:{gport}"
+        gargv = [sys.executable, "-m", "router", "--host", HOST, "--port", str(gport),
+                 "--scheduler", self.scheduler_url, "--workers", ",".join(self.worker_urls)]
+        self.gateway = ManagedProcess("gateway", gargv + spec.gateway_args, log_dir / "gateway.log")
+        return [(self.scheduler, f"{self.scheduler_url}/health"),
+                (self.gateway, f"{self.gateway_url}/health")]
+
+    async def _start_all(self, ready: list[tuple[ManagedProcess, str]],
+                         session: aiohttp.ClientSession) -> None:
+        """Start every process, then wait until each answers its URL."""
+        for proc, _url in ready:
+            await proc.start()
+        timeout_s = self.spec.startup_timeout_s
+        await asyncio.gather(*(proc.wait_ready(url, timeout_s, session) for proc, url in ready))
 
     async def _wait_scheduler_sees_workers(self, session: aiohttp.ClientSession) -> None:
         """The first request must not race the first scrape: wait until every worker is healthy."""

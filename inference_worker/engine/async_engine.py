@@ -10,12 +10,12 @@ request; the engine frees its blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-
-import torch
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 
 from inference_worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
 from inference_worker.engine.llm_engine import LLMEngine, validate_request
@@ -34,11 +34,15 @@ class AsyncEngine:
         model_name: str,
         log_stats_interval: float = 5.0,
         gpu_memory_fn=None,
+        step_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
+        """step_context wraps the engine thread's whole loop: torch.inference_mode for a real model;
+        the sim's default keeps torch out of the process (it costs ~1 s of start-up per worker)."""
         self.engine = engine
         self.model_name = model_name
         self.log_stats_interval = log_stats_interval
         self._gpu_memory_fn = gpu_memory_fn
+        self._step_context = step_context
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -147,7 +151,7 @@ class AsyncEngine:
         next_log = time.monotonic() + self.log_stats_interval
         idle_reported = True
         try:
-            with torch.inference_mode():
+            with self._step_context():
                 while True:
                     with self._cond:
                         while not (

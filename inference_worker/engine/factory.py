@@ -118,6 +118,7 @@ def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
         model_name=config.model_name,
         log_stats_interval=config.log_stats_interval,
         gpu_memory_fn=gpu_memory if device.type == "cuda" else None,
+        step_context=torch.inference_mode,
     )
 
 
