@@ -72,10 +72,11 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
         workers.append(ServiceSpec(f"worker-{i}", argv, f"{url}/health", {"HF_HUB_OFFLINE": "1"}))
     scheduler_url = f"http://{HOST}:{args.scheduler_port}"
     scheduler_argv = [py, "-m", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
-                      "--workers", ",".join(worker_urls(args)), "--policy", args.policy]
-    if args.policy == "llm_aware":
-        # Half of our worker's 2048-token engine step (README, "Routing policies").
-        scheduler_argv += ["--policy-params", json.dumps({"max_prefill_backlog": LOCAL_PREFILL_CAP})]
+                      "--workers", ",".join(worker_urls(args)), "--policy", args.policy,
+                      # Half of our worker's 2048-token engine step (README, "Routing policies");
+                      # other policies ignore it.
+                      "--params-by-policy",
+                      json.dumps({"llm_aware": {"max_prefill_backlog": LOCAL_PREFILL_CAP}})]
     scheduler = ServiceSpec("scheduler", scheduler_argv, f"{scheduler_url}/health")
     gateway = ServiceSpec(
         "gateway",

@@ -47,6 +47,13 @@ class SchedulerConfig(BaseSettings):
     policy: str = Field("llm_aware", description="round_robin, random, least_request, power_of_two, "
                         "least_kv, prefix_affinity, llm_aware")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="policy knobs (YAML or JSON)")
+    # Why per policy: knobs tuned for one policy (e.g. llm_aware's prefill cap, which follows the
+    # engines' step budget) can stay in a deployment's config while `policy` is switched; a flat
+    # policy_params would be refused by any other policy. Every entry is checked at start-up.
+    params_by_policy: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="knobs per policy name (YAML or JSON); the chosen policy's entry applies, "
+        "under policy_params")
     lease_ttl_s: float = Field(600.0, gt=0, description="a lease never released expires after this")
     visibility_lag_ms: float = Field(50.0, ge=0, description="leases this close before a scrape: unseen")
     retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")
@@ -82,6 +89,22 @@ class SchedulerConfig(BaseSettings):
         if policy:
             validate_params(policy, v)
         return v
+
+    @field_validator("params_by_policy")
+    @classmethod
+    def _known_params_by_policy(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from scheduler.policies import POLICIES, validate_params
+
+        for name, params in v.items():
+            if name not in POLICIES:
+                raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+            validate_params(name, params)
+        return v
+
+    @property
+    def effective_policy_params(self) -> dict[str, Any]:
+        """What the chosen policy runs with: its params_by_policy entry, then policy_params."""
+        return {**self.params_by_policy.get(self.policy, {}), **self.policy_params}
 
     @field_validator("workers", mode="before")
     @classmethod

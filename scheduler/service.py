@@ -38,7 +38,7 @@ class SchedulerService:
         self.registry = Registry()
         self.leases = LeaseTable(config.lease_ttl_s)
         self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0)
-        self.policy = make_policy(config.policy, config.policy_params, self.env)
+        self.policy = make_policy(config.policy, config.effective_policy_params, self.env)
         self.reservations = ReservationTable(config.followup_hold_ms / 1000.0, self._reservation_ended)
         self.metrics = metrics or SchedulerMetrics(self)
         self._lag_s = config.visibility_lag_ms / 1000.0

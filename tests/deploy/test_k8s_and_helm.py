@@ -96,9 +96,11 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     assert sched["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
     check_slice_discovery(sched, worker_service)
     # llm_aware with the prefill cap measured for our worker's engine step (off in the code,
-    # where the engines' step budget is unknown).
+    # where the engines' step budget is unknown); kept per policy, so switching policy works.
     assert sched["policy"] == "llm_aware"
-    assert sched["policy_params"] == {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
+    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
+    assert SchedulerConfig(**sched).effective_policy_params == cap
+    assert SchedulerConfig(**{**sched, "policy": "least_request"}).effective_policy_params == {}
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")
@@ -199,7 +201,7 @@ def test_helm_templates_reference_only_defined_values_and_includes():
         injected = {"workers": "http://w:1"} if service == "gateway" else {}  # set by the template
         validate_config(service, injected | values[service]["config"])
     cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}  # as in the raw manifests
-    assert values["scheduler"]["config"]["policy_params"] == cap
+    assert values["scheduler"]["config"]["params_by_policy"] == {"llm_aware": cap}
 
 
 def test_helm_chart_alert_rules_are_the_shipped_ones():

@@ -19,7 +19,7 @@ from deploy.grafana import generate
 from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from tests.deploy.helpers import DEPLOY, REPO
+from tests.deploy.helpers import DEPLOY, MEASURED, REPO
 from tests.deploy.promql import metric_names, shipped_queries
 
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
@@ -79,24 +79,30 @@ def test_entrypoint_maps_service_names_to_modules():
     assert echo.stdout == "hi\n"
 
 
-def test_compose_file_parses_and_env_vars_are_real_config_fields():
+def test_compose_file_parses_and_env_vars_are_real_config_fields(monkeypatch):
     compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
     services = compose["services"]
     assert {"worker-0", "worker-1", "scheduler", "gateway", "prometheus", "grafana"} <= set(services)
+    loaded = {}
     for name in ("worker-0", "worker-1", "scheduler", "gateway"):
         svc = services[name]
         service = svc["command"][0]
         assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile"
-        values = {}
-        for key, value in svc["environment"].items():
-            prefix = next(p for p in ENV_PREFIX if key.startswith(p))
-            assert CONFIGS[service] is ENV_PREFIX[prefix], key
-            field = key[len(prefix):].lower()
-            assert field in CONFIGS[service].model_fields, key
-            values[field] = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)  # compose defaults
-        validate_config(service, values)
-        port = values["port"]
-        assert f"127.0.0.1:{port}/health" in " ".join(svc["healthcheck"]["test"])
+        with monkeypatch.context() as env:  # read as the container reads them: from its environment
+            for key, value in svc["environment"].items():
+                prefix = next(p for p in ENV_PREFIX if key.startswith(p))
+                assert CONFIGS[service] is ENV_PREFIX[prefix], key
+                assert key[len(prefix):].lower() in CONFIGS[service].model_fields, key
+                env.setenv(key, re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value)))  # compose defaults
+            loaded[name] = config = CONFIGS[service]()
+            if service == "scheduler":  # any POLICY the file's comment offers must start
+                env.setenv("SCHEDULER_POLICY", "round_robin")
+                assert CONFIGS[service]().effective_policy_params == {}
+        assert f"127.0.0.1:{config.port}/health" in " ".join(svc["healthcheck"]["test"])
+    # llm_aware, the default POLICY, runs with the prefill cap measured for our worker.
+    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
+    assert loaded["scheduler"].policy == "llm_aware"
+    assert loaded["scheduler"].effective_policy_params == cap
     for volume in services["prometheus"]["volumes"] + services["grafana"]["volumes"]:
         assert (DEPLOY / "docker" / volume.split(":")[0]).resolve().exists(), volume
 

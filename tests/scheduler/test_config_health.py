@@ -31,10 +31,31 @@ def test_policy_params_from_yaml(tmp_path):
     assert cfg.policy_params == {"max_waiting": 3, "w_kv": 2.5}
 
 
+def test_params_by_policy_apply_to_the_chosen_policy_only(tmp_path, monkeypatch):
+    """A deployment keeps llm_aware's tuned knobs in its config and can still switch policy."""
+    cfg_file = tmp_path / "s.yaml"
+    cfg_file.write_text("params_by_policy:\n  llm_aware: {max_prefill_backlog: 1024, w_prefix: 4}\n"
+                        "  prefix_affinity: {}\n")
+    cfg = load_scheduler_config(["--config", str(cfg_file)])  # llm_aware is the default policy
+    assert cfg.effective_policy_params == {"max_prefill_backlog": 1024, "w_prefix": 4}
+    assert load_scheduler_config(["--config", str(cfg_file), "--policy", "least_request"]
+                                 ).effective_policy_params == {}
+    # policy_params, flat, still applies on top (an operator's one-off override).
+    cfg = load_scheduler_config(["--config", str(cfg_file), "--policy-params", '{"w_prefix": 8}'])
+    assert cfg.effective_policy_params == {"max_prefill_backlog": 1024, "w_prefix": 8}
+    # As compose passes it: JSON in SCHEDULER_PARAMS_BY_POLICY.
+    monkeypatch.setenv("SCHEDULER_PARAMS_BY_POLICY", '{"llm_aware": {"max_prefill_backlog": 512}}')
+    assert load_scheduler_config([]).effective_policy_params == {"max_prefill_backlog": 512}
+
+
 @pytest.mark.parametrize(("args", "field"), [
     (["--scrape-interval-ms", "fast"], "scrape-interval-ms"),
     (["--policy", "best"], "policy"),
     (["--policy-params", '{"w_nonsense": 1}'], "policy-params"),
+    # Entries of policies not in use are checked too: a typo surfaces at start-up, not at a switch.
+    (["--policy", "round_robin", "--params-by-policy", '{"llm_aware": {"w_nonsense": 1}}'],
+     "params-by-policy"),
+    (["--params-by-policy", '{"best": {}}'], "params-by-policy"),
     (["--workers", "127.0.0.1:8101"], "workers"),
 ])
 def test_invalid_value_is_one_line_naming_the_field(args, field):
