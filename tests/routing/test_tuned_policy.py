@@ -38,11 +38,11 @@ def service(config: Path, n: int = 3) -> SchedulerService:
 
 
 def feed(svc: SchedulerService, wid: str, running: float = 0, waiting: float = 0, kv: float = 0.0,
-         prompt_tps: float | None = None) -> None:
+         prompt_tps: float | None = None, itl_s: float | None = None) -> None:
     """A scrape of a 965-block pool (llama2-7b on a 24 GB card), taken now."""
     snap = LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, prompt_tps=prompt_tps, gen_tps=None,
                         prefix_hit_rate=None, block_size=16, num_blocks=965, ttft_mean_s=None,
-                        itl_mean_s=None, taken_at=time.monotonic(), wall_time=time.time(), dialect="vllm_v1")
+                        itl_mean_s=itl_s, taken_at=time.monotonic(), wall_time=time.time(), dialect="vllm_v1")
     svc.on_snapshot(svc.registry.workers[wid], snap)
 
 
@@ -81,6 +81,19 @@ def test_requests_balance_by_count_and_kv_breaks_ties(config):
     feed(svc, "w1", running=12, kv=0.70)
     feed(svc, "w2", running=12, kv=0.50)
     assert decide(svc)["worker_id"] == "w2"
+
+
+def test_a_slower_decoding_worker_takes_fewer_requests(config):
+    # A mixed fleet (A10s and L4s in RESULTS.md): the request goes to the card that decodes
+    # faster even when it runs a few more requests, and the slow card takes requests again once
+    # the fast one runs enough more (w_itl 0.25: 40 ms of inter-token latency weigh 10 running
+    # requests).
+    svc = service(config, n=2)
+    feed(svc, "w0", running=18, kv=0.4, itl_s=0.085)  # L4-like
+    feed(svc, "w1", running=20, kv=0.4, itl_s=0.045)  # A10-like
+    assert decide(svc)["worker_id"] == "w1"
+    feed(svc, "w1", running=30, kv=0.4, itl_s=0.045)
+    assert decide(svc)["worker_id"] == "w0"
 
 
 def test_queueing_or_full_worker_not_chosen_while_another_has_headroom(config):
