@@ -16,15 +16,17 @@ POLICIES: dict[str, type[Policy]] = {
 __all__ = ["POLICIES", "Pick", "Policy", "PolicyEnv", "Request", "make_policy", "validate_params"]
 
 
+def _policy_class(name: str) -> type[Policy]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
 def validate_params(name: str, params: dict[str, Any]) -> None:
-    """Raises ValueError naming the offending parameter."""
-    cls = POLICIES[name]
-    build_params(cls.Params, params, name)
+    """Raises ValueError naming the unknown policy or the offending parameter."""
+    build_params(_policy_class(name).Params, params, name)
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None, env: PolicyEnv | None = None) -> Policy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return cls(params, env)
+    return _policy_class(name)(params, env)
