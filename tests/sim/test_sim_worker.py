@@ -19,7 +19,16 @@ import time
 import httpx
 import pytest
 
-from tests.worker.conftest import REPO, free_port, launch_worker, parse_samples, sample, wait_for
+from tests.worker.conftest import (
+    REPO,
+    Worker,
+    free_port,
+    launch_worker,
+    parse_samples,
+    sample,
+    wait_for,
+    wait_healthy,
+)
 
 MODEL = "tiny-sim"
 BURST = 24
@@ -134,7 +143,7 @@ def test_time_scale_stretches_wall_time_but_metrics_report_simulated_seconds():
     assert 2.0 < wall_6 / wall_2 < 4.0  # three times the wall time (server overhead aside)
 
 
-def test_sim_worker_serves_without_importing_torch():
+def test_sim_worker_serves_without_importing_torch(tmp_path):
     """A sim cluster on a laptop starts in about a second: the sim backend must not import torch
     or transformers (torch's import alone is ~1.2 s of CPU, paid by every worker of every
     benchmark run, five at a time on two cores)."""
@@ -142,26 +151,21 @@ def test_sim_worker_serves_without_importing_torch():
     report = ("import atexit, runpy, sys; atexit.register(lambda: print('heavy modules:', "
               "[m for m in ('torch', 'transformers') if m in sys.modules], flush=True)); "
               "runpy.run_module('inference_worker', run_name='__main__')")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", report, "--backend", "sim", "--sim-profile", "tiny",
-         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-    )
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", report, "--backend", "sim", "--sim-profile", "tiny",
+             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        )
+    sim = Worker(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or _healthy(base), 60, 0.1, "the sim worker's /health")
-        response = httpx.post(f"{base}/v1/completions", timeout=30,
+        wait_healthy(sim)
+        response = httpx.post(f"{sim.base_url}/v1/completions", timeout=30,
                               json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
     finally:
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
-    assert "heavy modules: []" in output, output[-3000:]
-
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        proc.wait(30)
+    assert "heavy modules: []" in sim.output(), sim.output()[-3000:]

@@ -83,7 +83,7 @@ def launch_worker(*flags: str, model: str = "smollm2") -> Iterator[Worker]:
     process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     worker = Worker(f"http://127.0.0.1:{port}", process, log_path)
     try:
-        _wait_healthy(worker)
+        wait_healthy(worker)
         yield worker
     finally:
         if process.poll() is None:
@@ -97,7 +97,7 @@ def launch_worker(*flags: str, model: str = "smollm2") -> Iterator[Worker]:
         log_path.unlink(missing_ok=True)
 
 
-def _wait_healthy(worker: Worker) -> None:
+def wait_healthy(worker: Worker) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if worker.process.poll() is not None:
