@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 # llm_aware's settings measured in benchmarks/RESULTS.md, which the deploy configs must carry.
 MEASURED = yaml.safe_load((REPO / "benchmarks" / "configs" / "llm_aware.yaml").read_text())["policy_params"]
+# What the deploy configs set for llm_aware: the engine-bound prefill cap (the rest are code defaults).
+DEPLOY_PARAMS = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
 
 
 def free_port() -> int:

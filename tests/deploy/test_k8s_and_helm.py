@@ -16,7 +16,7 @@ import yaml
 from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from tests.deploy.helpers import DEPLOY, MEASURED
+from tests.deploy.helpers import DEPLOY, DEPLOY_PARAMS
 
 K8S = DEPLOY / "k8s"
 CHART = DEPLOY / "helm" / "llm-router"
@@ -98,8 +98,7 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     # llm_aware with the prefill cap measured for our worker's engine step (off in the code,
     # where the engines' step budget is unknown); kept per policy, so switching policy works.
     assert sched["policy"] == "llm_aware"
-    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
-    assert SchedulerConfig(**sched).effective_policy_params == cap
+    assert SchedulerConfig(**sched).effective_policy_params == DEPLOY_PARAMS
     assert SchedulerConfig(**{**sched, "policy": "least_request"}).effective_policy_params == {}
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
@@ -200,8 +199,8 @@ def test_helm_templates_reference_only_defined_values_and_includes():
     for service in CONFIGS:
         injected = {"workers": "http://w:1"} if service == "gateway" else {}  # set by the template
         validate_config(service, injected | values[service]["config"])
-    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}  # as in the raw manifests
-    assert values["scheduler"]["config"]["params_by_policy"] == {"llm_aware": cap}
+    # as in the raw manifests
+    assert values["scheduler"]["config"]["params_by_policy"] == {"llm_aware": DEPLOY_PARAMS}
 
 
 def test_helm_chart_alert_rules_are_the_shipped_ones():

@@ -19,7 +19,7 @@ from deploy.grafana import generate
 from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from tests.deploy.helpers import DEPLOY, MEASURED, REPO
+from tests.deploy.helpers import DEPLOY, DEPLOY_PARAMS, REPO
 from tests.deploy.promql import metric_names, shipped_queries
 
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
@@ -100,9 +100,8 @@ def test_compose_file_parses_and_env_vars_are_real_config_fields(monkeypatch):
                 assert CONFIGS[service]().effective_policy_params == {}
         assert f"127.0.0.1:{config.port}/health" in " ".join(svc["healthcheck"]["test"])
     # llm_aware, the default POLICY, runs with the prefill cap measured for our worker.
-    cap = {"max_prefill_backlog": MEASURED["max_prefill_backlog"]}
     assert loaded["scheduler"].policy == "llm_aware"
-    assert loaded["scheduler"].effective_policy_params == cap
+    assert loaded["scheduler"].effective_policy_params == DEPLOY_PARAMS
     for volume in services["prometheus"]["volumes"] + services["grafana"]["volumes"]:
         assert (DEPLOY / "docker" / volume.split(":")[0]).resolve().exists(), volume
 
