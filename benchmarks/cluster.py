@@ -19,6 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.proc_cpu import cpu_seconds
+
 HOST = "127.0.0.1"
 
 
@@ -216,6 +218,20 @@ class Cluster:
             await asyncio.sleep(0.2)
         raise StartupError("scheduler did not report every worker healthy within 30s:\n"
                            + (self.scheduler.log_tail() if self.scheduler else ""))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each part: "workers" (summed), "scheduler", "gateway"
+        (ours or a peer router); a part that is absent or already gone is left out."""
+        parts: dict[str, list[ManagedProcess]] = {"workers": self.workers}
+        if self.scheduler is not None:
+            parts["scheduler"] = [self.scheduler]
+        if self.gateway is not None:
+            parts["gateway"] = [self.gateway]
+        out: dict[str, float] = {}
+        for name, procs in parts.items():
+            with contextlib.suppress(OSError):
+                out[name] = sum(cpu_seconds(p.proc.pid) for p in procs if p.proc is not None)
+        return out
 
     async def stop(self) -> None:
         # Front to back, so no process sees its upstream vanish while it still takes traffic.

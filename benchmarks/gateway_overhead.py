@@ -26,19 +26,15 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.proc_cpu import cpu_seconds
+
 REPO = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -134,7 +130,7 @@ async def run_load(
     async with aiohttp.ClientSession(connector=conn) as s:
         # warm up connections and caches
         await asyncio.gather(*(one(s, urls[i % len(urls)], stream, [], []) for i in range(conc)))
-        cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         t0 = time.perf_counter()
         counter = iter(range(n))
 
@@ -149,7 +145,7 @@ async def run_load(
 
         await asyncio.wait_for(asyncio.gather(*(client() for _ in range(conc))), timeout=600)
         wall = time.perf_counter() - t0
-        cpu = {k: (cpu_s(p) - cpu0[k]) * 1000 / n for k, p in pids.items()}
+        cpu = {k: (cpu_seconds(p) - cpu0[k]) * 1000 / n for k, p in pids.items()}
     res = Result(target, "stream16" if stream else "non-stream", n, wall, lat, ttft, errors, cpu)
     res.loadavg = round(os.getloadavg()[0], 1)  # other tenants of the machine, for reading the figures
     return res

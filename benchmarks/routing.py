@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
+from benchmarks.proc_cpu import own_cpu_seconds
 from benchmarks.routing_client import prepare, run_client, slim_result
 from benchmarks.routing_engine_counters import (
     engine_table,
@@ -35,7 +36,7 @@ from benchmarks.routing_engine_counters import (
 )
 from benchmarks.routing_floor import floor_table
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
-from benchmarks.routing_report import goal_check, policy_table, steady_state_table, summary_table
+from benchmarks.routing_report import cpu_table, goal_check, policy_table, steady_state_table, summary_table
 from benchmarks.routing_sampler import LoadSampler
 
 ALL_POLICIES = "baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity"
@@ -143,7 +144,7 @@ def client_extra(args: argparse.Namespace) -> dict:
 
 
 async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
-                     workload: list) -> tuple[dict, list[dict], list[dict], dict, float]:
+                     workload: list) -> tuple[dict, list[dict], list[dict], dict, dict, float]:
     spec = ClusterSpec(
         profiles=worker_profiles(args), policy=None if policy == "baseline" else policy, model=args.model,
         backend=args.backend, time_scale=args.time_scale,
@@ -156,15 +157,22 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
     async with Cluster(spec) as cluster:
         targets = cluster.worker_urls if policy == "baseline" else [cluster.gateway_url]
         async with LoadSampler(cluster.worker_urls, args.sample_interval, args.time_scale) as sampler:
+            cpu0, own0, run0 = cluster.cpu_seconds(), own_cpu_seconds(), time.monotonic()
             result = await run_client(
                 base_urls=targets, model=args.model, dataset=args.dataset, num_prompts=args.num_prompts,
                 concurrency=args.concurrency, seed=args.seed, time_scale=args.time_scale,
                 workload=workload, extra=client_extra(args),
             )
+            # What each part used while the client ran (start-up and shutdown left out); the
+            # client's share includes the load sampler, which runs in the same process.
+            cpu1 = cluster.cpu_seconds()
+            cpu = {part: round(cpu1[part] - used, 2) for part, used in cpu0.items() if part in cpu1}
+            cpu["client"] = round(own_cpu_seconds() - own0, 2)
+            cpu["wall_s"] = round(time.monotonic() - run0, 2)
         engines = await read_engine_counters(cluster.worker_urls)
         # Peers serve no such series: their entry stays empty.
         gateway = await read_gateway_queue(cluster.gateway_url)
-    return result, sampler.samples, engines, gateway, time.monotonic() - t0
+    return result, sampler.samples, engines, gateway, cpu, time.monotonic() - t0
 
 
 SAME_SCENARIO = ("profiles", "backend", "dataset", "num_prompts", "concurrency", "seed", "time_scale",
@@ -179,7 +187,7 @@ def merge_into(old: dict, scenario: dict) -> dict:
     merged = old["scenario"]
     merged.setdefault("appended", []).append({k: scenario[k] for k in (
         "command", "policies", "scheduler_config", "scheduler_config_text", "gateway_args", "git_commit")})
-    for key in ("policies", "timelines", "engines", "gateway", "wall_s"):
+    for key in ("policies", "timelines", "engines", "gateway", "cpu", "wall_s"):
         old.setdefault(key, {})
     return old
 
@@ -203,6 +211,9 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     held = gateway_table(doc.get("gateway", {}))
     if held:
         print(f"### time held in the gateway before a worker was chosen\n\n{held}\n")
+    cpu = cpu_table(doc.get("cpu", {}), results)
+    if cpu:
+        print(f"### CPU used while the client ran (cores shared by every process)\n\n{cpu}\n")
     if sc.get("backend", "sim") == "sim" and sc.get("dataset") == "sharegpt" and ref == "baseline":
         print(f"### floors: what no placement beats (benchmarks.routing_floor)\n\n{floor_table(doc)}\n")
     homogeneous = len(set(sc["profiles"])) == 1 and sc["dataset"] == "sharegpt"
@@ -230,7 +241,7 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
     policies = [s for s in args.policies.split(",") if s]
     log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
     doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "engines": {}, "gateway": {},
-                 "wall_s": {}}
+                 "cpu": {}, "wall_s": {}}
     if previous is not None:
         doc = merge_into(previous, doc["scenario"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,11 +249,12 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
     for policy in policies:
         print(f"[routing] {policy}: starting {len(worker_profiles(args))} workers ...",
               file=sys.stderr, flush=True)
-        result, samples, engines, gateway, wall = await run_policy(policy, args, log_dir, workload)
+        result, samples, engines, gateway, cpu, wall = await run_policy(policy, args, log_dir, workload)
         doc["policies"][policy] = slim_result(result)
         doc["timelines"][policy] = samples
         doc["engines"][policy] = engines
         doc["gateway"][policy] = gateway
+        doc["cpu"][policy] = cpu
         doc["wall_s"][policy] = round(wall, 1)
         print(f"[routing] {policy}: done in {wall:.0f}s wall, {result.get('completed')} ok, "
               f"{result.get('failed', 0)} failed, mean TTFT {result.get('mean_ttft_ms', 0):.1f} ms",

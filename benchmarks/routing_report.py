@@ -220,3 +220,26 @@ def steady_state_table(results: dict[str, dict], skip: int, ref_name: str = "bas
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| requests | " + " | ".join(str(stats[n]["requests"]) for n in names) + " |")
     return "\n".join(lines)
+
+
+CPU_PARTS = ("workers", "scheduler", "gateway", "client")
+
+
+def cpu_table(cpu: dict[str, dict], results: dict[str, dict]) -> str:
+    """Markdown: the cores each part used while the client ran (CPU seconds over the client's
+    wall seconds), and the router's CPU per request. On a shared machine a router's own CPU
+    is taken from the engines beside it; `baseline` has no router, so its client does the
+    routing. "-" where a part was absent (no scheduler in front of a peer router)."""
+    head = " | ".join(f"{part} (cores)" for part in CPU_PARTS)
+    lines = [f"| policy | client run (s) | {head} | router CPU per request (ms) |",
+             "|---" * (3 + len(CPU_PARTS)) + "|"]
+    for name, used in cpu.items():
+        wall = used.get("wall_s")
+        if not wall:
+            continue
+        cores = ["-" if part not in used else f"{used[part] / wall:.2f}" for part in CPU_PARTS]
+        router_s = sum(used.get(part, 0.0) for part in ("scheduler", "gateway"))
+        done = results.get(name, {}).get("completed")
+        per_request = f"{1000.0 * router_s / done:.2f}" if done and router_s else "-"
+        lines.append(f"| {name} | {wall:.1f} | " + " | ".join(cores) + f" | {per_request} |")
+    return "\n".join(lines) if len(lines) > 2 else ""

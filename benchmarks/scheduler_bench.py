@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.proc_cpu import cpu_seconds
+
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "scheduler" / "fixtures"
 CAPTURES = sorted(FIXTURES.glob("vllm-0.32-*.txt"))
 
@@ -39,11 +41,6 @@ CAPTURES = sorted(FIXTURES.glob("vllm-0.32-*.txt"))
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- parse ---------------------------------------------------------------------------------
@@ -290,7 +287,7 @@ def bench_http(calls: int = 3000, workers: int = 8) -> dict:
                 for _ in range(200):  # warm-up: connections, caches
                     d = await client.schedule(req)
                     await client.release(LeaseRelease(lease_id=d.lease_id, ok=True))
-                cpu0 = _cpu_seconds(stack.sched.pid)
+                cpu0 = cpu_seconds(stack.sched.pid)
                 wall0 = time.perf_counter()
                 for _ in range(calls):
                     t0 = time.perf_counter()
@@ -299,7 +296,7 @@ def bench_http(calls: int = 3000, workers: int = 8) -> dict:
                     await client.release(LeaseRelease(lease_id=d.lease_id, ok=True, prompt_tokens=500,
                                                       output_tokens=128, ttft_ms=40.0))
                 wall = time.perf_counter() - wall0
-                cpu = _cpu_seconds(stack.sched.pid) - cpu0
+                cpu = cpu_seconds(stack.sched.pid) - cpu0
             # The scheduler also scrapes `workers` endpoints every 100 ms meanwhile: that CPU
             # is measured alone below and subtracted.
             return {"p50_ms": round(_pct(lat, 0.5) * 1e3, 3), "p99_ms": round(_pct(lat, 0.99) * 1e3, 3),
@@ -308,9 +305,9 @@ def bench_http(calls: int = 3000, workers: int = 8) -> dict:
 
         _use_uvloop()
         result = asyncio.run(run())
-        cpu0, t0 = _cpu_seconds(stack.sched.pid), time.monotonic()
+        cpu0, t0 = cpu_seconds(stack.sched.pid), time.monotonic()
         time.sleep(3.0)
-        idle_cores = (_cpu_seconds(stack.sched.pid) - cpu0) / (time.monotonic() - t0)
+        idle_cores = (cpu_seconds(stack.sched.pid) - cpu0) / (time.monotonic() - t0)
         result["scheduler_cpu_ms_per_call_scrapes_subtracted"] = round(
             max(0.0, result["scheduler_cpu_ms_per_schedule_and_release_incl_scrapes"]
                 - idle_cores * result["wall_s"] / calls * 1e3), 3)
@@ -339,14 +336,14 @@ def bench_scrape(workers: int = 256, scrape_ms: int = 200, seconds: float = 20.0
         ready_s = stack.wait_ready()
         time.sleep(2.0)  # steady state
         scrapes0 = _scrapes_done(stack.base)
-        cpu0, t0 = _cpu_seconds(stack.sched.pid), time.monotonic()
-        metrics0 = _cpu_seconds(stack.metrics.pid)
+        cpu0, t0 = cpu_seconds(stack.sched.pid), time.monotonic()
+        metrics0 = cpu_seconds(stack.metrics.pid)
         time.sleep(seconds)
         wall = time.monotonic() - t0
-        cpu = _cpu_seconds(stack.sched.pid) - cpu0
+        cpu = cpu_seconds(stack.sched.pid) - cpu0
         scrapes = _scrapes_done(stack.base) - scrapes0
         cores = cpu / wall
-        server_cores = (_cpu_seconds(stack.metrics.pid) - metrics0) / wall
+        server_cores = (cpu_seconds(stack.metrics.pid) - metrics0) / wall
         with urllib.request.urlopen(f"{stack.base}/v1/workers", timeout=10) as resp:
             view = json.loads(resp.read())["workers"]
         ages = [w["data_age_ms"] for w in view if w["data_age_ms"] is not None]

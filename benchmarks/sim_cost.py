@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -32,22 +31,14 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from benchmarks.datasets import load_sharegpt, sample_sharegpt
+from benchmarks.proc_cpu import cpu_seconds, own_cpu_seconds
 from inference_worker.sim.tokenizer import SimTokenizer
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """user + sys CPU seconds of a process (threads included), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
 
 
 @dataclass
@@ -194,13 +185,12 @@ def main() -> None:
             # Sample worker CPU exactly at the window edges, from inside the same loop.
             task = asyncio.ensure_future(loop_task)
             await asyncio.sleep(args.warmup)
-            cpu0 = sum(proc_cpu_seconds(p.pid) for p, _ in procs)
-            self0 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu0 = sum(cpu_seconds(p.pid) for p, _ in procs)
+            self0 = own_cpu_seconds()
             await asyncio.sleep(args.duration)
-            cpu1 = sum(proc_cpu_seconds(p.pid) for p, _ in procs)
-            self1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu1 = sum(cpu_seconds(p.pid) for p, _ in procs)
+            client = own_cpu_seconds() - self0
             window, elapsed = await task
-            client = (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)
             return window, elapsed, cpu1 - cpu0, client
 
         window, elapsed, worker_cpu, client_cpu = asyncio.run(run())

@@ -60,6 +60,15 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
     assert doc["gateway"]["baseline"] == {}
     for name in POLICIES[1:]:
         assert doc["gateway"][name]["count"] == 24, name
+    # Every part's CPU while the client ran: the sim workers and the client always work; our
+    # scheduler and gateway only exist (and work) in front of the routed policies.
+    assert any(title.startswith("CPU used while the client ran") for title in sections)
+    assert set(doc["cpu"]["baseline"]) == {"workers", "client", "wall_s"}
+    for name in POLICIES:
+        used = doc["cpu"][name]
+        assert used["workers"] > 0 and used["client"] > 0 and used["wall_s"] > 0, (name, used)
+        if name != "baseline":
+            assert used["gateway"] > 0 and used["scheduler"] > 0, (name, used)
     # Prompts are counted by the worker's tokenizer (the sim's approximates the client's), so
     # they are compared between policies: the same prompts, wherever they were sent.
     engine_prompts = {sum(w["prompt_tokens"] for w in doc["engines"][n]) for n in POLICIES}
