@@ -38,6 +38,10 @@ class WorkerState:
         self.info_kv_capacity: int | None = None
         self.info_fetched_at = -math.inf
         self.scraping = False
+        # Appended to /metrics once the dialect is known (Dialect.scrape_query); cleared when
+        # a filtered page comes back without the series, and for good after a few such pages.
+        self.scrape_query = ""
+        self.filtered_misses = 0
         self.expires_at: float | None = None  # registrations expire without heartbeats
         # Lease accounting.
         self.leases: dict[str, object] = {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from urllib.parse import urlencode
 
 from scheduler.scrape.parse import Sample, label_present, series_names
 from scheduler.scrape.snapshot import RawSample
@@ -61,6 +63,16 @@ class Dialect:
     name: str
     wanted: dict[str, str]
     extract: Callable[[Families], RawSample]
+    # Engines whose /metrics is prometheus_client's handler (vLLM, SGLang) honour `?name[]=`:
+    # only those series are collected and rendered. Others (TGI, Triton) would ignore it.
+    names_filter: bool = False
+
+    @cached_property
+    def scrape_query(self) -> str:
+        """`?name[]=...` for every series this dialect reads ("" where not honoured)."""
+        if not self.names_filter:
+            return ""
+        return "?" + urlencode([("name[]", name) for name in self.wanted])
 
 
 # ---- vLLM (v1 current names, v0 names, Triton's vLLM backend) ----------------------------
@@ -292,11 +304,11 @@ def _blade(fams: Families) -> RawSample:
     )
 
 
-VLLM_V1 = Dialect("vllm_v1", _VLLM, _vllm)
-VLLM_V0 = Dialect("vllm_v0", _VLLM, _vllm)
-TRITON_VLLM = Dialect("triton_vllm", _VLLM, _vllm)
-SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang)
-SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang)
+VLLM_V1 = Dialect("vllm_v1", _VLLM, _vllm, names_filter=True)
+VLLM_V0 = Dialect("vllm_v0", _VLLM, _vllm, names_filter=True)
+TRITON_VLLM = Dialect("triton_vllm", _VLLM, _vllm)  # Triton's own metrics server
+SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang, names_filter=True)
+SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang, names_filter=True)
 TGI = Dialect("tgi", _TGI, _tgi)
 TRTLLM = Dialect("trtllm", _TRTLLM, _trtllm)
 TRITON = Dialect("triton", _TRITON, _triton)

@@ -33,6 +33,10 @@ CONNECTION_ERRORS = (
 )
 
 
+# Filtered pages that came back without the series before a worker is scraped whole for good.
+FILTERED_MISSES_MAX = 3
+
+
 class Scraper:
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
@@ -97,7 +101,8 @@ class Scraper:
         sent = time.monotonic()
         try:
             try:
-                async with self.session.get(w.url + "/metrics", timeout=self.timeout) as resp:
+                url = w.url + "/metrics" + w.scrape_query
+                async with self.session.get(url, timeout=self.timeout) as resp:
                     status = resp.status
                     # read + decode: no charset sniffing on a 50 KB body, every 100 ms
                     text = (await resp.read()).decode("utf-8", "replace") if status == 200 else ""
@@ -139,6 +144,14 @@ class Scraper:
         dialect = dialects.DIALECTS.get(w.dialect or "")
         raw = dialect.extract(parse_selected(text, dialect.wanted)) if dialect else None
         if raw is None or (raw.running is None and raw.waiting is None):
+            if w.scrape_query:
+                # The filter took the series away (an engine restarted as another, a proxy
+                # that misreads it): the next scrape reads a whole page and detects afresh.
+                w.scrape_query = ""
+                w.filtered_misses += 1
+                log.warning("%s: a filtered /metrics page lacks the %s series (%d times); "
+                            "reading the whole page", w.worker_id, w.dialect, w.filtered_misses)
+                return
             dialect = dialects.detect(text)  # first scrape, or the worker changed engine
             if dialect is None:
                 w.dialect = "unknown"
@@ -147,6 +160,9 @@ class Scraper:
                 w.rates.reset()
             w.dialect = dialect.name
             raw = dialect.extract(parse_selected(text, dialect.wanted))
+        filter_allowed = w.filtered_misses < FILTERED_MISSES_MAX and self.service.cfg.scrape_only_used_series
+        if filter_allowed and not w.scrape_query:
+            w.scrape_query = dialect.scrape_query  # from the next scrape on
         cap = w.info_kv_capacity
         if raw.kv_usage is None and raw.used_tokens is not None and cap:
             raw.kv_usage = min(1.0, raw.used_tokens / cap)

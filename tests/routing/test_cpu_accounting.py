@@ -47,7 +47,7 @@ def test_cpu_table_gives_cores_per_part_and_router_cpu_per_request():
         "peer:x": {"workers": 90.0, "gateway": 3.0, "client": 24.0, "wall_s": 60.0},
         "broken": {},
     }
-    results = {"baseline": {"completed": 1000}, "llm_aware": {"completed": 1000}, "peer:x": {"completed": 1000}}
+    results = {name: {"completed": 1000} for name in ("baseline", "llm_aware", "peer:x")}
     lines = cpu_table(cpu, results).splitlines()
     assert lines[0] == ("| policy | client run (s) | workers (cores) | scheduler (cores) | gateway (cores) "
                         "| client (cores) | router CPU per request (ms) |")

@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.config import SchedulerConfig
 from scheduler.discovery.static import add_static_workers
 from scheduler.policies import Request
-from scheduler.scrape.scraper import Scraper
+from scheduler.scrape.dialects import TGI, VLLM_V1
+from scheduler.scrape.scraper import FILTERED_MISSES_MAX, Scraper
 from scheduler.service import SchedulerService, Wait
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -150,5 +153,80 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await scraper.stop()
+        for r in runners:
+            await r.cleanup()
+
+
+class FilteringStandIn(StandIn):
+    """A stand-in whose /metrics is prometheus_client's exposition with `?name[]=` honoured, as
+    vLLM's and SGLang's endpoints are; `empty_when_filtered` plays a server that accepts the
+    filter but serves none of the series. Records the names each scrape asked for."""
+
+    def __init__(self, fixture: str, model: str, empty_when_filtered: bool = False) -> None:
+        super().__init__(fixture, model)
+        self.empty_when_filtered = empty_when_filtered
+        self.asked: list[list[str]] = []
+        families = list(text_string_to_metric_families(self.text))
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(type("Fixture", (), {"collect": lambda _self: iter(families)})())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        names = request.query.getall("name[]", [])
+        self.asked.append(names)
+        if names and self.empty_when_filtered:
+            return web.Response(text="", content_type="text/plain")
+        body = generate_latest(self.registry.restricted_registry(names) if names else self.registry)
+        return web.Response(body=body, content_type="text/plain")
+
+
+async def test_vllm_is_scraped_for_its_series_alone_and_whole_where_that_fails():
+    """After the first (whole) page has told the dialect, a vLLM worker is asked for the series
+    the scheduler reads and nothing else, and its load reads the same as from the whole page.
+    A server that answers the filter with none of them is read whole again, and for good after
+    FILTERED_MISSES_MAX such pages; TGI (which would ignore it) and a scheduler configured with
+    scrape_only_used_series off are never sent the filter."""
+    fixture = "vllm-0.32-cpu-running4-waiting8.txt"
+    honours = FilteringStandIn(fixture, "a")
+    whole = StandIn(fixture, "b")  # ignores the query: every page is whole
+    misreads = FilteringStandIn(fixture, "c", empty_when_filtered=True)
+    tgi = FilteringStandIn("tgi.txt", "d")
+    unfiltered = FilteringStandIn(fixture, "e")
+    stand_ins = (honours, whole, misreads, tgi, unfiltered)
+    runners = [await s.start() for s in stand_ins]
+    services = [SchedulerService(SchedulerConfig(scrape_interval_ms=20, scrape_timeout_ms=300)),
+                SchedulerService(SchedulerConfig(scrape_interval_ms=20, scrape_timeout_ms=300,
+                                                 scrape_only_used_series=False))]
+    add_static_workers(services[0], [honours.url, whole.url, misreads.url, tgi.url])
+    add_static_workers(services[1], [unfiltered.url])
+    scrapers = [Scraper(svc) for svc in services]
+    tasks = [asyncio.create_task(sc.run()) for sc in scrapers]
+    try:
+        counted = (honours, misreads, tgi, unfiltered)
+        await _until(lambda: min(len(s.asked) for s in counted) >= 2 * FILTERED_MISSES_MAX + 4)
+        by_url = {w.url: w for w in services[0].registry.workers.values()}
+        assert honours.asked[0] == []  # the first page tells the dialect
+        assert all(set(names) == set(VLLM_V1.wanted) for names in honours.asked[1:])
+        read = by_url[honours.url].snapshot
+        full = by_url[whole.url].snapshot
+        assert (read.running, read.waiting) == (4, 8)
+        for field in ("running", "waiting", "kv_usage", "block_size", "num_blocks"):
+            assert getattr(read, field) == getattr(full, field), field
+
+        filtered = [names for names in misreads.asked if names]
+        assert len(filtered) == FILTERED_MISSES_MAX
+        assert misreads.asked[-3:] == [[], [], []]
+        stale = time.monotonic() - by_url[misreads.url].snapshot.taken_at
+        assert stale < 1.0 and by_url[misreads.url].snapshot.running == 4
+        assert by_url[misreads.url].health.routable
+
+        assert TGI.scrape_query == "" and all(names == [] for names in tgi.asked)
+        assert by_url[tgi.url].dialect == "tgi"
+        assert all(names == [] for names in unfiltered.asked)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sc in scrapers:
+            await sc.stop()
         for r in runners:
             await r.cleanup()
