@@ -44,9 +44,9 @@ class SchedulerConfig(BaseSettings):
     models_refresh_ms: int = Field(5000, ge=100, description="how often /v1/models is re-read")
     scrape_only_used_series: bool = Field(
         True, description="ask vLLM and SGLang (prometheus_client pages) for the series the "
-        "scheduler reads, `?name[]=...`, instead of the whole page: a vLLM-like page costs its "
-        "server ~5 ms of CPU to render in full, ~0.8 ms filtered (a worker that answers a "
-        "filtered scrape without them goes back to whole pages)")
+        "scheduler reads, `/metrics/?name[]=...`, instead of the whole page: a real vLLM's page "
+        "costs its API server ~5.5 ms of CPU to render in full, ~1.1 ms filtered (a worker whose "
+        "filtered scrape fails, lacks them or is not filtered goes back to whole pages)")
 
     # Decisions
     policy: str = Field("llm_aware", description="round_robin, random, least_request, power_of_two, "

@@ -83,6 +83,10 @@ class SchedulerMetrics:
                                         ["worker"], buckets=_SCRAPE_BUCKETS, registry=r)
         self.scrape_failures = Counter("scheduler_scrape_failures", "failed scrapes", ["worker", "kind"],
                                        registry=r)
+        self.scrape_filter_misses = Counter(
+            "scheduler_scrape_filter_misses", "filtered /metrics scrapes that failed, lacked the "
+            "series or were not filtered (the next scrape reads the whole page)", ["worker"],
+            registry=r)
         self.releases = Counter("scheduler_lease_releases", "lease ends", ["outcome"], registry=r)
         self.prefilled = Counter("scheduler_prefilled_reports", "first tokens the gateway reported",
                                  ["outcome"], registry=r)

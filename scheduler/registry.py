@@ -11,6 +11,8 @@ from scheduler.health import HALF_OPEN, Health
 from scheduler.scrape.rates import RateTracker
 from scheduler.scrape.snapshot import LoadSnapshot
 
+WHOLE_METRICS_PATH = "/metrics"
+
 
 def worker_id_for(url: str) -> str:
     parts = urlsplit(url)
@@ -38,10 +40,12 @@ class WorkerState:
         self.info_kv_capacity: int | None = None
         self.info_fetched_at = -math.inf
         self.scraping = False
-        # Appended to /metrics once the dialect is known (Dialect.scrape_query); cleared when
-        # a filtered page comes back without the series, and for good after a few such pages.
-        self.scrape_query = ""
+        # Where /metrics is read: the dialect's filtered path once the dialect is known
+        # (Dialect.filtered_metrics_path); back to the whole page after a filtered scrape that
+        # failed or came back without the series or unfiltered, and for good after a few.
+        self.metrics_path = WHOLE_METRICS_PATH
         self.filtered_misses = 0
+        self.whole_page_bytes = 0  # size of the last whole page, to tell an ignored filter
         self.expires_at: float | None = None  # registrations expire without heartbeats
         # Lease accounting.
         self.leases: dict[str, object] = {}
@@ -181,6 +185,7 @@ class WorkerState:
             "healthy": self.health.routable,
             "state": self.health.state,
             "dialect": self.dialect,
+            "metrics_filtered": self.metrics_path != WHOLE_METRICS_PATH,
             "models": sorted(self.models),
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
             "data_age_ms": None if age is None else round(age * 1000.0, 1),

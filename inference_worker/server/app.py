@@ -54,4 +54,5 @@ def build_app(
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics/", metrics)  # where routers send `?name[]=` to vLLM (see there)
     return app

@@ -63,16 +63,23 @@ class Dialect:
     name: str
     wanted: dict[str, str]
     extract: Callable[[Families], RawSample]
-    # Engines whose /metrics is prometheus_client's handler (vLLM, SGLang) honour `?name[]=`:
+    # Engines whose /metrics is prometheus_client's ASGI app (vLLM, SGLang) honour `?name[]=`:
     # only those series are collected and rendered. Others (TGI, Triton) would ignore it.
     names_filter: bool = False
 
     @cached_property
-    def scrape_query(self) -> str:
-        """`?name[]=...` for every series this dialect reads ("" where not honoured)."""
+    def filtered_metrics_path(self) -> str:
+        """`/metrics/?name[]=...` for every series this dialect reads ("" where not honoured).
+
+        The trailing slash matters: vLLM (0.32, run here) also registers
+        prometheus-fastapi-instrumentator's handler on the exact path `/metrics`, which renders
+        the whole page whatever the query says (49.5 KB either way); its prometheus_client app
+        is mounted under `/metrics` too, and `/metrics/` reaches that one (3.5 KB). SGLang
+        mounts only the app, so either path reaches it there.
+        """
         if not self.names_filter:
             return ""
-        return "?" + urlencode([("name[]", name) for name in self.wanted])
+        return "/metrics/?" + urlencode([("name[]", name) for name in self.wanted])
 
 
 # ---- vLLM (v1 current names, v0 names, Triton's vLLM backend) ----------------------------

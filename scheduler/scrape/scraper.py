@@ -8,7 +8,9 @@ count. Parsing happens on the loop, so it uses the fast selective parser.
 
 Once a worker's dialect is known, engines whose /metrics honours `?name[]=` (vLLM, SGLang, ours)
 are asked for the series the dialect reads and no others: rendering a whole vLLM-like page
-costs the engine's server ~5 ms of CPU, ten times a second.
+costs the engine's server ~5 ms of CPU, ten times a second. A filtered scrape that fails, lacks
+the series, or comes back as big as the whole page (the filter ignored) sends the next scrape
+to the whole page; after FILTERED_MISSES_MAX of those the worker is read whole for good.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 
 import aiohttp
 
-from scheduler.registry import WorkerState
+from scheduler.registry import WHOLE_METRICS_PATH, WorkerState
 from scheduler.scrape import dialects
 from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import build_snapshot
@@ -37,8 +39,11 @@ CONNECTION_ERRORS = (
 )
 
 
-# Filtered pages that came back without the series before a worker is scraped whole for good.
+# Filtered scrapes that missed (failed, lacked the series, or were not filtered) before a worker
+# is scraped whole for good.
 FILTERED_MISSES_MAX = 3
+# A "filtered" page at least this share of the whole page's size was not filtered.
+IGNORED_FILTER_SHARE = 0.5
 
 
 class Scraper:
@@ -105,7 +110,7 @@ class Scraper:
         sent = time.monotonic()
         try:
             try:
-                url = w.url + "/metrics" + w.scrape_query
+                url = w.url + w.metrics_path
                 async with self.session.get(url, timeout=self.timeout) as resp:
                     status = resp.status
                     # read + decode: no charset sniffing on a 50 KB body, every 100 ms
@@ -124,6 +129,11 @@ class Scraper:
                 return
             now = time.monotonic()
             m.scrape_latency.labels(w.worker_id).observe(now - sent)
+            if status != 200 and w.metrics_path != WHOLE_METRICS_PATH:
+                # The filtered path itself may be what fails (a proxy that knows only /metrics):
+                # the whole page, next, tells whether the worker is at fault.
+                self._filter_missed(w, f"answered {status}")
+                return
             if status >= 500:
                 m.scrape_failures.labels(w.worker_id, "http").inc()
                 self._failure(w, f"metrics answered {status}", connection_level=False)
@@ -146,15 +156,13 @@ class Scraper:
 
     def _ingest(self, w: WorkerState, text: str, sent: float) -> None:
         dialect = dialects.DIALECTS.get(w.dialect or "")
+        filtered = w.metrics_path != WHOLE_METRICS_PATH
         raw = dialect.extract(parse_selected(text, dialect.wanted)) if dialect else None
         if raw is None or (raw.running is None and raw.waiting is None):
-            if w.scrape_query:
+            if filtered:
                 # The filter took the series away (an engine restarted as another, a proxy
                 # that misreads it): the next scrape reads a whole page and detects afresh.
-                w.scrape_query = ""
-                w.filtered_misses += 1
-                log.warning("%s: a filtered /metrics page lacks the %s series (%d times); "
-                            "reading the whole page", w.worker_id, w.dialect, w.filtered_misses)
+                self._filter_missed(w, f"lacks the {w.dialect} series")
                 return
             dialect = dialects.detect(text)  # first scrape, or the worker changed engine
             if dialect is None:
@@ -164,15 +172,28 @@ class Scraper:
                 w.rates.reset()
             w.dialect = dialect.name
             raw = dialect.extract(parse_selected(text, dialect.wanted))
-        filter_allowed = w.filtered_misses < FILTERED_MISSES_MAX and self.service.cfg.scrape_only_used_series
-        if filter_allowed and not w.scrape_query:
-            w.scrape_query = dialect.scrape_query  # from the next scrape on
+        if not filtered:
+            w.whole_page_bytes = len(text)
+            if (w.filtered_misses < FILTERED_MISSES_MAX and dialect.filtered_metrics_path
+                    and self.service.cfg.scrape_only_used_series):
+                w.metrics_path = dialect.filtered_metrics_path  # from the next scrape on
+        elif len(text) >= IGNORED_FILTER_SHARE * w.whole_page_bytes:
+            # The page is good, only not filtered: use it, and stop paying for the query.
+            self._filter_missed(w, f"was not filtered ({len(text)} bytes)")
         cap = w.info_kv_capacity
         if raw.kv_usage is None and raw.used_tokens is not None and cap:
             raw.kv_usage = min(1.0, raw.used_tokens / cap)
             raw.block_size, raw.num_blocks = 1, cap  # a pool counted in tokens
         rates = w.rates.update(raw, sent)
         self.service.on_snapshot(w, build_snapshot(raw, rates, sent, time.time(), w.dialect))
+
+    def _filter_missed(self, w: WorkerState, what: str) -> None:
+        w.metrics_path = WHOLE_METRICS_PATH
+        w.filtered_misses += 1
+        self.service.metrics.scrape_filter_misses.labels(w.worker_id).inc()
+        log.warning("%s: a filtered /metrics scrape %s (%d of %d); reading the whole page%s",
+                    w.worker_id, what, w.filtered_misses, FILTERED_MISSES_MAX,
+                    " from now on" if w.filtered_misses >= FILTERED_MISSES_MAX else " next")
 
     def _failure(self, w: WorkerState, error: str, connection_level: bool) -> None:
         if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level):

@@ -26,13 +26,14 @@ def free_port() -> int:
 class Proc:
     """A child process with its output in a temp file (read it when a test fails)."""
 
-    def __init__(self, args: list[str], name: str, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], name: str, env: dict | None = None,
+                 python: str = sys.executable) -> None:
         self.name = name
         self.args = args
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen(
-            [sys.executable, *args], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            [python, *args], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True,
         )
 

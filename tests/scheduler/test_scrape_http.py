@@ -26,6 +26,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 class StandIn:
     """One stand-in worker: /metrics from a fixture (counters advanced by `bump` per scrape)."""
 
+    metrics_paths: tuple[str, ...] = ("/metrics",)
+
     def __init__(self, fixture: str, model: str, bump: str | None = None, stall_s: float = 0.0,
                  info: dict | None = None) -> None:
         self.text = (FIXTURES / fixture).read_text()
@@ -59,7 +61,8 @@ class StandIn:
 
     async def start(self) -> web.AppRunner:
         app = web.Application()
-        app.router.add_get("/metrics", self.metrics)
+        for path in self.metrics_paths:
+            app.router.add_get(path, self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info_page)
@@ -158,70 +161,95 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
 
 
 class FilteringStandIn(StandIn):
-    """A stand-in whose /metrics is prometheus_client's exposition with `?name[]=` honoured, as
-    vLLM's and SGLang's endpoints are; `empty_when_filtered` plays a server that accepts the
-    filter but serves none of the series. Records the names each scrape asked for."""
+    """A stand-in serving its page through prometheus_client's exposition, routed as vLLM 0.32
+    routes it (measured against a real vLLM on this machine): the exact path `/metrics` renders
+    the whole page whatever the query (prometheus-fastapi-instrumentator's handler), and
+    `/metrics/` reaches the prometheus_client app, which honours `?name[]=`. Variants:
+    `honour_on_slash=False` ignores the query on both paths, `slash_path=False` has no
+    `/metrics/` at all (404), `empty_when_filtered` accepts the filter and serves none of the
+    series. Records, per scrape, the path and the names asked for."""
 
-    def __init__(self, fixture: str, model: str, empty_when_filtered: bool = False) -> None:
+    metrics_paths = ("/metrics", "/metrics/")
+
+    def __init__(self, fixture: str, model: str, *, honour_on_slash: bool = True,
+                 slash_path: bool = True, empty_when_filtered: bool = False) -> None:
         super().__init__(fixture, model)
+        self.honour_on_slash = honour_on_slash
+        self.slash_path = slash_path
         self.empty_when_filtered = empty_when_filtered
-        self.asked: list[list[str]] = []
+        self.asked: list[tuple[str, list[str]]] = []
         families = list(text_string_to_metric_families(self.text))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(type("Fixture", (), {"collect": lambda _self: iter(families)})())
 
     async def metrics(self, request: web.Request) -> web.Response:
         names = request.query.getall("name[]", [])
-        self.asked.append(names)
-        if names and self.empty_when_filtered:
+        self.asked.append((request.path, names))
+        honoured = request.path == "/metrics/" and self.honour_on_slash
+        if request.path == "/metrics/" and not self.slash_path:
+            raise web.HTTPNotFound()
+        if names and honoured and self.empty_when_filtered:
             return web.Response(text="", content_type="text/plain")
-        body = generate_latest(self.registry.restricted_registry(names) if names else self.registry)
-        return web.Response(body=body, content_type="text/plain")
+        registry = self.registry.restricted_registry(names) if names and honoured else self.registry
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    def filtered(self) -> list[list[str]]:
+        return [names for path, names in self.asked if names]
 
 
 async def test_vllm_is_scraped_for_its_series_alone_and_whole_where_that_fails():
-    """After the first (whole) page has told the dialect, a vLLM worker is asked for the series
-    the scheduler reads and nothing else, and its load reads the same as from the whole page.
-    A server that answers the filter with none of them is read whole again, and for good after
-    FILTERED_MISSES_MAX such pages; TGI (which would ignore it) and a scheduler configured with
-    scrape_only_used_series off are never sent the filter."""
+    """After the first (whole) page has told the dialect, a vLLM worker is asked, on the path
+    where vLLM honours it, for the series the scheduler reads and nothing else, and its load
+    reads the same as from the whole page. A worker whose filtered scrape fails (404), lacks
+    the series, or is not filtered is read whole on the next scrape, and for good after
+    FILTERED_MISSES_MAX such scrapes, without going stale; TGI (which would ignore the filter)
+    and a scheduler configured with scrape_only_used_series off are never sent it."""
     fixture = "vllm-0.32-cpu-running4-waiting8.txt"
     honours = FilteringStandIn(fixture, "a")
-    whole = StandIn(fixture, "b")  # ignores the query: every page is whole
-    misreads = FilteringStandIn(fixture, "c", empty_when_filtered=True)
-    tgi = FilteringStandIn("tgi.txt", "d")
-    unfiltered = FilteringStandIn(fixture, "e")
-    stand_ins = (honours, whole, misreads, tgi, unfiltered)
+    whole = StandIn(fixture, "b")  # plain /metrics, the whole page: the reference load
+    ignores = FilteringStandIn(fixture, "c", honour_on_slash=False)
+    no_slash = FilteringStandIn(fixture, "d", slash_path=False)
+    misreads = FilteringStandIn(fixture, "e", empty_when_filtered=True)
+    tgi = FilteringStandIn("tgi.txt", "f")
+    unfiltered = FilteringStandIn(fixture, "g")
+    stand_ins = (honours, whole, ignores, no_slash, misreads, tgi, unfiltered)
     runners = [await s.start() for s in stand_ins]
     services = [SchedulerService(SchedulerConfig(scrape_interval_ms=20, scrape_timeout_ms=300)),
                 SchedulerService(SchedulerConfig(scrape_interval_ms=20, scrape_timeout_ms=300,
                                                  scrape_only_used_series=False))]
-    add_static_workers(services[0], [honours.url, whole.url, misreads.url, tgi.url])
+    add_static_workers(services[0], [s.url for s in stand_ins[:-1]])
     add_static_workers(services[1], [unfiltered.url])
     scrapers = [Scraper(svc) for svc in services]
     tasks = [asyncio.create_task(sc.run()) for sc in scrapers]
     try:
-        counted = (honours, misreads, tgi, unfiltered)
+        counted = (honours, ignores, no_slash, misreads, tgi, unfiltered)
         await _until(lambda: min(len(s.asked) for s in counted) >= 2 * FILTERED_MISSES_MAX + 4)
         by_url = {w.url: w for w in services[0].registry.workers.values()}
-        assert honours.asked[0] == []  # the first page tells the dialect
-        assert all(set(names) == set(VLLM_V1.wanted) for names in honours.asked[1:])
+        assert honours.asked[0] == ("/metrics", [])  # the first page tells the dialect
+        assert all(path == "/metrics/" and set(names) == set(VLLM_V1.wanted)
+                   for path, names in honours.asked[1:])
+        assert by_url[honours.url].filtered_misses == 0
+        assert by_url[honours.url].view(time.monotonic())["metrics_filtered"] is True
         read = by_url[honours.url].snapshot
         full = by_url[whole.url].snapshot
         assert (read.running, read.waiting) == (4, 8)
         for field in ("running", "waiting", "kv_usage", "block_size", "num_blocks"):
             assert getattr(read, field) == getattr(full, field), field
 
-        filtered = [names for names in misreads.asked if names]
-        assert len(filtered) == FILTERED_MISSES_MAX
-        assert misreads.asked[-3:] == [[], [], []]
-        stale = time.monotonic() - by_url[misreads.url].snapshot.taken_at
-        assert stale < 1.0 and by_url[misreads.url].snapshot.running == 4
-        assert by_url[misreads.url].health.routable
+        for stand_in in (ignores, no_slash, misreads):
+            state = by_url[stand_in.url]
+            assert len(stand_in.filtered()) == FILTERED_MISSES_MAX, stand_in.model
+            assert stand_in.asked[-3:] == [("/metrics", [])] * 3, stand_in.model
+            assert state.filtered_misses == FILTERED_MISSES_MAX
+            assert state.view(time.monotonic())["metrics_filtered"] is False
+            assert time.monotonic() - state.snapshot.taken_at < 1.0, stand_in.model
+            assert state.snapshot.running == 4 and state.health.routable, stand_in.model
+        misses = services[0].metrics.scrape_filter_misses
+        assert misses.labels(by_url[no_slash.url].worker_id)._value.get() == FILTERED_MISSES_MAX
 
-        assert TGI.scrape_query == "" and all(names == [] for names in tgi.asked)
+        assert TGI.filtered_metrics_path == "" and tgi.filtered() == []
         assert by_url[tgi.url].dialect == "tgi"
-        assert all(names == [] for names in unfiltered.asked)
+        assert unfiltered.filtered() == []
     finally:
         for t in tasks:
             t.cancel()

@@ -123,15 +123,17 @@ def test_preempted_output_is_the_same_as_alone(worker):
     assert len(text.split()) >= MAX_TOKENS // 2  # readable words, not empty deltas
 
 
-def test_metrics_name_filter_serves_only_the_asked_series(worker):
-    """`/metrics?name[]=...` as vLLM's prometheus_client endpoint serves it: the scheduler asks
-    for the dozen series it reads every 100 ms instead of every histogram bucket."""
+@pytest.mark.parametrize("path", ["/metrics", "/metrics/"])
+def test_metrics_name_filter_serves_only_the_asked_series(worker, path):
+    """`?name[]=...` as prometheus_client's exposition serves it, on `/metrics` and on
+    `/metrics/` (where the scheduler sends it, because vLLM honours it only there): the
+    scheduler asks for the dozen series it reads every 100 ms instead of every bucket."""
     asked = ["vllm:num_requests_running", "vllm:prompt_tokens_total",
              "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"]
     with httpx.Client(base_url=worker.base_url, timeout=10) as client:
         client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8})
         whole = client.get("/metrics")
-        part = client.get("/metrics", params=[("name[]", name) for name in asked])
+        part = client.get(path, params=[("name[]", name) for name in asked])
     assert whole.status_code == part.status_code == 200
     assert part.headers["Content-Type"] == whole.headers["Content-Type"]
     whole_samples, part_samples = parse_samples(whole.text), parse_samples(part.text)
