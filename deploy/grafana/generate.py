@@ -200,7 +200,11 @@ def router_dashboard() -> dict:
             (f"histogram_quantile(0.99, sum by (le, worker) "
              f"(rate(scheduler_scrape_latency_seconds_bucket[{RATE}])))", "p99 {{worker}}"),
             (f"sum by (worker, kind) (rate(scheduler_scrape_failures_total[{RATE}]))",
-             "failures/s {{worker}} {{kind}}")], "s", width=8),
+             "failures/s {{worker}} {{kind}}"),
+            (f"sum by (worker) (rate(scheduler_scrape_filter_misses_total[{RATE}]))",
+             "filter misses/s {{worker}}")], "s", width=8,
+              description="A filter miss: a filtered /metrics scrape failed, lacked the series or "
+              "came back unfiltered; three per worker and it is read whole for good"),
         panel(ts, "Scheduler hold time (all workers saturated)",
               quantiles("scheduler_wait_seconds", "", ""), "s", width=8),
     ]
