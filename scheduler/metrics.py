@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ class _WorkerCollector:
                                     labels=["worker"])
         reserved = GaugeMetricFamily("scheduler_worker_reserved_tokens",
                                      "freed KV held for a follow-up turn", labels=["worker"])
+        cap = GaugeMetricFamily("scheduler_worker_running_cap", "running-request cap learnt from the "
+                                "worker's scrapes (absent while unknown)", labels=["worker"])
         now = time.monotonic()
         for w in list(self.service.registry.workers.values()):
             wid = [w.worker_id]
@@ -45,6 +48,8 @@ class _WorkerCollector:
             leases.add_metric(wid, float(w.in_flight))
             backlog.add_metric(wid, w.prefill_backlog)
             reserved.add_metric(wid, w.reserved_tokens)
+            if w.running_cap.cap != math.inf:
+                cap.add_metric(wid, w.running_cap.cap)
             s = w.snapshot
             if s is not None:
                 age.add_metric(wid, now - s.taken_at)
@@ -52,7 +57,7 @@ class _WorkerCollector:
                 waiting.add_metric(wid, s.waiting)
                 if s.kv_usage is not None:
                     kv.add_metric(wid, s.kv_usage)
-        yield from (healthy, age, leases, backlog, reserved, running, waiting, kv)
+        yield from (healthy, age, leases, backlog, reserved, running, waiting, kv, cap)
         yield from self._reservations()
 
     def _reservations(self):

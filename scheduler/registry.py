@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from scheduler.health import HALF_OPEN, Health
+from scheduler.running_cap import RunningCap
 from scheduler.scrape.rates import RateTracker
 from scheduler.scrape.snapshot import LoadSnapshot
+
+log = logging.getLogger(__name__)
 
 WHOLE_METRICS_PATH = "/metrics"
 
@@ -47,6 +51,7 @@ class WorkerState:
         self.filtered_misses = 0
         self.whole_page_bytes = 0  # size of the last whole page, to tell an ignored filter
         self.expires_at: float | None = None  # registrations expire without heartbeats
+        self.running_cap = RunningCap()  # learnt from the scrapes (no engine publishes it)
         # Lease accounting.
         self.leases: dict[str, object] = {}
         self.unseen = 0  # leases issued after the snapshot was taken
@@ -123,6 +128,10 @@ class WorkerState:
         """Leases issued before the scrape was sent (minus a lag for the gateway to
         forward) are in the worker's own numbers now: stop counting them twice."""
         self.snapshot = snap
+        if self.running_cap.observe(snap):
+            cap = self.running_cap.cap
+            log.info("%s: running cap %s", self.worker_id,
+                     "dropped" if math.isinf(cap) else f"{cap:g} (requests wait with KV free)")
         cutoff = snap.taken_at - visibility_lag_s
         unseen, tokens = 0, 0.0
         for lease in self.leases.values():
@@ -192,6 +201,7 @@ class WorkerState:
             "in_flight_leases": self.in_flight,
             "unseen_leases": self.unseen,
             "prefill_backlog_tokens": round(self.prefill_backlog),
+            "running_cap": None if math.isinf(self.running_cap.cap) else self.running_cap.cap,
             "score": None if math.isinf(self.score) else round(self.score, 4),
             "saturated": self.saturated,
             "sources": sorted(self.sources),

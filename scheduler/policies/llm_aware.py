@@ -6,7 +6,8 @@ What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
    KV usage (including blocks unseen leases will take, less what requests released since
    the scrape held, plus what is reserved for follow-ups) is at `max_kv_usage` or more,
-   it runs `max_running` requests (if set), it has `max_prefill_backlog` or more prompt
+   it runs `max_running` requests (if set) or as many as the running cap learnt from its
+   scrapes (`use_running_cap`, scheduler/running_cap.py), it has `max_prefill_backlog` or more prompt
    tokens sent and not yet prefilled (if set; less the progress its prefill rate implies
    since its prompt counter last moved), its load data is stale, or its free KV cannot
    hold this request (prompt + output_fraction * max_tokens, which is also what a lease
@@ -57,6 +58,10 @@ class LlmAwareParams:
     # blocks, and reserving output too held long-history chats at the head of the gateway's
     # queue for KV they did not need yet.
     output_fraction: float = 0.0
+    # A worker running as many requests as the cap its scrapes revealed (requests waiting
+    # while no prompt gets through and KV is free) is saturated: the next one would wait there
+    # for a whole answer to finish. Only workers that have queued at their cap have one.
+    use_running_cap: bool = True
     hold_when_saturated: bool = True
     w_waiting: float = 4.0
     w_running: float = 1.0
@@ -116,6 +121,8 @@ class LlmAware(Policy):
             sat = "kv_usage"
         elif p.max_running and running >= p.max_running:
             sat = "running"
+        elif p.use_running_cap and running >= w.running_cap.cap:
+            sat = "running_cap"
         elif p.max_prefill_backlog and w.prefill_pending >= p.max_prefill_backlog:
             sat = "prefill_backlog"
         w.saturated = sat

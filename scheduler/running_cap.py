@@ -1,0 +1,55 @@
+"""A worker's running-request cap (vLLM's --max-num-seqs, SGLang's --max-running-requests),
+learnt from its metrics, since no engine publishes it.
+
+Why: a worker whose running slots are all taken makes the next request wait for a whole answer
+to finish, however much KV it has free. Until that request shows as waiting, the scrape looks
+like any other worker's (two real vLLM servers, --max-num-seqs 2 and 8, each running 2: the
+request that went to the small one waited 34 s for its first token while the large one had six
+slots free). Once the cap is known, the scheduler counts a request beyond it as waiting
+before it is sent.
+
+How: an engine is at its cap when requests wait and yet none is admitted, although it has KV
+to spare: waiting >= 1, the running count unchanged, the prefilled-prompt counter unchanged
+(nobody got through prefill), KV usage under KV_BOUND. A prompt that needs several prefill
+steps can look like that for a moment, so the state must hold for PLATEAU_S. A cap is dropped
+when the worker runs more than it (it was wrong) and after TTL_S (so that a cap learnt from an
+odd stall, e.g. requests waiting for a grammar or a LoRA adapter, cannot starve a worker for
+long); it is learnt again the next time the worker queues at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scheduler.scrape.snapshot import LoadSnapshot
+
+KV_BOUND = 0.8  # at or above, requests may be waiting for KV: no cap can be read
+PLATEAU_S = 1.0
+TTL_S = 60.0
+
+
+class RunningCap:
+    __slots__ = ("_prompts", "_running", "_since", "cap", "learnt_at")
+
+    def __init__(self) -> None:
+        self.cap = math.inf
+        self.learnt_at = -math.inf
+        self._since: float | None = None  # start of the current at-cap-looking plateau
+        self._running = -1.0
+        self._prompts: float | None = None
+
+    def observe(self, snap: LoadSnapshot) -> bool:
+        """Take one scrape; True when the cap changed (learnt, or dropped)."""
+        before = self.cap
+        now, running = snap.taken_at, snap.running
+        if running > self.cap or now - self.learnt_at > TTL_S:
+            self.cap, self.learnt_at = math.inf, -math.inf
+        prompts = snap.prefilled_tokens_total
+        stuck = (snap.waiting >= 1 and running >= 1 and prompts is not None
+                 and snap.kv_usage is not None and snap.kv_usage < KV_BOUND)
+        if not (stuck and running == self._running and prompts == self._prompts):
+            self._since = now if stuck else None
+        elif self._since is not None and now - self._since >= PLATEAU_S:
+            self.cap, self.learnt_at = running, now
+        self._running, self._prompts = running, prompts
+        return self.cap != before
