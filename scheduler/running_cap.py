@@ -5,8 +5,8 @@ Why: a worker whose running slots are all taken makes the next request wait for 
 to finish, however much KV it has free. Until that request shows as waiting, the scrape looks
 like any other worker's (two real vLLM servers, --max-num-seqs 2 and 8, each running 2: the
 request that went to the small one waited 34 s for its first token while the large one had six
-slots free). Once the cap is known, the scheduler counts a request beyond it as waiting
-before it is sent.
+slots free). Once the cap is known, llm_aware treats a worker running that many (leases sent
+since the scrape included) as saturated, before a request waits there.
 
 How: an engine is at its cap when requests wait and yet none is admitted, although it has KV
 to spare: waiting >= 1, the running count unchanged, the prefilled-prompt counter unchanged
