@@ -47,9 +47,11 @@ class RunningCap:
         prompts = snap.prefilled_tokens_total
         stuck = (snap.waiting >= 1 and running >= 1 and prompts is not None
                  and snap.kv_usage is not None and snap.kv_usage < KV_BOUND)
-        if not (stuck and running == self._running and prompts == self._prompts):
-            self._since = now if stuck else None
-        elif self._since is not None and now - self._since >= PLATEAU_S:
+        if not stuck:
+            self._since = None
+        elif self._since is None or running != self._running or prompts != self._prompts:
+            self._since = now  # a plateau starts (or starts again: something moved)
+        elif now - self._since >= PLATEAU_S:
             self.cap, self.learnt_at = running, now
         self._running, self._prompts = running, prompts
         return self.cap != before

@@ -34,6 +34,16 @@ def test_cap_is_learnt_from_a_worker_queueing_with_kv_free_and_no_prompt_admitte
     assert worker(svc, "w0").view(time.monotonic())["running_cap"] == 2
 
 
+def test_cap_is_learnt_when_a_request_starts_waiting_beside_unchanged_running():
+    """The usual start of a plateau: the worker ran 2 and admitted nothing for a while, then a
+    request arrives and waits. Nothing but `waiting` changes between those scrapes."""
+    svc = make_service(n=1)
+    t0 = time.monotonic() - 10.0
+    t = scrapes(svc, "w0", t0, 1.0, running=2, waiting=0, kv=0.05, prompt_total=500.0)
+    scrapes(svc, "w0", t, PLATEAU_S + STEP, running=2, waiting=1, kv=0.05, prompt_total=500.0)
+    assert worker(svc, "w0").running_cap.cap == 2
+
+
 def test_no_cap_from_waits_that_are_not_the_cap():
     t0 = time.monotonic() - 10.0
     cases = {
