@@ -97,6 +97,11 @@ class WorkerState:
         return len(self.leases)
 
     @property
+    def metrics_filtered(self) -> bool:
+        """Scraped for its dialect's series alone (not the whole page)."""
+        return self.metrics_path != WHOLE_METRICS_PATH
+
+    @property
     def waiting_eff(self) -> float:
         s = self.snapshot
         if s is None:
@@ -194,7 +199,7 @@ class WorkerState:
             "healthy": self.health.routable,
             "state": self.health.state,
             "dialect": self.dialect,
-            "metrics_filtered": self.metrics_path != WHOLE_METRICS_PATH,
+            "metrics_filtered": self.metrics_filtered,
             "models": sorted(self.models),
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
             "data_age_ms": None if age is None else round(age * 1000.0, 1),

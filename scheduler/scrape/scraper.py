@@ -129,7 +129,7 @@ class Scraper:
                 return
             now = time.monotonic()
             m.scrape_latency.labels(w.worker_id).observe(now - sent)
-            if status != 200 and w.metrics_path != WHOLE_METRICS_PATH:
+            if status != 200 and w.metrics_filtered:
                 # The filtered path itself may be what fails (a proxy that knows only /metrics):
                 # the whole page, next, tells whether the worker is at fault.
                 self._filter_missed(w, f"answered {status}")
@@ -156,7 +156,7 @@ class Scraper:
 
     def _ingest(self, w: WorkerState, text: str, sent: float) -> None:
         dialect = dialects.DIALECTS.get(w.dialect or "")
-        filtered = w.metrics_path != WHOLE_METRICS_PATH
+        filtered = w.metrics_filtered
         raw = dialect.extract(parse_selected(text, dialect.wanted)) if dialect else None
         if raw is None or (raw.running is None and raw.waiting is None):
             if filtered:
