@@ -52,12 +52,12 @@ def attach_stat_loggers(engine, config: WorkerConfig, registry: CollectorRegistr
     return prometheus
 
 
-async def _start_registrar(config: WorkerConfig) -> Registrar | None:
+async def _start_registrar(config: WorkerConfig, max_running: int) -> Registrar | None:
     """Register with the scheduler (--register-with); start() returns at once and keeps
     retrying and heart-beating in the background."""
     if not config.register_with:
         return None
-    registrar = Registrar(config)
+    registrar = Registrar(config, max_running=max_running)
     await registrar.start()
     return registrar
 
@@ -92,7 +92,7 @@ async def run_worker(config: WorkerConfig) -> None:
             config.host,
             config.port,
         )
-        registrar = await _start_registrar(config)
+        registrar = await _start_registrar(config, engine.max_num_seqs)
         await stop.wait()
         log.info("shutting down")
     finally:

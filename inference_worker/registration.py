@@ -21,8 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class Registrar:
-    def __init__(self, config: WorkerConfig, *, heartbeat_s: float | None = None) -> None:
+    def __init__(self, config: WorkerConfig, *, heartbeat_s: float | None = None,
+                 max_running: int | None = None) -> None:
         self.config = config
+        # The engine's running-request cap (max_num_seqs), so the scheduler knows it before
+        # requests queue here.
+        self.max_running = max_running
         self.scheduler = (config.register_with or "").rstrip("/")
         self.url = (config.advertise_url or f"http://{config.host}:{config.port}").rstrip("/")
         self.heartbeat_s = heartbeat_s  # None: what the scheduler asks for
@@ -37,7 +41,10 @@ class Registrar:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def _body(self) -> dict:
-        return {"url": self.url, "models": [self.config.model_name], "engine": "vllm"}
+        body = {"url": self.url, "models": [self.config.model_name], "engine": "vllm"}
+        if self.max_running is not None:
+            body["max_running"] = self.max_running
+        return body
 
     async def start(self) -> None:
         """Call once the worker is ready to serve. Registers in the background (retrying

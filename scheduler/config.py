@@ -28,6 +28,12 @@ class SchedulerConfig(BaseSettings):
     workers: str = Field("", description="static worker URLs, comma-separated")
     registration_token: str | None = Field(None, description="shared token for POST /v1/workers")
     registration_ttl_s: float = Field(10.0, gt=0, description="a registration expires without heartbeats")
+    worker_max_running: dict[str, int] = Field(
+        default_factory=dict,
+        description="running-request cap per worker (its --max-num-seqs / --max-running-requests), "
+        "by worker id (host:port) or URL, YAML or JSON: llm_aware keeps a worker at its cap out of "
+        "the choice from the first request on (else the cap is learnt once requests queue there); "
+        "it wins over a cap a registration or TGI's /info announces")
     k8s_namespace: str | None = Field(None, description="watch EndpointSlices in this namespace")
     k8s_label_selector: str | None = Field(None, description="label selector of the EndpointSlices")
     k8s_port: str | None = Field(None, description="port name or number on the endpoints (default first)")
@@ -121,6 +127,19 @@ class SchedulerConfig(BaseSettings):
             if url and not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https://: {url}")
         return v
+
+    @field_validator("worker_max_running")
+    @classmethod
+    def _check_caps(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [key for key, cap in v.items() if cap < 1]
+        if bad:
+            raise ValueError(f"worker_max_running must be at least 1 (given for {', '.join(bad)})")
+        return {key.rstrip("/"): cap for key, cap in v.items()}
+
+    def declared_running_cap(self, worker_id: str, url: str) -> int | None:
+        """The configured cap of a worker, looked up by its id or its URL."""
+        caps = self.worker_max_running
+        return caps.get(worker_id, caps.get(url)) if caps else None
 
     @model_validator(mode="after")
     def _check(self) -> SchedulerConfig:

@@ -39,8 +39,9 @@ class _WorkerCollector:
                                     labels=["worker"])
         reserved = GaugeMetricFamily("scheduler_worker_reserved_tokens",
                                      "freed KV held for a follow-up turn", labels=["worker"])
-        cap = GaugeMetricFamily("scheduler_worker_running_cap", "running-request cap learnt from the "
-                                "worker's scrapes (absent while unknown)", labels=["worker"])
+        cap = GaugeMetricFamily("scheduler_worker_running_cap", "running-request cap in force: declared "
+                                "(config, registration, TGI /info) or learnt from the worker's scrapes "
+                                "(absent while unknown)", labels=["worker"])
         now = time.monotonic()
         for w in list(self.service.registry.workers.values()):
             wid = [w.worker_id]

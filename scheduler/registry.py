@@ -51,7 +51,7 @@ class WorkerState:
         self.filtered_misses = 0
         self.whole_page_bytes = 0  # size of the last whole page, to tell an ignored filter
         self.expires_at: float | None = None  # registrations expire without heartbeats
-        self.running_cap = RunningCap()  # learnt from the scrapes (no engine publishes it)
+        self.running_cap = RunningCap()  # declared, or learnt from the scrapes
         # Lease accounting.
         self.leases: dict[str, object] = {}
         self.unseen = 0  # leases issued after the snapshot was taken
@@ -134,9 +134,7 @@ class WorkerState:
         forward) are in the worker's own numbers now: stop counting them twice."""
         self.snapshot = snap
         if self.running_cap.observe(snap):
-            cap = self.running_cap.cap
-            log.info("%s: running cap %s", self.worker_id,
-                     "dropped" if math.isinf(cap) else f"{cap:g} (requests wait with KV free)")
+            self._log_running_cap()
         cutoff = snap.taken_at - visibility_lag_s
         unseen, tokens = 0, 0.0
         for lease in self.leases.values():
@@ -160,6 +158,16 @@ class WorkerState:
         else:
             elapsed = snap.taken_at - self._progress_since
             self.prefill_progress = min(self.prefill_backlog, (snap.prefill_tps or 0.0) * elapsed)
+
+    def declare_running_cap(self, cap: float | None) -> None:
+        """What the config, the registration or the engine's info says the cap is."""
+        if self.running_cap.declare(cap):
+            self._log_running_cap()
+
+    def _log_running_cap(self) -> None:
+        rc = self.running_cap
+        level = logging.WARNING if math.isinf(rc.cap) and not math.isinf(rc.disproved) else logging.INFO
+        log.log(level, "%s: running cap %s", self.worker_id, rc.describe())
 
     def _absorb_credit(self, counted: float) -> float:
         """The part of a prompt-counter increase that is not a prompt already reported
@@ -207,6 +215,8 @@ class WorkerState:
             "unseen_leases": self.unseen,
             "prefill_backlog_tokens": round(self.prefill_backlog),
             "running_cap": None if math.isinf(self.running_cap.cap) else self.running_cap.cap,
+            "running_cap_declared": (None if math.isinf(self.running_cap.declared)
+                                     else self.running_cap.declared),
             "score": None if math.isinf(self.score) else round(self.score, 4),
             "saturated": self.saturated,
             "sources": sorted(self.sources),

@@ -1,5 +1,6 @@
-"""A worker's running-request cap (vLLM's --max-num-seqs, SGLang's --max-running-requests),
-learnt from its metrics, since no engine publishes it.
+"""A worker's running-request cap (vLLM's --max-num-seqs, SGLang's --max-running-requests):
+declared by whoever knows it, or learnt from the worker's metrics, since no engine's /metrics
+publishes it.
 
 Why: a worker whose running slots are all taken makes the next request wait for a whole answer
 to finish, however much KV it has free. Until that request shows as waiting, the scrape looks
@@ -15,6 +16,13 @@ steps can look like that for a moment, so the state must hold for PLATEAU_S. A c
 when the worker runs more than it (it was wrong) and after TTL_S (so that a cap learnt from an
 odd stall, e.g. requests waiting for a grammar or a LoRA adapter, cannot starve a worker for
 long); it is learnt again the next time the worker queues at it.
+
+Declared: the operator's config (`worker_max_running`), the worker's registration
+(`max_running`), or TGI's /info (`max_batch_size`) can say it up front, so that the first burst,
+sent before any scrape could show a queue, already respects it (with two real vLLM servers,
+--max-num-seqs 2 and 8, half of the first wave went to the small one). The cap in force is
+the smaller of the declared and the learnt. A declaration the worker disproves (it runs more)
+is set aside, with a warning, until a different value is declared.
 """
 
 from __future__ import annotations
@@ -29,21 +37,36 @@ TTL_S = 60.0
 
 
 class RunningCap:
-    __slots__ = ("_prompts", "_running", "_since", "cap", "learnt_at")
+    __slots__ = ("_disproved", "_prompts", "_running", "_since", "cap", "declared", "learnt", "learnt_at")
 
     def __init__(self) -> None:
-        self.cap = math.inf
+        self.cap = math.inf  # in force: min(declared, learnt)
+        self.declared = math.inf
+        self._disproved = math.inf  # a declared value the worker ran more than
+        self.learnt = math.inf
         self.learnt_at = -math.inf
         self._since: float | None = None  # start of the current at-cap-looking plateau
         self._running = -1.0
         self._prompts: float | None = None
 
+    def declare(self, cap: float | None) -> bool:
+        """The cap as configured or announced (None: none); True when the cap in force changed.
+        Repeating a value the worker disproved does not bring it back."""
+        before = self.cap
+        cap = math.inf if cap is None else float(cap)
+        if math.isinf(cap) or cap != self._disproved:
+            self.declared, self._disproved = cap, math.inf
+        self.cap = min(self.declared, self.learnt)
+        return self.cap != before
+
     def observe(self, snap: LoadSnapshot) -> bool:
-        """Take one scrape; True when the cap changed (learnt, or dropped)."""
+        """Take one scrape; True when the cap in force changed (learnt, dropped, disproved)."""
         before = self.cap
         now, running = snap.taken_at, snap.running
-        if running > self.cap or now - self.learnt_at > TTL_S:
-            self.cap, self.learnt_at = math.inf, -math.inf
+        if running > self.declared:
+            self._disproved, self.declared = self.declared, math.inf
+        if running > self.learnt or now - self.learnt_at > TTL_S:
+            self.learnt, self.learnt_at = math.inf, -math.inf
         prompts = snap.prefilled_tokens_total
         stuck = (snap.waiting >= 1 and running >= 1 and prompts is not None
                  and snap.kv_usage is not None and snap.kv_usage < KV_BOUND)
@@ -52,6 +75,21 @@ class RunningCap:
         elif self._since is None or running != self._running or prompts != self._prompts:
             self._since = now  # a plateau starts (or starts again: something moved)
         elif now - self._since >= PLATEAU_S:
-            self.cap, self.learnt_at = running, now
+            self.learnt, self.learnt_at = running, now
         self._running, self._prompts = running, prompts
+        self.cap = min(self.declared, self.learnt)
         return self.cap != before
+
+    @property
+    def disproved(self) -> float:
+        """The declared cap the worker ran more than (inf: none)."""
+        return self._disproved
+
+    def describe(self) -> str:
+        """For the log line of a change."""
+        if math.isinf(self.cap):
+            if not math.isinf(self._disproved):
+                return f"none (the declared {self._disproved:g} was disproved: the worker ran more)"
+            return "none"
+        how = "declared" if self.cap == self.declared else "learnt: requests wait with KV free"
+        return f"{self.cap:g} ({how})"

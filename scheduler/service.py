@@ -88,8 +88,18 @@ class SchedulerService:
 
     def add_worker(self, w: WorkerState) -> WorkerState:
         w = self.registry.add(w)
+        configured = self.cfg.declared_running_cap(w.worker_id, w.url)
+        if configured is not None:
+            w.declare_running_cap(configured)
         self.policy.refresh(w)
         return w
+
+    def announce_running_cap(self, w: WorkerState, cap: int) -> None:
+        """A cap the worker announced (its registration, TGI's /info): the operator's
+        configured one, if any, wins."""
+        if self.cfg.declared_running_cap(w.worker_id, w.url) is None:
+            w.declare_running_cap(cap)
+            self.policy.refresh(w)
 
     def remove_worker(self, worker_id: str, source: str | None = None) -> bool:
         w = self.registry.remove(worker_id, source)

@@ -58,6 +58,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    @property
     def tokenizer(self) -> WorkerTokenizer:
         return self.engine.tokenizer
 

@@ -33,7 +33,7 @@ def check_token(service: SchedulerService, authorization: str | None) -> None:
         raise RegistrationError(401, "invalid or missing registration token")
 
 
-def _validate(body: object) -> tuple[str, list[str], str | None, str | None]:
+def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int | None]:
     if not isinstance(body, dict):
         raise RegistrationError(400, "body must be a JSON object")
     url = body.get("url")
@@ -51,17 +51,26 @@ def _validate(body: object) -> tuple[str, list[str], str | None, str | None]:
     worker_id = body.get("worker_id")
     if worker_id is not None and (not isinstance(worker_id, str) or not worker_id or "/" in worker_id):
         raise RegistrationError(400, "worker_id must be a non-empty string without '/'", "worker_id")
-    return url.rstrip("/"), models, engine, worker_id
+    max_running = body.get("max_running")
+    if max_running is not None and (
+        not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1
+    ):
+        raise RegistrationError(400, "max_running must be a positive integer", "max_running")
+    return url.rstrip("/"), models, engine, worker_id, max_running
 
 
 def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool]:
-    """Add or refresh (heartbeat) a registration. Returns (worker, created)."""
-    url, models, engine, worker_id = _validate(body)
+    """Add or refresh (heartbeat) a registration. Returns (worker, created).
+
+    `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py)."""
+    url, models, engine, worker_id, max_running = _validate(body)
     known = service.registry.workers.get(worker_id) if worker_id else service.registry.by_url(url)
     created = known is None or SOURCE not in known.sources
     w = service.add_worker(
         WorkerState(url, worker_id=worker_id, models=models, engine=engine, source=SOURCE)
     )
+    if max_running is not None:
+        service.announce_running_cap(w, max_running)
     w.expires_at = time.monotonic() + service.cfg.registration_ttl_s
     return w, created
 

@@ -213,7 +213,8 @@ class Scraper:
 
     async def refresh_tgi_info(self, w: WorkerState) -> None:
         """TGI's KV pool size: /info's max_batch_total_tokens (the token budget its batches
-        are admitted against, which tgi_batch_current_max_tokens fills)."""
+        are admitted against, which tgi_batch_current_max_tokens fills); and its running cap,
+        /info's max_batch_size, when the server was started with one."""
         w.info_fetched_at = time.monotonic()
         try:
             async with self.session.get(w.url + "/info", timeout=self.timeout) as resp:
@@ -221,11 +222,14 @@ class Scraper:
                     return
                 info = json.loads(await resp.read())
             cap = info.get("max_batch_total_tokens")
+            batch = info.get("max_batch_size")
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             log.debug("info of %s: %r", w.worker_id, exc)
             return
-        if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+        if _positive_int(cap):
             w.info_kv_capacity = cap
+        if _positive_int(batch):
+            self.service.announce_running_cap(w, batch)
 
     async def refresh_models(self, w: WorkerState) -> None:
         """Served models come from the worker's /v1/models (registrations may name them)."""
@@ -242,3 +246,7 @@ class Scraper:
             log.debug("models of %s: %r", w.worker_id, exc)
             return
         self.service.registry.set_models(w, models)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -10,8 +10,10 @@ from scheduler.scrape.snapshot import LoadSnapshot
 from scheduler.service import SchedulerService
 
 
-def make_service(policy: str = "llm_aware", n: int = 3, model: str = "m", **params) -> SchedulerService:
-    svc = SchedulerService(SchedulerConfig(policy=policy, policy_params=params))
+def make_service(policy: str = "llm_aware", n: int = 3, model: str = "m", config: dict | None = None,
+                 **params) -> SchedulerService:
+    """n workers w0.. at http://127.0.0.1:9000.., healthy, idle; `config`: more SchedulerConfig fields."""
+    svc = SchedulerService(SchedulerConfig(policy=policy, policy_params=params, **(config or {})))
     for i in range(n):
         w = svc.add_worker(WorkerState(f"http://127.0.0.1:{9000 + i}", worker_id=f"w{i}", models=[model]))
         w.health.on_success(time.monotonic(), 1)

@@ -53,7 +53,8 @@ def cluster():
                             "--registration-token", TOKEN, "--registration-ttl-s", "3")
     # Slow steps (time-scale 3) and 2 sequences per worker so that saturation is easy to reach.
     workers = {p: start_sim_worker(p, "m", "--max-num-seqs", "2", "--time-scale", "3") for p in ports}
-    reg = start_sim_worker(reg_port, "other", "--register-with", base, "--registration-token", TOKEN)
+    reg = start_sim_worker(reg_port, "other", "--register-with", base, "--registration-token", TOKEN,
+                           "--max-num-seqs", "5")
     procs = [sched, *workers.values(), reg]
     try:
         wait_http(f"{base}/health", sched)
@@ -98,6 +99,8 @@ def test_discovery_dialect_and_models(cluster):
         assert w["snapshot"]["num_blocks"] == 64 and w["snapshot"]["block_size"] == 16
     reg = ws[wid(cluster["reg_port"])]
     assert reg["models"] == ["other"] and reg["sources"] == ["registration"]
+    # The registration carries the worker's --max-num-seqs: its cap holds from the first request.
+    assert reg["running_cap_declared"] == 5 and reg["running_cap"] == 5
 
 
 async def test_model_filtering(cluster):

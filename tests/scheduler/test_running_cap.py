@@ -1,11 +1,16 @@
-"""The running-request cap learnt from a worker's scrapes (scheduler/running_cap.py), and
-llm_aware keeping requests off a worker that runs as many as its cap."""
+"""The running-request cap, learnt from a worker's scrapes or declared (config, registration;
+scheduler/running_cap.py), and llm_aware keeping requests off a worker that runs as many as
+its cap."""
 
 from __future__ import annotations
 
 import math
 import time
 
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.discovery.registration import RegistrationError, register
 from scheduler.running_cap import PLATEAU_S, TTL_S
 from scheduler.service import Wait
 from tests.scheduler.helpers import feed, make_service, worker
@@ -103,3 +108,59 @@ def test_llm_aware_keeps_requests_off_a_worker_at_its_cap():
     feed(svc, worker(svc, "w0"), taken_at=t, running=1, waiting=0, kv=0.05, prompt_total=900.0)
     picks = [decide(svc) for _ in range(3)]  # two slots free, then held until one frees
     assert [isinstance(p, Wait) for p in picks] == [False, False, True]
+
+
+def test_declared_caps_shape_the_first_burst_before_any_scrape_shows_a_queue():
+    """Two idle workers with caps 2 and 8 (by worker id and by URL): a burst of 10 between
+    scrapes puts 2 on the small one and 8 on the large one, then holds; with nothing declared
+    the burst splits evenly (half of it would wait on the small one for whole answers)."""
+    caps = {"w0": 2, "http://127.0.0.1:9001/": 8}
+    svc = make_service(n=2, config={"worker_max_running": caps})
+    picks = [decide(svc) for _ in range(11)]
+    chosen = [p["worker_id"] for p in picks[:10]]
+    assert (chosen.count("w0"), chosen.count("w1")) == (2, 8)
+    assert isinstance(picks[10], Wait)
+    assert worker(svc, "w0").view(time.monotonic())["running_cap_declared"] == 2
+
+    svc = make_service(n=2)
+    chosen = [decide(svc)["worker_id"] for _ in range(10)]
+    assert (chosen.count("w0"), chosen.count("w1")) == (5, 5)
+
+
+def test_a_declared_cap_the_worker_disproves_is_set_aside_until_another_is_declared():
+    svc = make_service(n=1, config={"worker_max_running": {"w0": 2}})
+    w = worker(svc, "w0")
+    assert w.running_cap.cap == 2
+    feed(svc, w, running=3)  # it runs 3: the declaration was wrong
+    assert w.running_cap.cap == math.inf
+    w.declare_running_cap(2)  # the same value again (a heartbeat) does not bring it back
+    assert w.running_cap.cap == math.inf
+    w.declare_running_cap(4)
+    assert w.running_cap.cap == 4
+    w.declare_running_cap(None)
+    assert w.running_cap.cap == math.inf
+
+
+def test_the_smaller_of_declared_and_learnt_is_in_force():
+    svc = make_service(n=1, config={"worker_max_running": {"w0": 8}})
+    t0 = time.monotonic() - 200.0
+    t = scrapes(svc, "w0", t0, PLATEAU_S + STEP, running=2, waiting=1, kv=0.05, prompt_total=500.0)
+    assert worker(svc, "w0").running_cap.cap == 2  # e.g. an engine that admits fewer than its flag
+    scrapes(svc, "w0", t, TTL_S + STEP, running=2, waiting=0, kv=0.05, prompt_total=500.0)
+    assert worker(svc, "w0").running_cap.cap == 8  # the learnt one expired; the declared stays
+
+
+def test_registration_announces_a_cap_that_config_overrides():
+    svc = make_service(n=0, config={"registration_token": "t", "worker_max_running": {"127.0.0.1:9101": 3}})
+    announced, _ = register(svc, {"url": "http://127.0.0.1:9100", "models": ["m"], "max_running": 6})
+    configured, _ = register(svc, {"url": "http://127.0.0.1:9101", "models": ["m"], "max_running": 6})
+    assert (announced.running_cap.cap, configured.running_cap.cap) == (6, 3)
+    for bad in (0, -1, 2.5, "4", True):
+        with pytest.raises(RegistrationError) as err:
+            register(svc, {"url": "http://127.0.0.1:9102", "max_running": bad})
+        assert (err.value.status, err.value.param) == (400, "max_running")
+
+
+def test_config_refuses_caps_below_one():
+    with pytest.raises(ValueError, match="worker_max_running"):
+        SchedulerConfig(worker_max_running={"w0": 0})

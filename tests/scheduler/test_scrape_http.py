@@ -6,6 +6,7 @@ answers (busy, not dead: kept in rotation but treated as saturated)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 
@@ -136,7 +137,8 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
     """TGI publishes the tokens its running batch reserves (tgi_batch_current_max_tokens 20480
     in the fixture) but not its budget; /info's max_batch_total_tokens gives it. Without /info
     the usage stays unknown rather than guessed."""
-    with_info = StandIn("tgi.txt", "llama", info={"model_id": "llama", "max_batch_total_tokens": 81920})
+    with_info = StandIn("tgi.txt", "llama", info={"model_id": "llama", "max_batch_total_tokens": 81920,
+                                                  "max_batch_size": 16})
     without = StandIn("tgi.txt", "llama")
     runners = [await s.start() for s in (with_info, without)]
     svc = SchedulerService(SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=300))
@@ -149,9 +151,11 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
         await _until(lambda: tgi.snapshot is not None and tgi.snapshot.kv_usage is not None)
         s = tgi.snapshot
         assert (s.kv_usage, s.block_size, s.num_blocks) == (0.25, 1, 81920)
+        assert tgi.running_cap.cap == 16  # /info's max_batch_size: the batch holds no more
         await _until(lambda: blind.snapshot is not None and blind.info_fetched_at > 0)
         await asyncio.sleep(0.12)  # scrapes after the failed /info read
         assert blind.snapshot.kv_usage is None and blind.snapshot.num_blocks is None
+        assert blind.running_cap.cap == math.inf
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
