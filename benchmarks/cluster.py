@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import os
 import signal
 import socket
@@ -106,6 +108,9 @@ class ClusterSpec:
     scrape_interval_ms: int = 100
     gateway_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
+    # Tell the scheduler each worker's running cap (its --max-num-seqs in worker_args) up front,
+    # as an operator's config would, instead of leaving it to be learnt.
+    declare_running_caps: bool = False
     log_dir: Path = Path("/tmp/routing-logs")
     startup_timeout_s: float = 120.0
 
@@ -139,6 +144,16 @@ class Cluster:
         if spec.backend == "sim":
             argv += ["--sim-profile", spec.profiles[index], "--time-scale", str(spec.time_scale)]
         return argv + self._extra_worker_args(index)
+
+    def _declared_caps(self) -> dict[str, int]:
+        """URL -> the --max-num-seqs its worker was started with (workers without one: left out)."""
+        caps = {}
+        for i, url in enumerate(self.worker_urls):
+            args = self._extra_worker_args(i)
+            for flag, value in itertools.pairwise(args):
+                if flag == "--max-num-seqs":
+                    caps[url] = int(value)
+        return caps
 
     def _worker_env(self, index: int) -> dict[str, str] | None:
         if self.spec.backend != "vllm":
@@ -198,6 +213,8 @@ class Cluster:
                  "--scrape-interval-ms", str(spec.scrape_interval_ms)]
         if spec.scheduler_config:
             sargv += ["--config", spec.scheduler_config]
+        if spec.declare_running_caps:
+            sargv += ["--worker-max-running", json.dumps(self._declared_caps())]
         self.scheduler = ManagedProcess("scheduler", sargv + spec.scheduler_args, log_dir / "scheduler.log")
         gport = free_port()
         self.gateway_url = f"http://{HOST}:{gport}"

@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler-config", default=None,
                    help="scheduler YAML with policy_params: a bare PATH applies to llm_aware; "
                    "POLICY=PATH[,POLICY=PATH] names the policy each file tunes")
+    p.add_argument("--declare-running-caps", action="store_true",
+                   help="give the scheduler each worker's --max-num-seqs (from --worker-args) as its "
+                   "running cap (worker_max_running), as an operator's config would; else the cap "
+                   "is learnt once requests queue at it")
     p.add_argument("--scrape-interval-ms", type=int, default=100)
     p.add_argument("--gateway-args", default=GATEWAY_BENCH_ARGS, help="gateway flags, shell-quoted")
     p.add_argument("--client-args", default="", help="extra benchmark-client options as JSON object")
@@ -134,6 +138,7 @@ def scenario_of(args: argparse.Namespace) -> dict:
         "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "seed": args.seed, "time_scale": args.time_scale,
         "scrape_interval_ms": args.scrape_interval_ms, "scheduler_config": args.scheduler_config,
+        "declare_running_caps": args.declare_running_caps,
         "scheduler_config_text": config_text, "gateway_args": args.gateway_args,
         "policies": [s for s in args.policies.split(",") if s],
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (shared)", "git_commit": commit,
@@ -155,7 +160,8 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
         worker_args=[shlex.split(a) for a in args.worker_args],
         scheduler_config=scheduler_configs(args.scheduler_config).get(policy),
         scrape_interval_ms=args.scrape_interval_ms, gateway_args=shlex.split(args.gateway_args),
-        log_dir=log_dir, startup_timeout_s=VLLM_STARTUP_TIMEOUT_S if args.backend == "vllm" else 120.0,
+        declare_running_caps=args.declare_running_caps, log_dir=log_dir,
+        startup_timeout_s=VLLM_STARTUP_TIMEOUT_S if args.backend == "vllm" else 120.0,
     )
     t0 = time.monotonic()
     async with Cluster(spec) as cluster:
@@ -189,8 +195,9 @@ def merge_into(old: dict, scenario: dict) -> dict:
     if diff:
         raise SystemExit(f"--append: {', '.join(diff)} differ from the existing file's scenario")
     merged = old["scenario"]
-    merged.setdefault("appended", []).append({k: scenario[k] for k in (
-        "command", "policies", "scheduler_config", "scheduler_config_text", "gateway_args", "git_commit")})
+    merged.setdefault("appended", []).append({k: scenario.get(k) for k in (
+        "command", "policies", "scheduler_config", "scheduler_config_text", "gateway_args",
+        "declare_running_caps", "git_commit")})
     for key in ("policies", "timelines", "engines", "gateway", "cpu", "wall_s"):
         old.setdefault(key, {})
     return old

@@ -47,3 +47,18 @@ def test_peer_policy_names():
     assert parse_peer("peer:vllm-router-power_of_two") == ("vllm-router", "power_of_two")
     with pytest.raises(ValueError):
         parse_peer("peer:nginx-rr")
+
+
+def test_declared_caps_come_from_each_workers_max_num_seqs():
+    from benchmarks.cluster import Cluster, ClusterSpec
+
+    per_worker = Cluster(ClusterSpec(profiles=["a", "b", "c"], policy="llm_aware", worker_args=[
+        ["--max-num-seqs", "2"], ["--max-model-len", "512", "--max-num-seqs", "8"],
+        ["--max-model-len", "512"]]))
+    per_worker.worker_urls = ["http://h:1", "http://h:2", "http://h:3"]
+    assert per_worker._declared_caps() == {"http://h:1": 2, "http://h:2": 8}  # h:3 has none to declare
+    for_all = Cluster(ClusterSpec(profiles=["a", "b"], policy="llm_aware",
+                                  worker_args=[["--max-num-seqs", "4"]]))
+    for_all.worker_urls = ["http://h:1", "http://h:2"]
+    assert for_all._declared_caps() == {"http://h:1": 4, "http://h:2": 4}
+    assert parse_args(["--declare-running-caps"]).declare_running_caps
