@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,15 +25,10 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.cluster import free_port
 from benchmarks.proc_cpu import cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

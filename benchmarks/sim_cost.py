@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from benchmarks.cluster import free_port
 from benchmarks.datasets import load_sharegpt, sample_sharegpt
 from benchmarks.proc_cpu import cpu_seconds, own_cpu_seconds
 from inference_worker.sim.tokenizer import SimTokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
