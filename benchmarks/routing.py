@@ -251,8 +251,9 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
     out = Path(args.output)
     policies = [s for s in args.policies.split(",") if s]
     log_dir = Path(args.log_dir) if args.log_dir else Path("/tmp") / f"{out.stem}-logs"
-    doc: dict = {"scenario": scenario_of(args), "policies": {}, "timelines": {}, "engines": {}, "gateway": {},
-                 "cpu": {}, "wall_s": {}}
+    # scenario_of runs git (and, for vLLM workers, vLLM's Python): off the event loop.
+    doc: dict = {"scenario": await asyncio.to_thread(scenario_of, args), "policies": {}, "timelines": {},
+                 "engines": {}, "gateway": {}, "cpu": {}, "wall_s": {}}
     if previous is not None:
         doc = merge_into(previous, doc["scenario"])
     out.parent.mkdir(parents=True, exist_ok=True)
