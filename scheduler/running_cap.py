@@ -10,12 +10,14 @@ slots free). Once the cap is known, llm_aware treats a worker running that many 
 since the scrape included) as saturated, before a request waits there.
 
 How: an engine is at its cap when requests wait and yet none is admitted, although it has KV
-to spare: waiting >= 1, the running count unchanged, the prefilled-prompt counter unchanged
+to spare: waiting >= 1 (not counting those vLLM reports deferred by a LoRA budget or a KV
+transfer), the running count unchanged, the prefilled-prompt counter unchanged
 (nobody got through prefill), KV usage under KV_BOUND. A prompt that needs several prefill
 steps can look like that for a moment, so the state must hold for PLATEAU_S. A cap is dropped
 when the worker runs more than it (it was wrong) and after TTL_S (so that a cap learnt from an
-odd stall, e.g. requests waiting for a grammar or a LoRA adapter, cannot starve a worker for
-long); it is learnt again the next time the worker queues at it.
+odd stall, e.g. requests waiting for a grammar, or for a LoRA adapter on an engine that does
+not report them deferred, cannot starve a worker for long); it is learnt again the next time
+the worker queues at it.
 
 Declared: the operator's config (`worker_max_running`), the worker's registration
 (`max_running`), or TGI's /info (`max_batch_size`) can say it up front, so that the first burst,
@@ -68,7 +70,7 @@ class RunningCap:
         if running > self.learnt or now - self.learnt_at > TTL_S:
             self.learnt, self.learnt_at = math.inf, -math.inf
         prompts = snap.prefilled_tokens_total
-        stuck = (snap.waiting >= 1 and running >= 1 and prompts is not None
+        stuck = (snap.waiting - snap.waiting_deferred >= 1 and running >= 1 and prompts is not None
                  and snap.kv_usage is not None and snap.kv_usage < KV_BOUND)
         if not stuck:
             self._since = None

@@ -88,6 +88,7 @@ _VLLM = _wire(
     {
         "vllm:num_requests_running": "running",
         "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_waiting_by_reason": "waiting_by_reason",
         "vllm:kv_cache_usage_perc": "kv",
         "vllm:gpu_cache_usage_perc": "kv_v0",
         "vllm:gpu_prefix_cache_hit_rate": "prefix_rate_v0",
@@ -142,6 +143,7 @@ def _vllm(fams: Families) -> RawSample:
         num_blocks=num_blocks,
         counters=c,
         prefix_hit_rate=_mean(fams, "prefix_rate_v0"),
+        waiting_deferred=_total(fams, "waiting_by_reason", reason="deferred"),
     )
 
 

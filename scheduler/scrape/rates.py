@@ -77,6 +77,7 @@ def build_snapshot(
         itl_mean_s=_ratio(rates.get("itl_sum"), rates.get("itl_count")),
         prefilled_tokens_total=_first_present(raw.counters, "prompt_tokens_computed", "prompt_tokens"),
         prefill_tps=_first_present(rates, "prompt_tokens_computed", "prompt_tokens"),
+        waiting_deferred=max(raw.waiting_deferred or 0.0, 0.0),
         taken_at=taken_at,
         wall_time=wall_time,
         dialect=dialect,

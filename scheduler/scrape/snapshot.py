@@ -24,6 +24,9 @@ class RawSample:
     prompt_tps: float | None = None
     gen_tps: float | None = None
     prefix_hit_rate: float | None = None  # gauge form (vLLM v0, SGLang cache_hit_rate)
+    # Waiting requests held by a transient constraint (LoRA budget, KV transfer), not by the
+    # engine's capacity: vLLM's num_requests_waiting_by_reason{reason="deferred"}.
+    waiting_deferred: float | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +53,9 @@ class LoadSnapshot:
     # backlog is charged only the uncached part of each prompt; else whole prompts.
     prefilled_tokens_total: float | None = None
     prefill_tps: float | None = None  # smoothed rate of that counter
+    # Of `waiting`, those held by a transient constraint rather than capacity (0: unknown or
+    # none): they do not show the worker is at its running cap.
+    waiting_deferred: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -23,12 +23,13 @@ def make_service(policy: str = "llm_aware", n: int = 3, model: str = "m", config
 
 def feed(svc: SchedulerService, w: WorkerState, running=0.0, waiting=0.0, kv=0.0, num_blocks=1000,
          block_size=16, taken_at: float | None = None, prompt_total: float | None = None,
-         prefill_tps: float | None = None) -> None:
+         prefill_tps: float | None = None, waiting_deferred: float = 0.0) -> None:
     now = time.monotonic() if taken_at is None else taken_at
     snap = LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, prompt_tps=None, gen_tps=None,
                         prefix_hit_rate=None, block_size=block_size, num_blocks=num_blocks, ttft_mean_s=None,
                         itl_mean_s=None, taken_at=now, wall_time=time.time(), dialect="vllm_v1",
-                        prefilled_tokens_total=prompt_total, prefill_tps=prefill_tps)
+                        prefilled_tokens_total=prompt_total, prefill_tps=prefill_tps,
+                        waiting_deferred=waiting_deferred)
     svc.on_snapshot(w, snap)
 
 

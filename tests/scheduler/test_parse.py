@@ -62,6 +62,7 @@ def test_prefilled_tokens_are_the_computed_part_when_the_engine_splits_prompts_b
 def test_vllm_real_waiting():
     _, raw = load("vllm-0.32-cpu-running4-waiting8.txt")
     assert (raw.running, raw.waiting) == (4.0, 8.0)
+    assert raw.waiting_deferred == 0.0  # all eight wait for capacity (reason="capacity")
     assert raw.counters["prefix_queries"] == 60.0
     assert raw.counters["prefix_hits"] == 0.0
 
@@ -178,3 +179,14 @@ def test_snapshot_histogram_means_and_hit_rate():
     assert snap.ttft_mean_s == pytest.approx(0.5)  # 2 s over 4 new requests
     assert snap.prefix_hit_rate == pytest.approx(0.25)
     assert snap.kv_usage == 1.0  # clamped
+
+
+def test_vllm_deferred_waits_are_told_apart():
+    """Requests vLLM holds for a LoRA budget or a KV transfer (reason="deferred") are waiting,
+    but do not show the engine at its running cap."""
+    text = (HERE / "vllm-0.32-cpu-running4-waiting8.txt").read_text()
+    text = text.replace('reason="capacity"} 8.0', 'reason="capacity"} 5.0').replace(
+        'reason="deferred"} 0.0', 'reason="deferred"} 3.0')
+    raw = dialects.VLLM_V1.extract(parse_selected(text, dialects.VLLM_V1.wanted))
+    assert (raw.waiting, raw.waiting_deferred) == (8.0, 3.0)
+    assert build_snapshot(raw, {}, 1.0, 1.0, "vllm_v1").waiting_deferred == 3.0

@@ -63,6 +63,9 @@ def test_no_cap_from_waits_that_are_not_the_cap():
         # an engine that does not say what it prefilled cannot tell the two apart
         "no_prompt_counter": [{"running": 2, "waiting": 1, "kv": 0.1}] * 20,
         "nothing_waits": [{"running": 2, "waiting": 0, "kv": 0.1, "prompt_total": 500.0}] * 20,
+        # the one waiting request is held for a LoRA budget or a KV transfer (vLLM: deferred)
+        "deferred": [{"running": 2, "waiting": 1, "waiting_deferred": 1, "kv": 0.1,
+                      "prompt_total": 500.0}] * 20,
     }
     for name, loads in cases.items():
         svc = make_service(n=1)
