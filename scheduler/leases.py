@@ -66,6 +66,10 @@ class LeaseTable:
         if lease.unseen:
             w.unseen -= 1
             w.unseen_tokens -= lease.tokens
+        elif w.shown_finished > 0:
+            # The last scrape already showed a seen request gone: this is (or stands for)
+            # that one; its slot and KV are already free in the scrape's numbers.
+            w.shown_finished -= 1
         else:
             # The last scrape counted this request's KV as used; it is free now (an unseen
             # lease's KV was never in the scrape, only in unseen_tokens).

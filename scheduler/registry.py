@@ -57,6 +57,12 @@ class WorkerState:
         self.unseen = 0  # leases issued after the snapshot was taken
         self.unseen_tokens = 0.0
         self.finished_since = 0  # leases the snapshot saw that were released since
+        # Leases the snapshot counted as sent yet no longer shows running or waiting: they
+        # finished at the engine before the scrape and their releases have not come yet. Those
+        # releases are no news (the scrape already freed their slots), so they must not count
+        # in finished_since a second time: a worker at its running cap would look one free
+        # (seen on our worker, cap 2: a request sent there waited 15 s for a slot).
+        self.shown_finished = 0
         self.freed_tokens = 0.0  # their KV (prompt + output, as the gateway reported), freed since
         # Freed KV held for a finished request's follow-up (scheduler/reservations.py): not
         # free for anyone else until claimed or expired.
@@ -143,6 +149,10 @@ class WorkerState:
                 unseen += 1
                 tokens += lease.tokens
         self.unseen, self.unseen_tokens, self.finished_since = unseen, tokens, 0
+        # Exact when all of the worker's traffic comes through this scheduler; other traffic
+        # only makes it smaller (the old, optimistic count), and a seen lease the engine has
+        # not received yet makes it larger (the worker looks busier until the next scrape).
+        self.shown_finished = max(0, len(self.leases) - unseen - int(snap.running + snap.waiting))
         self.freed_tokens = 0.0
         total = snap.prefilled_tokens_total
         drained = False
