@@ -119,9 +119,13 @@ class LlmAware(Policy):
             sat = "waiting"
         elif kv >= p.max_kv_usage:
             sat = "kv_usage"
-        elif p.max_running and running >= p.max_running:
+        elif p.max_running and max(running, w.in_flight) >= p.max_running:
             sat = "running"
-        elif p.use_running_cap and running >= w.running_cap.cap:
+        elif p.use_running_cap and max(running, w.in_flight) >= w.running_cap.cap:
+            # Open leases too: an engine's gauges lag a request it was sent (ours update at
+            # the end of the step that admits it, 100+ ms on a busy CPU), so a scrape in
+            # that gap shows its slot free; a request sent on that view waited 10-15 s at
+            # a cap of 2. A lease stays open only until the gateway sees the answer end.
             sat = "running_cap"
         elif p.max_prefill_backlog and w.prefill_pending >= p.max_prefill_backlog:
             sat = "prefill_backlog"

@@ -167,3 +167,20 @@ def test_registration_announces_a_cap_that_config_overrides():
 def test_config_refuses_caps_below_one():
     with pytest.raises(ValueError, match="worker_max_running"):
         SchedulerConfig(worker_max_running={"w0": 0})
+
+
+def test_a_request_the_engine_does_not_show_yet_still_takes_a_slot_under_the_cap():
+    """The engine's gauges lag a request it was sent (ours update at the end of the step that
+    admits it): a scrape in that gap shows one running where two are. The open leases keep
+    the worker at its cap, so no third request is sent to wait there for a whole answer."""
+    svc = make_service(n=1, config={"worker_max_running": {"w0": 2}})
+    w = worker(svc, "w0")
+    first, _second = decide(svc), decide(svc)
+    t = time.monotonic() + 1.0
+    feed(svc, w, running=2, kv=0.1, taken_at=t)
+    assert svc.release(first["lease_id"], True, used_tokens=300)
+    assert decide(svc)["worker_id"] == "w0"  # the freed slot
+    # Taken after that request was sent, before the engine's gauges show it.
+    feed(svc, w, running=1, kv=0.1, taken_at=t + 1.0)
+    assert w.running_eff == 1 and w.in_flight == 2
+    assert isinstance(decide(svc), Wait)
