@@ -364,26 +364,25 @@ def test_llm_aware_kv_freed_by_a_release_counts_before_the_next_scrape():
 
 
 def test_a_release_the_last_scrape_already_showed_does_not_free_a_second_slot():
-    """A request finishes at the engine, the next scrape shows its slot free, and its release
-    arrives after that scrape. The release is no news: counting it as a finish since the
-    scrape made a worker at its cap of 2 look as if it had two free slots, and the second
-    request sent there waited for a whole answer (seen on our worker, 15 s)."""
+    """A request finishes at the engine, the next scrape shows its slot and KV free, and its
+    release arrives after that scrape. The release is no news: counted as a finish since the
+    scrape, it freed the slot and the KV a second time (a worker at its cap of 2 looked as if
+    it had two free slots, and the second request sent there waited for a whole answer)."""
     svc = make_service(n=1, max_running=2)
     w = worker(svc, "w0")
     first, second = decide(svc), decide(svc)
     t = time.monotonic() + 1.0
     feed(svc, w, running=2, kv=0.1, taken_at=t)  # both running
-    assert isinstance(decide(svc), Wait)
     feed(svc, w, running=1, kv=0.05, taken_at=t + 0.1)  # `first` finished; its release is late
-    third = decide(svc)  # the slot the scrape shows free
-    assert third["worker_id"] == "w0"
+    assert isinstance(decide(svc), Wait)  # its lease is open until the gateway sees the end
     assert svc.release(first["lease_id"], True, used_tokens=300)
-    assert w.running_eff == 2 and w.freed_tokens == 0  # not one free slot more, nor its KV
-    assert isinstance(decide(svc), Wait)
-    # A release the scrape did not show yet still frees its slot at once.
+    assert (w.finished_since, w.freed_tokens, w.running_eff) == (0, 0.0, 1)
+    assert decide(svc)["worker_id"] == "w0"  # the one free slot
+    assert isinstance(decide(svc), Wait)  # not a second one
+    # A release the scrape did not show yet frees its slot and its KV at once.
     feed(svc, w, running=2, kv=0.1, taken_at=t + 0.2)
-    assert isinstance(decide(svc), Wait)
     assert svc.release(second["lease_id"], True, used_tokens=300)
+    assert (w.finished_since, w.freed_tokens, w.running_eff) == (1, 300.0, 1)
     assert decide(svc)["worker_id"] == "w0"
 
 
