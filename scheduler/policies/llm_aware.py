@@ -6,8 +6,9 @@ What it does, in order:
 1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
    KV usage (including blocks unseen leases will take, less what requests released since
    the scrape held, plus what is reserved for follow-ups) is at `max_kv_usage` or more,
-   it runs `max_running` requests (if set) or as many as the running cap learnt from its
-   scrapes (`use_running_cap`, scheduler/running_cap.py), it has `max_prefill_backlog` or more prompt
+   it runs `max_running` requests (if set) or as many as its running cap, declared or learnt
+   from its scrapes (`use_running_cap`, scheduler/running_cap.py; its open leases count as
+   running too, since its gauges lag what it was sent), it has `max_prefill_backlog` or more prompt
    tokens sent and not yet prefilled (if set; less the progress its prefill rate implies
    since its prompt counter last moved), its load data is stale, or its free KV cannot
    hold this request (prompt + output_fraction * max_tokens, which is also what a lease
