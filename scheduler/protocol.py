@@ -78,6 +78,8 @@ class WorkerRegistration(BaseModel):
     models: list[str] = Field(default_factory=list)
     engine: str | None = None  # "vllm", "sglang", "tgi", "triton", ... (else detected)
     worker_id: str | None = None
+    # The worker's running-request cap (vLLM --max-num-seqs): held from the first request on.
+    max_running: int | None = Field(None, ge=1)
 
 
 class WorkerView(BaseModel):
