@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler-port", type=int, default=8090)
     p.add_argument("--base-worker-port", type=int, default=8001, help="worker i listens on this + i")
     p.add_argument("--policy", default="llm_aware", help="scheduler policy name")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="every worker's running-request cap, also declared to the scheduler "
+                        "(default: the worker's own, 64 for torch, the profile's for sim, "
+                        "which the scheduler then learns)")
     p.add_argument("--time-scale", type=float, default=None, help="sim backend: stretch simulated time")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds each stage may take to answer /health")
@@ -45,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        p.error("--max-num-seqs must be at least 1")
     if (args.sim_profile or args.time_scale) and args.backend != "sim":
         p.error("--sim-profile and --time-scale need --backend sim")
     if args.time_scale is not None and args.time_scale <= 0:
@@ -69,6 +75,8 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
             argv += ["--sim-profile", args.sim_profile]
         if args.time_scale is not None:
             argv += ["--time-scale", str(args.time_scale)]
+        if args.max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(args.max_num_seqs)]
         workers.append(ServiceSpec(f"worker-{i}", argv, f"{url}/health", {"HF_HUB_OFFLINE": "1"}))
     scheduler_url = f"http://{HOST}:{args.scheduler_port}"
     scheduler_argv = [py, "-m", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
@@ -77,6 +85,8 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
                       # other policies ignore it.
                       "--params-by-policy",
                       json.dumps({"llm_aware": {"max_prefill_backlog": LOCAL_PREFILL_CAP}})]
+    if args.max_num_seqs is not None:
+        scheduler_argv += ["--worker-max-running", json.dumps({"*": args.max_num_seqs})]
     scheduler = ServiceSpec("scheduler", scheduler_argv, f"{scheduler_url}/health")
     gateway = ServiceSpec(
         "gateway",

@@ -31,9 +31,11 @@ class SchedulerConfig(BaseSettings):
     worker_max_running: dict[str, int] = Field(
         default_factory=dict,
         description="running-request cap per worker (its --max-num-seqs / --max-running-requests), "
-        "by worker id (host:port) or URL, YAML or JSON: llm_aware keeps a worker at its cap out of "
-        "the choice from the first request on (else the cap is learnt once requests queue there); "
-        "it wins over a cap a registration or TGI's /info announces")
+        "by worker id (host:port) or URL, YAML or JSON; the key \"*\" is every other worker's "
+        "(e.g. a pool of identical engines discovered in Kubernetes). llm_aware keeps a worker at "
+        "its cap out of the choice from the first request on (else the cap is learnt once "
+        "requests queue there). A worker's own entry wins over a cap a registration or TGI's "
+        "/info announces, and that announced cap wins over \"*\"")
     k8s_namespace: str | None = Field(None, description="watch EndpointSlices in this namespace")
     k8s_label_selector: str | None = Field(None, description="label selector of the EndpointSlices")
     k8s_port: str | None = Field(None, description="port name or number on the endpoints (default first)")
@@ -137,9 +139,14 @@ class SchedulerConfig(BaseSettings):
         return {key.rstrip("/"): cap for key, cap in v.items()}
 
     def declared_running_cap(self, worker_id: str, url: str) -> int | None:
-        """The configured cap of a worker, looked up by its id or its URL."""
+        """The cap configured for this worker by its id or its URL (not the "*" default)."""
         caps = self.worker_max_running
         return caps.get(worker_id, caps.get(url)) if caps else None
+
+    @property
+    def default_running_cap(self) -> int | None:
+        """The "*" entry: the cap of a worker with no entry of its own and none announced."""
+        return self.worker_max_running.get("*")
 
     @model_validator(mode="after")
     def _check(self) -> SchedulerConfig:

@@ -52,6 +52,7 @@ class WorkerState:
         self.whole_page_bytes = 0  # size of the last whole page, to tell an ignored filter
         self.expires_at: float | None = None  # registrations expire without heartbeats
         self.running_cap = RunningCap()  # declared, or learnt from the scrapes
+        self.announced_running_cap: int | None = None  # by its registration or TGI's /info
         # Lease accounting.
         self.leases: dict[str, object] = {}
         self.unseen = 0  # leases issued after the snapshot was taken

@@ -38,6 +38,12 @@ PLATEAU_S = 1.0
 TTL_S = 60.0
 
 
+def is_positive_int(value: object) -> bool:
+    """A cap (or a pool size) as a JSON body or an engine's info may give it: bools are ints
+    in Python but never a count."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 class RunningCap:
     __slots__ = ("_disproved", "_prompts", "_running", "_since", "cap", "declared", "learnt", "learnt_at")
 

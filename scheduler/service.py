@@ -88,18 +88,28 @@ class SchedulerService:
 
     def add_worker(self, w: WorkerState) -> WorkerState:
         w = self.registry.add(w)
-        configured = self.cfg.declared_running_cap(w.worker_id, w.url)
-        if configured is not None:
-            w.declare_running_cap(configured)
+        cap = self._running_cap_of(w)
+        if cap is not None:
+            w.declare_running_cap(cap)
         self.policy.refresh(w)
         return w
 
     def announce_running_cap(self, w: WorkerState, cap: int) -> None:
-        """A cap the worker announced (its registration, TGI's /info): the operator's
-        configured one, if any, wins."""
-        if self.cfg.declared_running_cap(w.worker_id, w.url) is None:
-            w.declare_running_cap(cap)
-            self.policy.refresh(w)
+        """A cap the worker announced (its registration, TGI's /info)."""
+        w.announced_running_cap = cap
+        w.declare_running_cap(self._running_cap_of(w))
+        self.policy.refresh(w)
+
+    def _running_cap_of(self, w: WorkerState) -> int | None:
+        """Who knows best: the operator about this very worker, then the worker itself, then
+        the operator's pool-wide default (a worker announces its own flag, which a "*" entry
+        written for the whole pool may not match)."""
+        own = self.cfg.declared_running_cap(w.worker_id, w.url)
+        if own is not None:
+            return own
+        if w.announced_running_cap is not None:
+            return w.announced_running_cap
+        return self.cfg.default_running_cap
 
     def remove_worker(self, worker_id: str, source: str | None = None) -> bool:
         w = self.registry.remove(worker_id, source)

@@ -12,6 +12,7 @@ import time
 from urllib.parse import urlsplit
 
 from scheduler.registry import WorkerState
+from scheduler.running_cap import is_positive_int
 from scheduler.service import SchedulerService
 
 SOURCE = "registration"
@@ -52,9 +53,7 @@ def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int
     if worker_id is not None and (not isinstance(worker_id, str) or not worker_id or "/" in worker_id):
         raise RegistrationError(400, "worker_id must be a non-empty string without '/'", "worker_id")
     max_running = body.get("max_running")
-    if max_running is not None and (
-        not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1
-    ):
+    if max_running is not None and not is_positive_int(max_running):
         raise RegistrationError(400, "max_running must be a positive integer", "max_running")
     return url.rstrip("/"), models, engine, worker_id, max_running
 

@@ -23,6 +23,7 @@ import time
 import aiohttp
 
 from scheduler.registry import WHOLE_METRICS_PATH, WorkerState
+from scheduler.running_cap import is_positive_int
 from scheduler.scrape import dialects
 from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import build_snapshot
@@ -226,9 +227,9 @@ class Scraper:
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             log.debug("info of %s: %r", w.worker_id, exc)
             return
-        if _positive_int(cap):
+        if is_positive_int(cap):
             w.info_kv_capacity = cap
-        if _positive_int(batch):
+        if is_positive_int(batch):
             self.service.announce_running_cap(w, batch)
 
     async def refresh_models(self, w: WorkerState) -> None:
@@ -246,7 +247,3 @@ class Scraper:
             log.debug("models of %s: %r", w.worker_id, exc)
             return
         self.service.registry.set_models(w, models)
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

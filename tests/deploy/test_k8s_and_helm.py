@@ -100,6 +100,9 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     assert sched["policy"] == "llm_aware"
     assert SchedulerConfig(**sched).effective_policy_params == DEPLOY_PARAMS
     assert SchedulerConfig(**{**sched, "policy": "least_request"}).effective_policy_params == {}
+    # Every discovered worker's running cap is the worker config's max_num_seqs.
+    worker = config_of(objs, prefix, "worker")
+    assert SchedulerConfig(**sched).default_running_cap == worker["max_num_seqs"]
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")
@@ -201,6 +204,8 @@ def test_helm_templates_reference_only_defined_values_and_includes():
         validate_config(service, injected | values[service]["config"])
     # as in the raw manifests
     assert values["scheduler"]["config"]["params_by_policy"] == {"llm_aware": DEPLOY_PARAMS}
+    caps = values["scheduler"]["config"]["worker_max_running"]
+    assert caps == {"*": values["worker"]["config"]["max_num_seqs"]}
 
 
 def test_helm_chart_alert_rules_are_the_shipped_ones():

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def stack():
-    stack = start_stack(workers=2)
+    stack = start_stack(workers=2, extra=("--max-num-seqs", "32"))
     try:
         wait_ready(stack)
         yield stack
@@ -72,6 +72,8 @@ def test_banner_names_the_gateway_and_ready_to_paste_examples(stack):
     assert view["policy"] == "llm_aware"
     assert view["policy_params"]["max_prefill_backlog"] == MEASURED["max_prefill_backlog"]
     assert view["policy_params"]["w_prefix"] == MEASURED["w_prefix"]  # a code default
+    # --max-num-seqs caps the workers and declares that cap to the scheduler.
+    assert [w["running_cap_declared"] for w in view["workers"]] == [32, 32]
 
 
 def test_completions_through_the_gateway(stack):

@@ -184,3 +184,18 @@ def test_a_request_the_engine_does_not_show_yet_still_takes_a_slot_under_the_cap
     feed(svc, w, running=1, kv=0.1, taken_at=t + 1.0)
     assert w.running_eff == 1 and w.in_flight == 2
     assert isinstance(decide(svc), Wait)
+
+
+def test_a_pool_wide_default_cap_yields_to_a_worker_s_own_entry_and_to_its_announcement():
+    """"*" declares the cap of every worker with nothing better (Kubernetes: a pool of identical
+    engines whose ids are pod IPs). A worker's own entry wins over it, and so does the cap the
+    worker announces itself, which heartbeats repeat without flipping the cap back."""
+    caps = {"*": 4, "127.0.0.1:9101": 3}
+    svc = make_service(n=0, config={"registration_token": "t", "worker_max_running": caps})
+    silent, _ = register(svc, {"url": "http://127.0.0.1:9100", "models": ["m"]})
+    own, _ = register(svc, {"url": "http://127.0.0.1:9101", "models": ["m"], "max_running": 6})
+    announced, _ = register(svc, {"url": "http://127.0.0.1:9102", "models": ["m"], "max_running": 6})
+    assert [w.running_cap.cap for w in (silent, own, announced)] == [4, 3, 6]
+    register(svc, {"url": "http://127.0.0.1:9102", "models": ["m"], "max_running": 6})
+    assert announced.running_cap.cap == 6
+    assert svc.cfg.declared_running_cap("127.0.0.1:9100", "http://127.0.0.1:9100") is None
