@@ -101,7 +101,7 @@ def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
         if kind == "schedule":
             any_schedule = True
             answers.append(_schedule(svc, op))
-        elif kind in LEASE_OPS:
+        elif isinstance(kind, str) and kind in LEASE_OPS:
             answers.append(_lease_op(svc, kind, op))
         else:
             answers.append(_error(400, "each operation must be an object with op 'schedule', 'release' "

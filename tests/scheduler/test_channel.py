@@ -38,11 +38,12 @@ def test_batch_answers_every_operation_in_order(scheduler):
         {"op": "schedule", "model": "m", "prompt_tokens": -1},
         {"op": "frobnicate"},
         "not an object",
+        {"op": ["release"]},  # not a name at all
     ]
     r = httpx.post(scheduler + "/v1/batch", json=ops)
     assert r.status_code == 200
     answers = r.json()
-    assert [a[0] for a in answers] == [200, 200, 404, 400, 400, 400, 400]
+    assert [a[0] for a in answers] == [200, 200, 404, 400, 400, 400, 400, 400]
     d1, d2 = answers[0][1], answers[1][1]
     assert d1["lease_id"] != d2["lease_id"] and d1["url"].startswith("http://127.0.0.1:")
     assert answers[2][1]["error"]["code"] == "model_not_found"
