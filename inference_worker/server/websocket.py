@@ -60,6 +60,8 @@ def generation_from_message(factory: GenerationFactory, text: str) -> Generation
     if endpoint is None:
         endpoint = "chat.completions" if "messages" in body else "completions"
     body["stream"] = True
+    if not isinstance(endpoint, str):
+        raise invalid_request("endpoint must be 'completions' or 'chat.completions'", param="endpoint")
     if endpoint in _CHAT:
         return factory.chat_from(ChatCompletionRequest.model_validate(body))
     if endpoint in _COMPLETIONS:

@@ -288,6 +288,10 @@ async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, gr
         await ws.send_str(json.dumps({"messages": MESSAGES, "max_tokens": 0}))
         _, end = await _receive_until_end(ws)
         assert end["error"]["param"] == "max_tokens"
+        for endpoint in ("embeddings", ["chat"]):
+            await ws.send_str(json.dumps({"messages": MESSAGES, "endpoint": endpoint}))
+            _, end = await _receive_until_end(ws)
+            assert (end["error"]["type"], end["error"]["param"]) == ("invalid_request_error", "endpoint")
 
         # chat inferred from "messages"
         await ws.send_str(json.dumps({"messages": MESSAGES, "max_tokens": 6, "temperature": 0}))
