@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -70,6 +71,20 @@ class Stats:
             self.ttft_n += 1
 
 
+MAX_FIELD_CHARS = 120
+
+
+def log_field(value: str) -> str:
+    """A client-chosen value (model name, path, upstream error) as one field of the line: as is
+    when short and printable without spaces (nearly always, and cheap to tell); quoted, escaped
+    and cut otherwise, so that a newline in a model name cannot forge a log line and a 5,000
+    character one cannot flood the log."""
+    if len(value) <= MAX_FIELD_CHARS and value.isprintable() and " " not in value:
+        return value
+    cut = value[:MAX_FIELD_CHARS]
+    return json.dumps(cut) + ("..." if len(value) > MAX_FIELD_CHARS else "")
+
+
 class AccessLog:
     """The per-request line, written in batches: going through `logging` costs ~25 µs and a
     write() per line, a noticeable share of the gateway's per-request budget. Lines are
@@ -93,9 +108,10 @@ class AccessLog:
     def add(self, rec: RequestRecord) -> None:
         e2e_ms = (time.perf_counter() - rec.start) * 1000
         ttft = f"{rec.ttft_ms:.1f}" if rec.ttft_ms is not None else "-"
-        err = f" error={rec.error}" if rec.error else ""
+        err = f" error={log_field(rec.error)}" if rec.error else ""
         self.lines.append(
-            f"{self._stamp()} INFO router.access: id={rec.id} {rec.method} {rec.path} model={rec.model} "
+            f"{self._stamp()} INFO router.access: id={rec.id} {rec.method} {log_field(rec.path)} "
+            f"model={log_field(rec.model)} "
             f"worker={rec.worker} status={rec.status} stream={int(rec.stream)} queue_ms={rec.queue_ms:.1f} "
             f"ttft_ms={ttft} e2e_ms={e2e_ms:.1f} tokens_in={rec.prompt_tokens} "
             f"tokens_out={rec.output_tokens} retries={rec.retries}{err}\n"

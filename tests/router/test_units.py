@@ -264,3 +264,24 @@ def test_token_counter_with_a_local_tokenizer(tmp_path):
     )
     with pytest.raises(SystemExit):
         TokenCounter(str(tmp_path / "missing.json"))
+
+
+def test_access_log_quotes_and_cuts_client_chosen_fields():
+    """A model name is the client's to choose: a newline in it must not forge a second log
+    line, nor 5,000 characters flood the log; ordinary names stay bare."""
+    import io
+
+    from router.access_log import MAX_FIELD_CHARS, AccessLog, RequestRecord
+
+    out = io.StringIO()
+    log = AccessLog(stream=out)
+    for model in ("smollm2", "x\n2026-01-01 00:00:00,000 INFO router.access: id=forged", "a" * 5000):
+        rec = RequestRecord("r1", "POST", "/v1/completions")
+        rec.model = model
+        log.add(rec)
+    log.flush()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and not any("id=forged" in line.split(" model=")[0] for line in lines)
+    assert " model=smollm2 " in lines[0]
+    assert ' model="x\\n2026-01-01' in lines[1]
+    assert len(lines[2]) < MAX_FIELD_CHARS + 300 and lines[2].count("a") >= MAX_FIELD_CHARS
