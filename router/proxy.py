@@ -144,6 +144,8 @@ class Proxy(StreamForwarding):
             return error_response(
                 413, f"request body larger than {max_body} bytes", code="body_too_large"
             )
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+            return error_response(400, f"unreadable request body: {exc}", code="invalid_body")
 
         body: dict[str, Any] = {}
         if raw:

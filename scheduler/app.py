@@ -38,6 +38,18 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return web.Response(status=status, body=_dumps(body), content_type="application/json")
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request body; one that cannot be decoded (a Content-Encoding that lies) is the
+    client's error, answered 400 in the usual shape (raised: aiohttp sends an HTTPException
+    as the response)."""
+    try:
+        return await request.read()
+    except web.RequestPayloadError as exc:
+        body = {"error": {"message": f"unreadable request body: {exc}", "type": "invalid_request_error",
+                          "param": None, "code": "invalid_body"}}
+        raise web.HTTPBadRequest(body=_dumps(body), content_type="application/json") from None
+
+
 def _json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -76,7 +88,7 @@ def parse_schedule(raw: bytes) -> tuple[Request, int]:
 async def schedule(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     try:
-        req, wait_ms = parse_schedule(await request.read())
+        req, wait_ms = parse_schedule(await read_body(request))
     except BadRequest as exc:
         return error_response(400, str(exc), exc.param)
     out = await svc.schedule(req, wait_ms)
@@ -94,7 +106,7 @@ async def _lease_call(request: web.Request, kind: str) -> web.Response:
     """POST /v1/release and /v1/prefilled: the batch's lease operations (LEASE_OPS), one per call."""
     model, apply, not_found = LEASE_OPS[kind]
     try:
-        body = model.model_validate_json(await request.read())
+        body = model.model_validate_json(await read_body(request))
     except ValidationError as exc:
         bad = _validation_error(exc)
         return error_response(400, str(bad), bad.param)
@@ -112,7 +124,7 @@ async def prefilled(request: web.Request) -> web.Response:
 
 
 async def batch(request: web.Request) -> web.Response:
-    answers = run_batch_bytes(request.app[SERVICE_KEY], await request.read())
+    answers = run_batch_bytes(request.app[SERVICE_KEY], await read_body(request))
     if answers is None:
         return error_response(400, "body must be a JSON array of operations")
     return web.Response(body=to_json(answers), content_type="application/json")
@@ -135,7 +147,7 @@ async def register_worker(request: web.Request) -> web.Response:
     try:
         check_token(svc, request.headers.get("Authorization"))
         try:
-            body = _json(await request.read())
+            body = _json(await read_body(request))
         except BadRequest as exc:
             raise RegistrationError(400, str(exc)) from None
         w, created = register(svc, body)
@@ -161,7 +173,7 @@ async def delete_worker(request: web.Request) -> web.Response:
 async def worker_failure(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     try:
-        body = _json(await request.read())
+        body = _json(await read_body(request))
     except BadRequest as exc:
         return error_response(400, str(exc))
     error = body.get("error") or "failure"

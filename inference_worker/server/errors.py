@@ -100,6 +100,8 @@ def exception_to_api_error(exc: BaseException) -> APIError:
         return invalid_request(f"Invalid JSON body: {exc.msg}", code="invalid_json")
     if isinstance(exc, ValueError):  # the engine's EngineRequestError family and our own checks
         return invalid_request(str(exc) or type(exc).__name__)
+    if isinstance(exc, web.RequestPayloadError):  # e.g. a Content-Encoding the body does not match
+        return invalid_request(f"Unreadable request body: {exc}", code="invalid_body")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
     logger.error("unexpected error while serving a request", exc_info=exc)

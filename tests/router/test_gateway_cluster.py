@@ -158,6 +158,12 @@ def test_bad_input_is_4xx_never_5xx(cluster, content, status):
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_body_its_content_encoding_does_not_match_is_a_400(cluster):
+    r = httpx.post(cluster["gw"] + "/v1/completions", content=b'{"model": "m", "prompt": "x"}',
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+
+
 def test_wrong_types_rejected_by_worker_stay_4xx(cluster):
     r = httpx.post(
         cluster["gw"] + "/v1/completions",

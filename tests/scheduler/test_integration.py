@@ -256,6 +256,16 @@ def test_bad_input_gets_openai_errors(cluster):
     assert post(f"{base}/v1/workers/nope/failure", {"error": "x"})[0] == 404
     status, err = post(f"{base}/v1/nothing-here", {})
     assert status in (404, 405) and "error" in err
+    # A body that says gzip and is not, on every endpoint that reads one.
+    for path in ("/v1/schedule", "/v1/release", "/v1/prefilled", "/v1/batch", "/v1/workers",
+                 "/v1/workers/x/failure"):
+        req = urllib.request.Request(f"{base}{path}", data=b'{"model": "m"}', method="POST",
+                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip",
+                                              "Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 400, path
+        assert json.loads(err.value.read())["error"]["code"] == "invalid_body", path
 
 
 def test_metrics_and_health(cluster):
