@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,6 +163,38 @@ def test_a_body_its_content_encoding_does_not_match_is_a_400(cluster):
     r = httpx.post(cluster["gw"] + "/v1/completions", content=b'{"model": "m", "prompt": "x"}',
                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+
+
+# Values of every JSON type and edge, put into the fields clients send, a few at a time.
+ODD_VALUES = [None, True, 0, -1, 2**63, 1e308, -0.5, 3.7, "", "x", "0", [], [1], ["a"], [[1, 2]], {},
+              {"a": 1}, "a" * 3000, [{"role": "user"}], [{"role": 1, "content": 2}], [None], [-5],
+              [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]]
+REQUEST_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+                  "top_p", "top_k", "n", "stream", "stop", "seed", "logprobs", "top_logprobs",
+                  "presence_penalty", "frequency_penalty", "stream_options", "min_tokens", "ignore_eos",
+                  "echo", "best_of", "logit_bias", "response_format", "tools", "tool_choice", "priority"]
+
+
+def test_random_malformed_requests_get_4xx_in_the_openai_shape_never_5xx(cluster):
+    """Seeded: 160 requests, each a valid body with 1-3 fields set to odd values, through the
+    gateway to the sim workers. Whatever the gateway or the worker rejects is a 4xx with an
+    OpenAI error object; whatever is accepted streams to [DONE]."""
+    rng = random.Random(7)
+    with httpx.Client(timeout=30) as client:
+        for i in range(160):
+            chat = i % 2 == 1
+            body = {"model": "m", "max_tokens": 3,
+                    **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+            for field in rng.sample(REQUEST_FIELDS, rng.randint(1, 3)):
+                body[field] = rng.choice(ODD_VALUES)
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            r = client.post(cluster["gw"] + path, json=body)
+            assert r.status_code < 500, (body, r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+            elif body.get("stream") is True:
+                assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
 
 
 def test_wrong_types_rejected_by_worker_stay_4xx(cluster):
