@@ -10,7 +10,6 @@ both produce.
 
 from __future__ import annotations
 
-import math
 import re
 
 # One label pair: name="value" with backslash escapes inside the value.
@@ -71,6 +70,8 @@ def _parse_region(
             value = float(fields[0])
         except ValueError:
             continue
+        if value - value != 0.0:  # NaN or +-Inf: no load figure, and it would poison every rate
+            continue
         out.setdefault(key, []).append((parse_labels(labels) if labels else {}, value))
 
 
@@ -123,7 +124,10 @@ def parse_selected(text: str, wanted: dict[str, str]) -> dict[str, list[Sample]]
     unwanted families (most of vLLM's exposition: histogram buckets) are jumped over with
     str.find instead of being split into lines. A block whose last line does not belong to
     its family (an untyped family appended to it) and every stretch outside typed blocks is
-    read line by line. Malformed lines and values that are not floats are skipped.
+    read line by line. Malformed lines, values that are not floats, and NaN or infinite
+    values (a gauge an engine could not compute, e.g. a ratio over nothing) are skipped: to a
+    router such a sample says nothing, and one NaN counter would turn its smoothed rate into
+    NaN for good.
     """
     out: dict[str, list[Sample]] = {}
     fams = _families(wanted)
@@ -182,7 +186,3 @@ def label_present(text: str, name: str, label: str) -> bool:
             if parts and label in parse_labels(parts[1]):
                 return True
     return False
-
-
-def is_finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))

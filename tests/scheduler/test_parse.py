@@ -4,6 +4,8 @@ metrics-reference.md sections 2-8)."""
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,25 @@ def test_vllm_deferred_waits_are_told_apart():
     raw = dialects.VLLM_V1.extract(parse_selected(text, dialects.VLLM_V1.wanted))
     assert (raw.waiting, raw.waiting_deferred) == (8.0, 3.0)
     assert build_snapshot(raw, {}, 1.0, 1.0, "vllm_v1").waiting_deferred == 3.0
+
+
+def test_nan_and_infinite_values_are_no_load_figure_and_do_not_poison_the_rates():
+    """An engine that exports NaN (a ratio over nothing) or +Inf for a gauge or a counter: the
+    sample is dropped, as if absent. Kept, a NaN KV usage would pass every `>=` check of the
+    policy, and one NaN counter value would turn its smoothed rate into NaN for good."""
+    text = (HERE / "vllm-0.32-cpu-running20.txt").read_text()
+    name = "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"smollm2\"} "
+    assert name in text
+    tracker = RateTracker(tau_s=1e-9)
+    good = dialects.VLLM_V1.extract(parse_selected(text, dialects.VLLM_V1.wanted))
+    tracker.update(good, 0.0)
+    poisoned = re.sub(r"(vllm:kv_cache_usage_perc\{[^}]*\}) \S+", r"\1 NaN", text)
+    poisoned = re.sub(r"(vllm:generation_tokens_total\{[^}]*\}) \S+", r"\1 +Inf", poisoned)
+    raw = dialects.VLLM_V1.extract(parse_selected(poisoned, dialects.VLLM_V1.wanted))
+    assert raw.kv_usage is None and "generation_tokens" not in raw.counters
+    tracker.update(raw, 1.0)
+    for t in (2.0, 3.0):  # the counter is back: a rate again from the next pair of scrapes
+        tokens = good.counters["generation_tokens"] + 50.0 * t
+        rates = tracker.update(RawSample(counters={**good.counters, "generation_tokens": tokens}), t)
+        assert all(math.isfinite(v) for v in rates.values()), rates
+    assert rates["generation_tokens"] == pytest.approx(50.0)
