@@ -40,6 +40,31 @@ CONNECTION_ERRORS = (
 )
 
 
+# The largest page read from a worker (/metrics, /v1/models, /info). A real vLLM page is
+# ~50 KB whole, ~2 KB filtered; a URL that points at something else (a file server, a stream)
+# must fail the scrape, not fill the scheduler's memory every 100 ms.
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+
+
+class PageTooLarge(aiohttp.ClientPayloadError):
+    """A worker's answer was over MAX_PAGE_BYTES (counted as an HTTP-level scrape failure)."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_PAGE_BYTES) -> bytes:
+    """The body, or PageTooLarge as soon as it passes `limit` bytes."""
+    length = resp.content_length
+    if length is not None:
+        if length > limit:
+            raise PageTooLarge(f"{resp.url.path} is {length} bytes, over {limit}")
+        return await resp.read()  # the usual case: a sized page, read in one go
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise PageTooLarge(f"{resp.url.path} is over {limit} bytes")
+    return bytes(body)
+
+
 # Filtered scrapes that missed (failed, lacked the series, or were not filtered) before a worker
 # is scraped whole for good.
 FILTERED_MISSES_MAX = 3
@@ -115,7 +140,7 @@ class Scraper:
                 async with self.session.get(url, timeout=self.timeout) as resp:
                     status = resp.status
                     # read + decode: no charset sniffing on a 50 KB body, every 100 ms
-                    text = (await resp.read()).decode("utf-8", "replace") if status == 200 else ""
+                    text = (await read_capped(resp)).decode("utf-8", "replace") if status == 200 else ""
             except TimeoutError:
                 m.scrape_failures.labels(w.worker_id, "timeout").inc()
                 await self._probe_after_timeout(w)
@@ -205,7 +230,7 @@ class Scraper:
         busy, not dead; its data ages and it counts as saturated meanwhile."""
         try:
             async with self.session.get(w.url + "/health", timeout=self.probe_timeout) as resp:
-                await resp.read()
+                await read_capped(resp)
             self._failure(w, "metrics timeout (health ok)", connection_level=False)
         except CONNECTION_ERRORS as exc:
             self._failure(w, f"health probe: {type(exc).__name__}", connection_level=True)
@@ -221,7 +246,7 @@ class Scraper:
             async with self.session.get(w.url + "/info", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return
-                info = json.loads(await resp.read())
+                info = json.loads(await read_capped(resp))
             cap = info.get("max_batch_total_tokens")
             batch = info.get("max_batch_size")
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
@@ -241,7 +266,7 @@ class Scraper:
             async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return
-                data = json.loads(await resp.read())
+                data = json.loads(await read_capped(resp))
             models = {str(item["id"]) for item in data.get("data", []) if isinstance(item, dict)}
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, AttributeError) as exc:
             log.debug("models of %s: %r", w.worker_id, exc)

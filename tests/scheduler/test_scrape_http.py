@@ -18,7 +18,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.discovery.static import add_static_workers
 from scheduler.policies import Request
 from scheduler.scrape.dialects import TGI, VLLM_V1
-from scheduler.scrape.scraper import FILTERED_MISSES_MAX, Scraper
+from scheduler.scrape.scraper import FILTERED_MISSES_MAX, MAX_PAGE_BYTES, Scraper
 from scheduler.service import SchedulerService, Wait
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -260,5 +260,65 @@ async def test_vllm_is_scraped_for_its_series_alone_and_whole_where_that_fails()
         await asyncio.gather(*tasks, return_exceptions=True)
         for sc in scrapers:
             await sc.stop()
+        for r in runners:
+            await r.cleanup()
+
+
+class OversizedPages:
+    """Two stand-ins whose /metrics is far too big: one sized (Content-Length), one streamed
+    without a length, 64 MiB in 1 MiB chunks (counts what it managed to send)."""
+
+    def __init__(self) -> None:
+        self.streamed_bytes = 0
+        self.urls: list[str] = []
+
+    async def sized(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"# " + b"x" * (MAX_PAGE_BYTES + 10) + b"\n", content_type="text/plain")
+
+    async def streamed(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        chunk = b"# " + b"x" * (1024 * 1024 - 3) + b"\n"
+        try:
+            for _ in range(64):
+                await resp.write(chunk)
+                self.streamed_bytes += len(chunk)
+        except (ConnectionResetError, RuntimeError):
+            pass  # the scraper hung up
+        return resp
+
+    async def start(self) -> list[web.AppRunner]:
+        runners = []
+        for handler in (self.sized, self.streamed):
+            app = web.Application()
+            app.router.add_get("/metrics", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            runners.append(runner)
+        return runners
+
+
+async def test_a_page_over_the_size_cap_fails_the_scrape_instead_of_filling_memory():
+    """A worker URL that points at something answering far more than a metrics page: the scrape
+    fails as an HTTP-level error (no load data, so the worker counts as saturated), and the
+    scraper stops reading at the cap."""
+    pages = OversizedPages()
+    runners = await pages.start()
+    svc = SchedulerService(SchedulerConfig(scrape_interval_ms=100, scrape_timeout_ms=5000))
+    add_static_workers(svc, pages.urls)
+    scraper = Scraper(svc)
+    task = asyncio.create_task(scraper.run())
+    try:
+        workers = list(svc.registry.workers.values())
+        await _until(lambda: all(w.health.last_error == "PageTooLarge" for w in workers))
+        assert all(w.snapshot is None for w in workers)
+        assert pages.streamed_bytes < 32 * 1024 * 1024  # cut off near the 16 MiB cap, not read whole
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await scraper.stop()
         for r in runners:
             await r.cleanup()
