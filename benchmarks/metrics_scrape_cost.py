@@ -8,6 +8,9 @@ streaming), so the render's CPU is taken from serving. Three ways of asking are 
 - `query_on_exact_path`: `/metrics?name[]=...` (what the scheduler sent before it learnt that
   vLLM serves the exact path with a handler that ignores the query);
 - `filtered`: the scheduler's filtered path, `/metrics/?name[]=...`.
+Each is asked twice: as aiohttp asks by default (`Accept-Encoding: gzip, deflate`, which
+prometheus_client's exposition answers gzipped, compressing on the server's CPU) and with
+`Accept-Encoding: identity` (`_identity`), as the scheduler asks since it stopped taking gzip.
 
 By default one sim worker is started on 127.0.0.1 and given a few requests so that every
 histogram has observations. `--url` with `--pid` measures a server that is already running
@@ -51,17 +54,22 @@ async def scrape_costs(session: aiohttp.ClientSession, url: str, pid: int, model
     ways = (("whole", "/metrics"),
             ("query_on_exact_path", "/metrics" + filtered[len("/metrics/"):]),
             ("filtered", filtered))
+    identity = {"Accept-Encoding": "identity"}
     out: dict = {"url": url, "scrapes": scrapes, "idle_cores": round(idle_cores, 4)}
     for label, path in ways:
-        size = 0
-        c0, t0 = cpu_seconds(pid), time.monotonic()
-        for _ in range(scrapes):
-            async with session.get(url + path) as resp:
-                resp.raise_for_status()
-                size = len(await resp.read())
-        wall = time.monotonic() - t0
-        cpu = cpu_seconds(pid) - c0 - idle_cores * wall
-        out[label] = {"bytes": size, "server_cpu_ms_per_scrape": round(1000 * cpu / scrapes, 3)}
+        for suffix, headers in (("", None), ("_identity", identity)):
+            size, wire, encoding = 0, 0, "identity"
+            c0, t0 = cpu_seconds(pid), time.monotonic()
+            for _ in range(scrapes):
+                async with session.get(url + path, headers=headers) as resp:
+                    resp.raise_for_status()
+                    size = len(await resp.read())
+                    wire = int(resp.headers.get("Content-Length", size))
+                    encoding = resp.headers.get("Content-Encoding", "identity")
+            wall = time.monotonic() - t0
+            cpu = cpu_seconds(pid) - c0 - idle_cores * wall
+            out[label + suffix] = {"bytes": size, "bytes_on_the_wire": wire, "content_encoding": encoding,
+                                   "server_cpu_ms_per_scrape": round(1000 * cpu / scrapes, 3)}
     return out
 
 
