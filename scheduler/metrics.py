@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import TYPE_CHECKING
@@ -73,6 +74,9 @@ class _WorkerCollector:
         yield from (ends, rate)
 
 
+SCRAPE_FAILURE_KINDS = ("timeout", "connection", "http")
+
+
 class SchedulerMetrics:
     def __init__(self, service: SchedulerService) -> None:
         self.registry = CollectorRegistry()
@@ -106,6 +110,15 @@ class SchedulerMetrics:
         self._held_ok = self.wait_seconds.labels("scheduled")
         self._held_timeout = self.wait_seconds.labels("timeout")
         self._held_cancelled = self.wait_seconds.labels("cancelled")
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a removed worker's labelled series: in Kubernetes every rollout brings new pod
+        addresses, and the old ones' series would otherwise be exported forever."""
+        series = [(self.scrape_latency, (worker_id,)), (self.scrape_filter_misses, (worker_id,))]
+        series += [(self.scrape_failures, (worker_id, kind)) for kind in SCRAPE_FAILURE_KINDS]
+        for metric, labels in series:
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
 
     def decision_done(self, out, seconds: float) -> None:
         self.decision_latency.observe(seconds)

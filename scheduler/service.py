@@ -119,6 +119,7 @@ class SchedulerService:
         self.reservations.forget_worker(w)
         self.half_open.discard(w.worker_id)
         self.env.prefix_index.forget(w.worker_id)
+        self.metrics.forget_worker(w.worker_id)
         return True
 
     # ---- decisions --------------------------------------------------------------------

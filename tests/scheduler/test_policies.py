@@ -455,3 +455,22 @@ async def test_prefilled_report_wakes_a_call_held_by_the_backlog_cap():
     svc.prefilled(first["lease_id"])
     out = await asyncio.wait_for(held, 1.0)
     assert out["worker_id"] == "w0"
+
+
+def test_a_removed_worker_s_labelled_series_leave_the_exposition():
+    """Pods come and go under Kubernetes: a removed worker's scrape series must not be
+    exported forever (one set per pod address ever seen)."""
+    from prometheus_client import generate_latest
+
+    svc = make_service(n=2)
+    m = svc.metrics
+    for wid in ("w0", "w1"):  # what the scraper records for each worker
+        m.scrape_latency.labels(wid).observe(0.002)
+        m.scrape_failures.labels(wid, "timeout").inc()
+        m.scrape_failures.labels(wid, "http").inc()
+        m.scrape_filter_misses.labels(wid).inc()
+    assert svc.remove_worker("w0")
+    text = generate_latest(m.registry).decode()
+    assert 'worker="w0"' not in text
+    assert 'scheduler_scrape_failures_total{kind="http",worker="w1"} 1.0' in text
+    assert 'scheduler_scrape_latency_seconds_count{worker="w1"} 1.0' in text
