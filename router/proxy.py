@@ -145,7 +145,12 @@ class Proxy(StreamForwarding):
                 413, f"request body larger than {max_body} bytes", code="body_too_large"
             )
         except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
-            return error_response(400, f"unreadable request body: {exc}", code="invalid_body")
+            # Marked read, or aiohttp reads the rest after the answer, meets the same error and
+            # logs it with a traceback; and the connection closes (its framing is in doubt).
+            request.content.feed_eof()
+            answer = error_response(400, f"unreadable request body: {exc}", code="invalid_body")
+            answer.force_close()
+            return answer
 
         body: dict[str, Any] = {}
         if raw:

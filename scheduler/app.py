@@ -47,7 +47,12 @@ async def read_body(request: web.Request) -> bytes:
     except web.RequestPayloadError as exc:
         body = {"error": {"message": f"unreadable request body: {exc}", "type": "invalid_request_error",
                           "param": None, "code": "invalid_body"}}
-        raise web.HTTPBadRequest(body=_dumps(body), content_type="application/json") from None
+        # Marked read, or aiohttp reads the rest after the answer, meets the same error and logs
+        # it with a traceback; and the connection closes (its framing is in doubt).
+        request.content.feed_eof()
+        answer = web.HTTPBadRequest(body=_dumps(body), content_type="application/json")
+        answer.force_close()
+        raise answer from None
 
 
 def _json(raw: bytes) -> dict:

@@ -125,5 +125,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         elif exc.status == 405:
             message = f"Method {request.method} not allowed on {request.path}"
         return json_error(APIError(exc.status, message))
+    except web.RequestPayloadError as exc:
+        return unreadable_body(request, exception_to_api_error(exc))
     except Exception as exc:
         return json_error(exception_to_api_error(exc))
+
+
+def unreadable_body(request: web.Request, err: APIError) -> web.Response:
+    """The answer to a body that could not be decoded. aiohttp would read the rest of it after
+    the answer, meet the same error and log it as unhandled, with a traceback: mark it read,
+    and close the connection, whose framing after a bad body is not to be trusted."""
+    request.content.feed_eof()
+    response = json_error(err)
+    response.force_close()
+    return response
