@@ -187,11 +187,11 @@ class Cluster:
             if spec.policy is not None and spec.policy.startswith("peer:"):
                 # A peer router may check its workers once at start-up: it starts after them.
                 await self._start_all(ready, session)
-                from benchmarks.routing_peers import peer_argv, peer_env  # optional Rust routers
+                from benchmarks.routing_peers import peer_argv, peer_env  # optional peer routers
 
                 port = free_port()
                 self.gateway_url = f"http://{HOST}:{port}"
-                argv, ready_path = peer_argv(spec.policy, port, self.worker_urls)
+                argv, ready_path = peer_argv(spec.policy, port, self.worker_urls, spec.model, log_dir)
                 self.gateway = ManagedProcess(tag, argv, log_dir / "peer.log", env=peer_env())
                 await self._start_all([(self.gateway, self.gateway_url + ready_path)], session)
                 return

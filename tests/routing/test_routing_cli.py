@@ -45,6 +45,7 @@ def test_append_keeps_earlier_policies_and_refuses_another_scenario():
 def test_peer_policy_names():
     assert parse_peer("peer:sglang-cache_aware") == ("sglang-router", "cache_aware")
     assert parse_peer("peer:vllm-router-power_of_two") == ("vllm-router", "power_of_two")
+    assert parse_peer("peer:litellm-least-busy") == ("litellm", "least-busy")
     with pytest.raises(ValueError):
         parse_peer("peer:nginx-rr")
 
