@@ -6,9 +6,11 @@ answers (busy, not dead: kept in rotation but treated as saturated)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import math
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -24,6 +26,32 @@ from scheduler.scrape.scraper import FILTERED_MISSES_MAX, MAX_PAGE_BYTES, Scrape
 from scheduler.service import SchedulerService, Wait
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve `app` on a free 127.0.0.1 port: (runner to clean up, base URL)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def scraping(services: list[SchedulerService], runners: list[web.AppRunner]) -> AsyncIterator[None]:
+    """Each service's scraper runs for the block; then the scrapers and the stand-ins stop."""
+    scrapers = [Scraper(svc) for svc in services]
+    tasks = [asyncio.create_task(sc.run()) for sc in scrapers]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sc in scrapers:
+            await sc.stop()
+        for r in runners:
+            await r.cleanup()
 
 
 class StandIn:
@@ -69,11 +97,7 @@ class StandIn:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info_page)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, self.url = await serve(app)
         return runner
 
 
@@ -103,9 +127,7 @@ async def test_every_dialect_over_http_and_stalled_metrics():
     cfg = SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=300, stale_after_ms=600)
     svc = SchedulerService(cfg)
     add_static_workers(svc, [s.url for s in [*stand_ins.values(), stalled]])
-    scraper = Scraper(svc)
-    task = asyncio.create_task(scraper.run())
-    try:
+    async with scraping([svc], runners):
         by_url = {w.url: w for w in svc.registry.workers.values()}
         await _until(lambda: all(by_url[s.url].dialect == name for name, s in stand_ins.items()))
         tgi = by_url[stand_ins["tgi"].url]
@@ -127,12 +149,6 @@ async def test_every_dialect_over_http_and_stalled_metrics():
         assert isinstance(out, Wait), "stale load data counts as saturated, not idle"
         stalled.stall_s = 0.0
         await _until(lambda: isinstance(svc.decide(Request("stally", 10, 10), time.monotonic()), dict))
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await scraper.stop()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
@@ -145,9 +161,7 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
     runners = [await s.start() for s in (with_info, without)]
     svc = SchedulerService(SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=300))
     add_static_workers(svc, [with_info.url, without.url])
-    scraper = Scraper(svc)
-    task = asyncio.create_task(scraper.run())
-    try:
+    async with scraping([svc], runners):
         by_url = {w.url: w for w in svc.registry.workers.values()}
         tgi, blind = by_url[with_info.url], by_url[without.url]
         await _until(lambda: tgi.snapshot is not None and tgi.snapshot.kv_usage is not None)
@@ -158,12 +172,6 @@ async def test_tgi_kv_usage_comes_from_its_batch_reservation_and_info_budget():
         await asyncio.sleep(0.12)  # scrapes after the failed /info read
         assert blind.snapshot.kv_usage is None and blind.snapshot.num_blocks is None
         assert blind.running_cap.cap == math.inf
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await scraper.stop()
-        for r in runners:
-            await r.cleanup()
 
 
 class FilteringStandIn(StandIn):
@@ -231,9 +239,7 @@ async def test_vllm_is_scraped_for_its_series_alone_and_whole_where_that_fails()
                                                  scrape_only_used_series=False))]
     add_static_workers(services[0], [s.url for s in stand_ins[:-1]])
     add_static_workers(services[1], [unfiltered.url])
-    scrapers = [Scraper(svc) for svc in services]
-    tasks = [asyncio.create_task(sc.run()) for sc in scrapers]
-    try:
+    async with scraping(services, runners):
         counted = (honours, ignores, no_slash, misreads, tgi, unfiltered)
         await _until(lambda: min(len(s.asked) for s in counted) >= 2 * FILTERED_MISSES_MAX + 4)
         by_url = {w.url: w for w in services[0].registry.workers.values()}
@@ -265,14 +271,6 @@ async def test_vllm_is_scraped_for_its_series_alone_and_whole_where_that_fails()
         assert TGI.filtered_metrics_path == "" and tgi.filtered() == []
         assert by_url[tgi.url].dialect == "tgi"
         assert unfiltered.filtered() == []
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sc in scrapers:
-            await sc.stop()
-        for r in runners:
-            await r.cleanup()
 
 
 class OversizedPages:
@@ -303,11 +301,8 @@ class OversizedPages:
         for handler in (self.sized, self.streamed):
             app = web.Application()
             app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            runner, url = await serve(app)
+            self.urls.append(url)
             runners.append(runner)
         return runners
 
@@ -320,16 +315,8 @@ async def test_a_page_over_the_size_cap_fails_the_scrape_instead_of_filling_memo
     runners = await pages.start()
     svc = SchedulerService(SchedulerConfig(scrape_interval_ms=100, scrape_timeout_ms=5000))
     add_static_workers(svc, pages.urls)
-    scraper = Scraper(svc)
-    task = asyncio.create_task(scraper.run())
-    try:
+    async with scraping([svc], runners):
         workers = list(svc.registry.workers.values())
         await _until(lambda: all(w.health.last_error == "PageTooLarge" for w in workers))
         assert all(w.snapshot is None for w in workers)
         assert pages.streamed_bytes < 32 * 1024 * 1024  # cut off near the 16 MiB cap, not read whole
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await scraper.stop()
-        for r in runners:
-            await r.cleanup()
