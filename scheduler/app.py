@@ -32,10 +32,14 @@ class BadRequest(Exception):
         self.param = param
 
 
+def _error_body(message: str, param: str | None, code: str | None, type_: str) -> bytes:
+    return _dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error") -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return web.Response(status=status, body=_dumps(body), content_type="application/json")
+    return web.Response(status=status, body=_error_body(message, param, code, type_),
+                        content_type="application/json")
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -45,12 +49,11 @@ async def read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
     except web.RequestPayloadError as exc:
-        body = {"error": {"message": f"unreadable request body: {exc}", "type": "invalid_request_error",
-                          "param": None, "code": "invalid_body"}}
+        body = _error_body(f"unreadable request body: {exc}", None, "invalid_body", "invalid_request_error")
         # Marked read, or aiohttp reads the rest after the answer, meets the same error and logs
         # it with a traceback; and the connection closes (its framing is in doubt).
         request.content.feed_eof()
-        answer = web.HTTPBadRequest(body=_dumps(body), content_type="application/json")
+        answer = web.HTTPBadRequest(body=body, content_type="application/json")
         answer.force_close()
         raise answer from None
 
