@@ -32,6 +32,10 @@ def error_response(
     )
 
 
+def not_found(method: str, path: str) -> web.Response:
+    return error_response(404, f"no such endpoint: {method} {path}", code="not_found")
+
+
 def sse_error_event(message: str, type_: str = "upstream_error", code: int | str = 502) -> bytes:
     """An error event and a clean end for a stream that already started."""
     return b"data: " + error_body(message, type_, code) + b"\n\ndata: [DONE]\n\n"

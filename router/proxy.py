@@ -21,7 +21,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.errors import error_response
+from router.errors import error_response, not_found
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
@@ -55,6 +55,17 @@ _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 # OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
 # "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
 _POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"}
+# Endpoints (of OpenAI and of the engines we front) whose request names a model. A request to
+# any other /v1 path without a model is a wrong path, not a missing field: it gets a 404.
+_MODEL_ENDPOINTS = _POST_ONLY | {
+    "/v1/rerank",
+    "/v1/score",
+    "/v1/moderations",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/images/generations",
+}
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
@@ -160,9 +171,11 @@ class Proxy(StreamForwarding):
                 return error_response(400, f"request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object")
-        elif request.method == "POST":
-            return error_response(400, "request body is required")
         model = body.get("model", request.query.get("model"))
+        if model is None and path not in _MODEL_ENDPOINTS:
+            return not_found(request.method, path)
+        if not raw and request.method == "POST":
+            return error_response(400, "request body is required")
         if not isinstance(model, str) or not model:
             return error_response(
                 400, "'model' is required and must be a non-empty string", param="model"

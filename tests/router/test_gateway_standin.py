@@ -110,6 +110,22 @@ def test_generation_endpoints_take_only_post(stack, method):
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/nonexistent"), ("POST", "/v1/chat/completion"), ("GET", "/v1/"), ("GET", "/v2/models")],
+)
+def test_unknown_path_is_404_not_a_missing_model(stack, method, path):
+    r = httpx.request(method, stack["gw"] + path)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "not_found" and path in err["message"]
+
+
+def test_model_endpoint_without_model_still_names_the_field(stack):
+    r = httpx.post(stack["gw"] + "/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 def test_unknown_model_is_4xx_from_worker(stack):
     r = httpx.post(stack["gw"] + "/v1/completions", json={"model": "nope", "prompt": "p"})
     assert r.status_code == 404 and "error" in r.json()
