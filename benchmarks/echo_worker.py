@@ -3,7 +3,8 @@
 Used by the gateway overhead benchmark (so that every millisecond measured is the
 gateway's, not a model's) and by the gateway's unit-level tests. It speaks:
 POST /v1/completions and /v1/chat/completions (stream and not, stream_options.include_usage),
-GET /v1/models, /health, /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
+POST /v1/embeddings (each input's embedding is [its length in characters], so a test can see
+what arrived), GET /v1/models, /health, /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
 spaces them out. `python -m benchmarks.echo_worker --port 8101 --model m`
 """
@@ -166,6 +167,22 @@ class EchoWorker:
             await ws.send_str(_dumps({"type": "done", "id": "cmpl-echo"}))
         return ws
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await self._parse(request)
+        if isinstance(body, web.Response):
+            return body
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(str(text)))]}
+            for i, text in enumerate(inputs)
+        ]
+        tokens = sum(len(str(text)) for text in inputs) // 4
+        return web.json_response(
+            {"object": "list", "data": data, "model": self.model,
+             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        )
+
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
@@ -195,6 +212,7 @@ def build_app(model: str, token_delay_s: float = 0.0, name: str = "echo") -> web
     app = web.Application()
     app.router.add_post("/v1/completions", w.completions)
     app.router.add_post("/v1/chat/completions", w.chat)
+    app.router.add_post("/v1/embeddings", w.embeddings)
     app.router.add_get("/v1/models", w.models)
     app.router.add_get("/v1/ws", w.ws)
     app.router.add_get("/health", w.health)

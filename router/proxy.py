@@ -33,6 +33,9 @@ from scheduler.client import SchedulerRequestError, UnknownModelError
 
 log = logging.getLogger("router.proxy")
 
+# Request headers not sent on to the worker: hop-by-hop ones, those the gateway sets itself,
+# the client's credentials, and the body's framing and encoding (the body sent on is the one
+# the gateway read: decoded, and sized anew).
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -49,6 +52,7 @@ HOP_BY_HOP = frozenset(
         "authorization",
         "cookie",
         "accept-encoding",
+        "content-encoding",
     }
 )
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -5,6 +5,7 @@ retries on a dead worker, metrics and the WebSocket proxy."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import statistics
@@ -124,6 +125,18 @@ def test_unknown_path_is_404_not_a_missing_model(stack, method, path):
 def test_model_endpoint_without_model_still_names_the_field(stack):
     r = httpx.post(stack["gw"] + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_compressed_body_is_forwarded_decoded(stack):
+    # The gateway reads (decodes) the body and forwards those bytes: a Content-Encoding header
+    # sent on with them would make the worker decode them a second time.
+    body = json.dumps({"model": "m", "input": ["hello", "four"]}).encode()
+    r = httpx.post(
+        stack["gw"] + "/v1/embeddings", content=gzip.compress(body),
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
+    assert r.status_code == 200, r.text
+    assert [d["embedding"] for d in r.json()["data"]] == [[5.0], [4.0]]
 
 
 def test_unknown_model_is_4xx_from_worker(stack):
