@@ -5,6 +5,7 @@ replicas, bad input."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import random
 import re
@@ -12,9 +13,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
+import brotli
 import httpx
 import openai
 import pytest
+
+try:
+    from compression import zstd  # Python 3.14+
+except ImportError:
+    from backports import zstd
 
 from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
 
@@ -159,12 +166,24 @@ def test_bad_input_is_4xx_never_5xx(cluster, content, status):
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_body_its_content_encoding_does_not_match_is_a_400(cluster):
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_a_body_its_content_encoding_does_not_match_is_a_400(cluster, encoding):
     r = httpx.post(cluster["gw"] + "/v1/completions", content=b'{"model": "m", "prompt": "x"}',
-                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=30)
+                   headers={"Content-Type": "application/json", "Content-Encoding": encoding}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
     time.sleep(0.2)  # aiohttp would log the body's error after the answer
     assert "Traceback" not in cluster["gw_proc"].output()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"), [("gzip", gzip.compress), ("br", brotli.compress), ("zstd", zstd.compress)]
+)
+def test_a_compressed_body_is_served(cluster, encoding, compress):
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3}).encode()
+    r = httpx.post(cluster["gw"] + "/v1/completions", content=compress(body), timeout=30,
+                   headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
 
 
 # Values of every JSON type and edge, put into the fields clients send, a few at a time.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import time
 import urllib.error
@@ -256,12 +257,14 @@ def test_bad_input_gets_openai_errors(cluster):
     assert post(f"{base}/v1/workers/nope/failure", {"error": "x"})[0] == 404
     status, err = post(f"{base}/v1/nothing-here", {})
     assert status in (404, 405) and "error" in err
-    # A body that says gzip and is not, on every endpoint that reads one.
-    for path in ("/v1/schedule", "/v1/release", "/v1/prefilled", "/v1/batch", "/v1/workers",
-                 "/v1/workers/x/failure"):
-        req = urllib.request.Request(f"{base}{path}", data=b'{"model": "m"}', method="POST",
-                                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip",
-                                              "Authorization": f"Bearer {TOKEN}"})
+    # A body that says gzip (or zstd) and is not, on every endpoint that reads one.
+    for path, encoding in itertools.product(
+        ("/v1/schedule", "/v1/release", "/v1/prefilled", "/v1/batch", "/v1/workers", "/v1/workers/x/failure"),
+        ("gzip", "zstd"),
+    ):
+        headers = {"Content-Type": "application/json", "Content-Encoding": encoding,
+                   "Authorization": f"Bearer {TOKEN}"}
+        req = urllib.request.Request(f"{base}{path}", data=b'{"model": "m"}', method="POST", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=5)
         assert err.value.code == 400, path

@@ -236,10 +236,11 @@ def test_bad_input_gets_openai_error(worker, method, path, body, status, param) 
     assert "Traceback" not in response.text
 
 
-def test_a_body_its_content_encoding_does_not_match_is_a_400(worker) -> None:
-    """A body that says gzip and is not: the client's error, not the server's."""
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "zstd"])
+def test_a_body_its_content_encoding_does_not_match_is_a_400(worker, encoding) -> None:
+    """A body that says gzip (or zstd...) and is not: the client's error, not the server's."""
     r = httpx.post(f"{worker.base_url}{CMPL}", content=b'{"prompt": "x"}', timeout=60,
-                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+                   headers={"Content-Type": "application/json", "Content-Encoding": encoding})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
 
 
