@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference_worker.settings_loader import load_settings
@@ -59,6 +60,22 @@ class WorkerConfig(BaseSettings):
     # Sim backend
     sim_profile: str = Field("tiny", description="profile name or path to a profile YAML")
     time_scale: float = Field(1.0, gt=0, description="stretch every simulated duration by this factor")
+
+    @field_validator("register_with", "advertise_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        # A typo here would only show as registration warnings, forever: stop start-up instead.
+        # (The scheduler checks what it is given the same way; the worker imports nothing of it.)
+        if v is None:
+            return v
+        try:
+            parts = urlsplit(v)
+            _ = parts.port  # a port out of range or not a number raises ValueError
+        except ValueError as exc:
+            raise ValueError(f"{v!r} is not a valid URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{v!r} is not an http(s) URL with a host")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.urls import http_url_problem
+
 
 class RouterConfig(BaseSettings):
     model_config = SettingsConfigDict(
@@ -118,8 +120,9 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _http_urls(cls, v: str | None) -> str | None:
         for url in (v or "").split(","):
-            if url.strip() and not url.strip().startswith(("http://", "https://")):
-                raise ValueError(f"not an http(s) URL: {url.strip()!r}")
+            problem = http_url_problem(url.strip()) if url.strip() else None
+            if problem:
+                raise ValueError(f"URL {problem}")
         return v
 
     @field_validator("base_path")

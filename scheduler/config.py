@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.settings_loader import load_settings
+from scheduler.urls import http_url_problem
 
 
 class SchedulerConfig(BaseSettings):
@@ -126,8 +127,9 @@ class SchedulerConfig(BaseSettings):
     @classmethod
     def _check_urls(cls, v: str) -> str:
         for url in (u.strip() for u in v.split(",")):
-            if url and not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https://: {url}")
+            problem = http_url_problem(url) if url else None
+            if problem:
+                raise ValueError(f"worker URL {problem}")
         return v
 
     @field_validator("worker_max_running")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hmac
 import time
-from urllib.parse import urlsplit
 
 from scheduler.registry import WorkerState
 from scheduler.running_cap import is_positive_int
 from scheduler.service import SchedulerService
+from scheduler.urls import http_url_problem
 
 SOURCE = "registration"
 
@@ -40,9 +40,9 @@ def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int
     url = body.get("url")
     if not isinstance(url, str):
         raise RegistrationError(400, "url is required", "url")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RegistrationError(400, "url must be an http(s) URL with a host", "url")
+    problem = http_url_problem(url)
+    if problem:
+        raise RegistrationError(400, f"url {problem}", "url")
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise RegistrationError(400, "models must be a list of names", "models")

@@ -37,6 +37,8 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
         (["--scheduler", "http://x", "--max-queue-size", "-1"], "max-queue-size"),
         (["--scheduler", "http://x", "--retry-count", "many"], "retry-count"),
         (["--workers", "ftp://nope"], "ftp://nope"),
+        (["--workers", "http://127.0.0.1:99999"], "workers"),
+        (["--scheduler", "http://"], "scheduler"),  # once a traceback from the channel's set-up
         (["--scheduler", "http://x", "--scheduler-channel", "udp"], "scheduler-channel"),
         ([], "--scheduler"),
     ],

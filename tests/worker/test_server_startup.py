@@ -39,6 +39,14 @@ def test_invalid_flag_value_names_the_field() -> None:
     assert_one_line_error(run_worker("--max-num-seqs", "0"), "max-num-seqs")
 
 
+@pytest.mark.parametrize(
+    ("flag", "url"), [("--register-with", "http://"), ("--advertise-url", "worker-0:8001")]
+)
+def test_unusable_registration_url_stops_start_up(flag, url) -> None:
+    # Not a warning repeated every heartbeat for the life of the worker.
+    assert_one_line_error(run_worker(flag, url), flag.removeprefix("--"), repr(url))
+
+
 def test_unknown_model_is_one_line() -> None:
     assert_one_line_error(run_worker("--model", "/no/such/model/dir", "--port", "1"), "/no/such/model/dir")
 
