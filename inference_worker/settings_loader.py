@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import yaml
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, CliApp
+from pydantic_settings import BaseSettings, CliApp, SettingsError
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
@@ -27,7 +27,8 @@ def _yaml_values(path: str | None) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"error: cannot read config file {path}: {exc}") from None
+        reason = " ".join(str(exc).split())  # YAML errors span lines; the contract is one
+        raise SystemExit(f"error: cannot read config file {path}: {reason}") from None
     if not isinstance(data, dict):
         raise SystemExit(f"error: config file {path} must hold a mapping of field: value")
     return {k.replace("-", "_"): v for k, v in data.items()}
@@ -56,6 +57,8 @@ def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> Sett
         return CliApp.run(model, cli_args=argv, **_yaml_as_init(model, yaml_values))
     except ValidationError as exc:
         raise SystemExit(format_validation_error(exc)) from None
+    except SettingsError as exc:  # a flag or variable that should hold JSON and does not parse
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _yaml_as_init(model: type[BaseSettings], values: dict) -> dict:

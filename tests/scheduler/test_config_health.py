@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,22 @@ def test_invalid_value_is_one_line_naming_the_field(args, field):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: invalid value for {field}"), proc.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "needle"), [
+    (["--policy-params", "[1]"], {}, "policy_params"),  # JSON-valued flags that do not parse
+    ([], {"SCHEDULER_WORKER_MAX_RUNNING": "not json"}, "worker_max_running"),
+    (["--config", "BROKEN_YAML"], {}, "cannot read config file"),  # its parser's error spans lines
+])
+def test_unparseable_values_are_one_line_too(tmp_path, args, env, needle):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("policy: {{{\n")
+    args = [str(broken) if a == "BROKEN_YAML" else a for a in args]
+    proc = subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
 
 
 def test_busy_is_not_dead_but_refused_connections_are():
