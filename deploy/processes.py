@@ -46,6 +46,9 @@ class ServiceSpec:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the services' own listeners do (asyncio sets it): connections of a stack stopped
+        # moments ago linger in TIME_WAIT and must not count as "in use"; a listener still does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

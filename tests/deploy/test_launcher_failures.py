@@ -7,9 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from deploy.processes import port_is_free
 from tests.deploy.helpers import REPO, free_ports, pid_alive, wait_until
 from tests.deploy.stack import start_stack, stop_stack, wait_ready
 
@@ -31,6 +33,24 @@ def test_busy_port_is_named_before_anything_starts():
     assert out.returncode == 2
     assert f"port {gateway} (gateway) is already in use" in out.stdout
     assert "started" not in out.stdout
+
+
+def test_a_port_whose_connections_linger_in_time_wait_is_free():
+    """A stack stopped a moment ago leaves its served connections in TIME_WAIT for a minute;
+    `make run` again must not call its ports busy (the services bind with SO_REUSEADDR)."""
+    (port,) = free_ports(1)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's servers do
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server closes first: its side of the connection goes to TIME_WAIT
+        client.recv(1)  # the server's FIN has arrived
+        client.close()
+        assert not port_is_free(port)  # listening: busy
+    time.sleep(0.1)  # the client's FIN acknowledged
+    assert port_is_free(port)
 
 
 def test_bad_flags_are_refused_by_the_launcher():
