@@ -14,7 +14,7 @@ from aiohttp import web
 from router.access_log import AccessLog, Stats, stats_loop
 from router.auth import KeyChecker, load_api_keys
 from router.config import RouterConfig
-from router.errors import error_response, not_found
+from router.errors import error_response, no_route
 from router.fallback import FallbackRouter
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
@@ -211,13 +211,10 @@ def build_app(gw: Gateway) -> web.Application:
     if cfg.allow_metrics and cfg.metrics_port is None:
         app.router.add_get("/metrics", gw.handle_metrics)
     # Last, so it only sees what no route above took: clients get the OpenAI error shape, not
-    # aiohttp's plain-text 404.
-    app.router.add_route("*", "/{tail:.*}", _no_such_endpoint)
+    # aiohttp's plain-text 404 / 405.
+    app.router.add_route("*", "/{tail:.*}", no_route)
     return app
 
-
-async def _no_such_endpoint(request: web.Request) -> web.Response:
-    return not_found(request.method, request.path)
 
 
 def build_metrics_app(gw: Gateway) -> web.Application:

@@ -32,8 +32,21 @@ def error_response(
     )
 
 
-def not_found(method: str, path: str) -> web.Response:
-    return error_response(404, f"no such endpoint: {method} {path}", code="not_found")
+async def no_route(request: web.Request) -> web.Response:
+    """The answer for a request that no route serves: 405 if a route serves its path with
+    other methods, else 404. (Catch-alls, which took it, match any method and add none.)"""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():  # the error path only: a linear walk is fine
+        match, methods = await resource.resolve(request)
+        if match is None:
+            allowed |= methods
+    if allowed:
+        methods = ", ".join(sorted(allowed))
+        return error_response(
+            405, f"{request.method} is not allowed on {request.path}: use {methods}",
+            code="method_not_allowed", headers={"Allow": methods},
+        )
+    return error_response(404, f"no such endpoint: {request.method} {request.path}", code="not_found")
 
 
 def sse_error_event(message: str, type_: str = "upstream_error", code: int | str = 502) -> bytes:

@@ -21,7 +21,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.errors import error_response, not_found
+from router.errors import error_response, no_route
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
@@ -177,7 +177,7 @@ class Proxy(StreamForwarding):
                 return error_response(400, "request body must be a JSON object")
         model = body.get("model", request.query.get("model"))
         if model is None and path not in _MODEL_ENDPOINTS:
-            return not_found(request.method, path)
+            return await no_route(request)
         if not raw and request.method == "POST":
             return error_response(400, "request body is required")
         if not isinstance(model, str) or not model:

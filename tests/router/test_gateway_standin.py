@@ -122,6 +122,15 @@ def test_unknown_path_is_404_not_a_missing_model(stack, method, path):
     assert err["code"] == "not_found" and path in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"), [("POST", "/v1/models", "GET, HEAD"), ("PUT", "/health", "GET, HEAD")]
+)
+def test_wrong_method_on_a_gateway_route_is_405_in_the_openai_shape(stack, method, path, allow):
+    r = httpx.request(method, stack["gw"] + path)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_model_endpoint_without_model_still_names_the_field(stack):
     r = httpx.post(stack["gw"] + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
