@@ -14,6 +14,7 @@ from aiohttp import web
 from router.access_log import AccessLog, Stats, stats_loop
 from router.auth import KeyChecker, load_api_keys
 from router.config import RouterConfig
+from router.cors import CorsPolicy
 from router.errors import error_response, no_route
 from router.fallback import FallbackRouter
 from router.metrics import RouterMetrics
@@ -198,6 +199,8 @@ class Gateway:
 def build_app(gw: Gateway) -> web.Application:
     cfg = gw.cfg
     app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+    if cfg.cors_origins:
+        CorsPolicy(cfg.cors_origins).install(app)
     app.on_startup.append(gw.start)
     app.on_cleanup.append(gw.stop)
     prefixes = [""] + ([cfg.base_path] if cfg.base_path else [])

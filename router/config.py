@@ -7,6 +7,7 @@ wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -107,6 +108,11 @@ class RouterConfig(BaseSettings):
     upstream_api_key: str | None = Field(None, description="Bearer key the gateway sends to workers")
     admin_token: str | None = Field(None, description="Bearer token required for /metrics and /admin/*")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    cors_allowed_origins: str = Field(
+        "",
+        description="browser origins allowed to call the API (CORS), comma-separated, e.g. "
+        "https://chat.example.com, or * for any; empty: none (no CORS headers at all)",
+    )
 
     # Observability
     debug_headers: bool = Field(False, description="add the scheduling decision to response headers")
@@ -124,6 +130,21 @@ class RouterConfig(BaseSettings):
             if problem:
                 raise ValueError(f"URL {problem}")
         return v
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, v: str) -> str:
+        for origin in (o.strip() for o in v.split(",")):
+            if not origin or origin == "*":
+                continue
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path) or *")
+        return v
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in self.cors_allowed_origins.split(",") if o.strip()]
 
     @field_validator("base_path")
     @classmethod

@@ -1,0 +1,141 @@
+"""Browser apps on another origin calling the gateway (CORS): the headers, and a real headless
+Chromium page that streams a chat completion through the gateway (Debian's chromium package;
+the browser test skips with a reason without it, .ci/run installs it)."""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.procs import Proc, free_port, start_echo_worker, start_gateway, wait_http
+
+KEY = "sekret"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    page_port = free_port()
+    page_origin = f"http://127.0.0.1:{page_port}"
+    w, wu = start_echo_worker()
+    open_gw, open_u = start_gateway("--workers", wu, "--api-keys", KEY, "--cors-allowed-origins", page_origin)
+    any_gw, any_u = start_gateway("--workers", wu, "--cors-allowed-origins", "*")
+    closed_gw, closed_u = start_gateway("--workers", wu, "--api-keys", KEY)
+    yield {"origin": page_origin, "page_port": page_port, "open": open_u, "any": any_u, "closed": closed_u}
+    for p in (open_gw, any_gw, closed_gw, w):
+        p.stop()
+
+
+def preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    })
+
+
+def test_preflight_from_a_listed_origin_is_answered_without_credentials(stack):
+    r = preflight(stack["open"], stack["origin"])
+    assert r.status_code == 204
+    assert r.headers["access-control-allow-origin"] == stack["origin"]
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+    assert r.headers["vary"] == "Origin"
+
+
+def test_preflight_from_another_origin_is_refused_in_the_openai_shape(stack):
+    r = preflight(stack["open"], "http://evil.example")
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert r.json()["error"]["code"] == "cors_origin_not_allowed"
+
+
+def test_answers_to_a_listed_origin_are_marked_stream_included(stack):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    headers = {"Origin": stack["origin"], "Authorization": f"Bearer {KEY}"}
+    r = httpx.post(stack["open"] + "/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == stack["origin"]
+    assert "x-request-id" in r.headers["access-control-expose-headers"]
+    with httpx.stream("POST", stack["open"] + "/v1/chat/completions", json={**body, "stream": True},
+                      headers=headers) as s:
+        assert s.headers["access-control-allow-origin"] == stack["origin"]
+        assert s.read().endswith(b"data: [DONE]\n\n")
+    # Errors are readable by the page too (else it sees only "failed to fetch").
+    r = httpx.post(stack["open"] + "/v1/chat/completions", json=body, headers={"Origin": stack["origin"]})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == stack["origin"]
+    # Another origin, or none: nothing marked.
+    r = httpx.post(stack["open"] + "/v1/chat/completions", json=body,
+                   headers={**headers, "Origin": "http://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.post(stack["open"] + "/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_any_origin(stack):
+    r = preflight(stack["any"], "http://anything.example:8080")
+    assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
+    assert "vary" not in r.headers
+
+
+def test_without_origins_configured_there_is_no_cors(stack):
+    r = preflight(stack["closed"], stack["origin"])  # an ordinary request, refused as one
+    assert r.status_code in (401, 405) and "access-control-allow-origin" not in r.headers
+
+
+PAGE = """<!doctype html><html><body><pre id="out">pending</pre><script>
+async function call(base) {
+  try {
+    const r = await fetch(base + "/v1/chat/completions", {
+      method: "POST",
+      headers: {"Content-Type": "application/json", "Authorization": "Bearer KEY"},
+      body: JSON.stringify({model: "m", stream: true, max_tokens: 4,
+                            messages: [{role: "user", content: "hi"}]}),
+    });
+    const reader = r.body.getReader(), dec = new TextDecoder();
+    let text = "";
+    for (;;) { const {done, value} = await reader.read(); if (done) break; text += dec.decode(value); }
+    const words = text.split("\\n\\n").filter(e => e.startsWith("data: {"))
+      .map(e => JSON.parse(e.slice(6)).choices[0]?.delta?.content || "").join("");
+    return {status: r.status, words, request_id: r.headers.get("x-request-id")};
+  } catch (e) { return {error: String(e)}; }
+}
+(async () => {
+  const out = {open: await call("OPEN"), closed: await call("CLOSED")};
+  document.getElementById("out").textContent = JSON.stringify(out);
+})();
+</script></body></html>"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (Debian package chromium)")
+def test_a_page_on_another_origin_streams_through_the_gateway_in_chromium(stack):
+    with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as profile:
+        page = PAGE.replace("KEY", KEY).replace("OPEN", stack["open"]).replace("CLOSED", stack["closed"])
+        Path(site, "index.html").write_text(page)
+        server = Proc(["-m", "http.server", str(stack["page_port"]), "--bind", "127.0.0.1",
+                       "--directory", site], "page-server")
+        try:
+            wait_http(stack["origin"] + "/index.html", server)
+            dom = ""
+            for _ in range(3):  # a slow first start can run out of virtual time; the page is idempotent
+                dom = subprocess.run(
+                    [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                     "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                     "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=20000",
+                     "--dump-dom", stack["origin"] + "/index.html"],
+                    capture_output=True, text=True, timeout=90,
+                ).stdout
+                if "pending" not in dom:
+                    break
+        finally:
+            server.stop()
+    text = dom.split('<pre id="out">', 1)[1].split("</pre>", 1)[0]
+    result = json.loads(html.unescape(text))
+    assert result["open"]["status"] == 200 and result["open"]["words"] == " tok" * 4
+    assert result["open"]["request_id"]  # exposed to the page
+    assert "error" in result["closed"]  # the browser blocks a gateway without CORS
