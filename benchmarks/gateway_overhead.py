@@ -31,10 +31,12 @@ from benchmarks.proc_cpu import cpu_seconds
 REPO = Path(__file__).resolve().parents[1]
 
 
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(
+    args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args],
-        cwd=REPO,
+        cwd=cwd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

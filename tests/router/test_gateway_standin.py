@@ -300,6 +300,25 @@ def test_client_api_key_is_not_forwarded_unless_configured(stack):
         g.stop()
 
 
+def test_first_byte_timeout_holds_on_a_connection_a_stream_used_before():
+    """During a stream the gateway's idle guard replaces aiohttp's read timeout on the
+    connection; the next request on that pooled connection must get its first-byte timeout."""
+    w, wu = start_echo_worker(token_delay_ms=100)
+    g, gu = start_gateway("--workers", wu, "--first-byte-timeout-ms", "1000", "--retry-count", "0")
+    try:
+        with httpx.Client(timeout=30) as c:
+            body = {"model": "m", "prompt": "p", "max_tokens": 3, "stream": True}
+            with c.stream("POST", gu + "/v1/completions", json=body) as r:
+                assert r.read().endswith(b"data: [DONE]\n\n")
+            t0 = time.monotonic()
+            r = c.post(gu + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 30})
+            assert r.status_code == 502 and "timeout" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 2.5  # not the 3 s the worker takes
+    finally:
+        for p in (g, w):
+            p.stop()
+
+
 def test_first_byte_and_idle_stream_timeouts():
     """A worker that takes 400 ms per token: a 150 ms first-byte timeout fails it (retried, then
     502); with a generous first-byte timeout but a 150 ms idle timeout, a stream that started
