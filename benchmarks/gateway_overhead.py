@@ -253,7 +253,7 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
             {"gateway": rr.pid},
         )
     )
-    targets += await _external_routers(args, wurls, logs, procs)
+    targets += await external_routers(args, wurls, logs, procs)
     runs: list[dict] = []
     for rep in range(args.repeat):  # interleaved repeats: a burst of load from other tenants hits one
         for stream, n in ((False, args.requests), (True, args.streams)):
@@ -307,7 +307,7 @@ def _external_cmd(name: str, exe: str, port: int, wurls: list[str]) -> list[str]
     return [exe, "launch", *common] if name == "sglang-router" else [exe, *common]
 
 
-async def _external_routers(args, wurls, logs, procs) -> list[tuple[str, list[str], dict]]:
+async def external_routers(args, wurls, logs, procs) -> list[tuple[str, list[str], dict]]:
     """Rust routers installed in a separate venv (--sglang-router / --vllm-router PATH), in
     round-robin mode, in front of the same workers. Any tokenizer download goes to a dead port."""
     out = []

@@ -6,7 +6,8 @@ milliseconds apart, so every token is its own read, timer work and write in the 
 a 200-token answer that per-token cost is most of what a stream costs (RESULTS.md: 12.4 ms
 of gateway CPU per request in the routing runs). This program measures it: echo workers that
 pace their tokens (`--token-delay-ms`), one gateway (round robin over them) per checkout given,
-the same bounded load through each in turn, repeated and interleaved; CPU from /proc.
+and the peer routers given (round robin too), the same bounded load through each in turn,
+repeated and interleaved; CPU from /proc.
 
 To compare two versions of the gateway in one run, give the other checkout too (e.g. a
 `git worktree` of an earlier commit); each runs with its own code, the load and workers are
@@ -29,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.cluster import free_port
-from benchmarks.gateway_overhead import spawn, wait_ready
+from benchmarks.gateway_overhead import external_routers, spawn, wait_ready
 from benchmarks.proc_cpu import cpu_seconds
 
 
@@ -86,6 +87,8 @@ async def main_async(args: argparse.Namespace) -> dict:
             url = f"http://127.0.0.1:{port}"
             await wait_ready(url + "/health", p)
             gateways[name] = (url, p.pid)
+        for label, urls, pids in await external_routers(args, wurls, logs, procs):
+            gateways[label] = (urls[0].removesuffix("/v1/completions"), pids["gateway"])
         runs: dict[str, list[dict]] = {name: [] for name in gateways}
         for rep in range(args.repeat):
             order = list(gateways) if rep % 2 == 0 else list(reversed(gateways))
@@ -134,6 +137,8 @@ def main() -> None:
     ap.add_argument("--gateway", type=_named_checkout, action="append",
                     help="NAME=CHECKOUT: a gateway run from that checkout's code (repeatable; "
                     "default: this one, as 'ours'); the first is the baseline of the change column")
+    ap.add_argument("--sglang-router", help="path of an installed sglang-router executable (a peer)")
+    ap.add_argument("--vllm-router", help="path of an installed vllm-router executable (a peer)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--token-delay-ms", type=float, default=5.0, help="the workers' pace per token")
     ap.add_argument("--streams", type=int, default=600)

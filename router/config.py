@@ -99,7 +99,9 @@ class RouterConfig(BaseSettings):
     # Upstream timeouts
     connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")
     first_byte_timeout_ms: int = Field(60_000, ge=1, description="a worker's first byte (then: retried)")
-    idle_stream_timeout_ms: int = Field(60_000, ge=1, description="max gap between two upstream chunks")
+    idle_stream_timeout_ms: int = Field(
+        60_000, ge=1, description="max gap between two upstream chunks (enforced to within 1/8 of it)"
+    )
 
     # Security
     api_key_file: str | None = Field(None, description="file with one accepted API key per line")
