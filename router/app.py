@@ -219,7 +219,6 @@ def build_app(gw: Gateway) -> web.Application:
     return app
 
 
-
 def build_metrics_app(gw: Gateway) -> web.Application:
     app = web.Application()
     app.router.add_get("/metrics", gw.handle_metrics)

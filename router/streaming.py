@@ -136,11 +136,12 @@ class StreamForwarding:
         read = up.content.readany
         loop = asyncio.get_running_loop()
         idle = self.idle_s
-        if up.connection is not None:
+        protocol = up.connection.protocol if up.connection is not None else None
+        if protocol is not None:
             # From here the idle guard below is the stream's read timeout: aiohttp's own (the
             # first-byte timeout, re-armed on every chunk) would only repeat it, at a timer per
             # chunk. Set again for the connection's next request.
-            up.connection.protocol.read_timeout = None
+            protocol.read_timeout = None
         # Moving the deadline costs a timer cancel and a new one (~9 % of the gateway's CPU per
         # token when done for every chunk), so it moves only when fewer than `idle` seconds are
         # left, and then to `idle` + 1/8 ahead: never early, at most 1/8 of `idle` late, and
