@@ -158,12 +158,28 @@ def parse_selected(text: str, wanted: dict[str, str]) -> dict[str, list[Sample]]
             _parse_region(text, eol + 1, end, wanted, out)
         elif end - 1 > eol + 1:
             last = text.rfind("\n", eol, end - 1) + 1
-            if not text.startswith(family, last):
+            if not _of_family(text, last, family):
                 _parse_region(text, eol + 1, end, wanted, out)  # an untyped family follows
             elif only:
                 _summary_lines(text, eol + 1, end, only, wanted, out)
         pos = end
     return out
+
+
+_FAMILY_SUFFIXES = ("", "_bucket", "_sum", "_count", "_total", "_created", "_info", "_gsum", "_gcount")
+
+
+def _of_family(text: str, line_start: int, family: str) -> bool:
+    """Is the sample at `line_start` one of `family`'s? Its name must be the family's name
+    with one of the text format's suffixes, not merely start with it (`a0` is not `a`'s)."""
+    if not text.startswith(family, line_start):
+        return False
+    after = line_start + len(family)
+    for suffix in _FAMILY_SUFFIXES:
+        name_end = after + len(suffix)
+        if text.startswith(suffix, after) and text[name_end : name_end + 1] in ("{", " "):
+            return True
+    return False
 
 
 def series_names(text: str) -> set[str]:

@@ -59,6 +59,14 @@ def assert_agree(text: str, subset=None) -> None:
     assert set(mine) == set(ref)
 
 
+def test_an_untyped_family_whose_name_extends_the_typed_one_before_it():
+    # Found by the generated test below (whose subsets depend on the hash seed): `a0` follows
+    # family `a`'s block without a TYPE line of its own, and reading `a0` alone must find it.
+    text = "# TYPE a gauge\na 0.0\na0 1.0\n# TYPE a9 gauge\na9 2.0\n"
+    assert ours(text, {"a0"}) == {("a0", frozenset()): 1.0}
+    assert_agree(text, subset=lambda n: n != "a")
+
+
 def test_agree_on_fixtures():
     assert FIXTURES
     for path in FIXTURES:
