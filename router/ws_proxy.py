@@ -36,12 +36,38 @@ def _ws_error(message: str, code: int | str) -> str:
     )
 
 
+# Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
+# the subprotocol `openai-insecure-api-key.<key>` (OpenAI's convention for its Realtime API).
+KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
+
+
+def _offered_protocols(request: web.Request) -> list[str]:
+    header = request.headers.get("Sec-WebSocket-Protocol", "")
+    return [p.strip() for p in header.split(",") if p.strip()]
+
+
+def _authorization(request: web.Request, offered: list[str]) -> str | None:
+    header = request.headers.get("Authorization")
+    if header is not None:
+        return header
+    for protocol in offered:
+        if protocol.startswith(KEY_PROTOCOL_PREFIX):
+            return "Bearer " + protocol[len(KEY_PROTOCOL_PREFIX) :]
+    return None
+
+
 async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
-    if not proxy.keys.allows(request.headers.get("Authorization")):
+    offered = _offered_protocols(request)
+    if not proxy.keys.allows(_authorization(request, offered)):
         return error_response(
             401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
         )
-    client = web.WebSocketResponse(max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30)
+    # A browser fails the handshake unless one offered subprotocol is accepted: accept another
+    # than the key's if the page offered one, else the key's (the page's own string, echoed).
+    chosen = sorted(offered, key=lambda p: p.startswith(KEY_PROTOCOL_PREFIX))[:1]
+    client = web.WebSocketResponse(
+        max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30, protocols=chosen
+    )
     await client.prepare(request)
     rec = RequestRecord(f"{proxy._id_prefix}-ws{next(proxy._ids)}", "WS", "/v1/ws")
     proxy.metrics.in_flight.inc()
@@ -83,7 +109,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             try:
                 upstream = await proxy.session.ws_connect(
                     route.url + "/v1/ws",
-                    headers=proxy._upstream_headers(request, rec.id, "/v1/ws"),
+                    headers=_upstream_ws_headers(proxy, request, rec.id),
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
                     max_msg_size=0,
                 )
@@ -111,6 +137,14 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             await client.close()
         proxy.metrics.in_flight.dec()
         proxy._finish(rec)
+
+
+def _upstream_ws_headers(proxy: Proxy, request: web.Request, request_id: str) -> dict[str, str]:
+    # The Sec-WebSocket-* headers belong to the client's handshake with the gateway (its key,
+    # the extensions and subprotocols it offered, an API key carried as one): the gateway's own
+    # handshake with the worker sets its own, and a client's key must not reach a worker.
+    headers = proxy._upstream_headers(request, request_id, "/v1/ws")
+    return {k: v for k, v in headers.items() if not k.lower().startswith("sec-websocket-")}
 
 
 async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,

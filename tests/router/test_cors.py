@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
@@ -28,7 +29,8 @@ def stack():
     open_gw, open_u = start_gateway("--workers", wu, "--api-keys", KEY, "--cors-allowed-origins", page_origin)
     any_gw, any_u = start_gateway("--workers", wu, "--cors-allowed-origins", "*")
     closed_gw, closed_u = start_gateway("--workers", wu, "--api-keys", KEY)
-    yield {"origin": page_origin, "page_port": page_port, "open": open_u, "any": any_u, "closed": closed_u}
+    yield {"origin": page_origin, "page_port": page_port, "open": open_u, "any": any_u, "closed": closed_u,
+           "worker_proc": w}
     for p in (open_gw, any_gw, closed_gw, w):
         p.stop()
 
@@ -88,6 +90,33 @@ def test_without_origins_configured_there_is_no_cors(stack):
     assert r.status_code in (401, 405) and "access-control-allow-origin" not in r.headers
 
 
+async def ws_answer(url: str, protocols: tuple[str, ...]) -> tuple[str | None, list[dict]]:
+    """The accepted subprotocol and the messages of one request over the gateway's WebSocket."""
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(url + "/v1/ws", protocols=protocols) as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}))
+        msgs: list[dict] = []
+        while not msgs or msgs[-1].get("type") != "done":
+            msgs.append(json.loads((await ws.receive(timeout=10)).data))
+        return ws.protocol, msgs
+
+
+async def test_a_websocket_carries_its_api_key_as_a_subprotocol(stack):
+    """Browsers cannot set Authorization on a WebSocket; OpenAI's convention is a subprotocol."""
+    key = f"openai-insecure-api-key.{KEY}"
+    protocol, msgs = await ws_answer(stack["open"], (key,))
+    assert protocol == key and len(msgs) == 4  # the only one offered is accepted, or browsers fail
+    protocol, _ = await ws_answer(stack["open"], ("llm-chat", key))
+    assert protocol == "llm-chat"  # another offered one is preferred to echoing the key
+    # The client's handshake headers stay at the gateway: the key never reaches the worker
+    # (aiohttp there logs the subprotocols it was offered and did not know).
+    assert KEY not in stack["worker_proc"].output()
+    for protocols in ((), ("openai-insecure-api-key.wrong",)):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await ws_answer(stack["open"], protocols)
+        assert err.value.status == 401
+
+
 PAGE = """<!doctype html><html><body><pre id="out">pending</pre><script>
 async function call(base) {
   try {
@@ -105,8 +134,22 @@ async function call(base) {
     return {status: r.status, words, request_id: r.headers.get("x-request-id")};
   } catch (e) { return {error: String(e)}; }
 }
+function overWebSocket(base) {
+  return new Promise(resolve => {
+    const ws = new WebSocket(base.replace("http", "ws") + "/v1/ws", ["openai-insecure-api-key.KEY"]);
+    let words = "";
+    ws.onopen = () => ws.send(JSON.stringify({model: "m", prompt: "hi", max_tokens: 2}));
+    ws.onmessage = e => {
+      const m = JSON.parse(e.data);
+      if (m.type === "done") { ws.close(); resolve({words}); }
+      else if (m.error) { resolve({error: m.error.message}); }
+      else { words += m.choices[0].text || ""; }
+    };
+    ws.onerror = () => resolve({error: "websocket failed"});
+  });
+}
 (async () => {
-  const out = {open: await call("OPEN"), closed: await call("CLOSED")};
+  const out = {open: await call("OPEN"), closed: await call("CLOSED"), ws: await overWebSocket("OPEN")};
   document.getElementById("out").textContent = JSON.stringify(out);
 })();
 </script></body></html>"""
@@ -141,3 +184,4 @@ def test_a_page_on_another_origin_streams_through_the_gateway_in_chromium(stack)
     assert result["open"]["status"] == 200 and result["open"]["words"] == " tok" * 4
     assert result["open"]["request_id"]  # exposed to the page
     assert "error" in result["closed"]  # the browser blocks a gateway without CORS
+    assert result["ws"] == {"words": " tok" * 2}  # the key as a subprotocol, from a page
