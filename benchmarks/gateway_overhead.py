@@ -60,6 +60,36 @@ async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60) ->
     raise TimeoutError(url)
 
 
+async def start_echo_workers(
+    n: int, logs: Path, procs: list[subprocess.Popen], token_delay_ms: float = 0.0
+) -> list[tuple[str, subprocess.Popen]]:
+    """n echo workers (appended to `procs` at once, for stop_all), each answering /health."""
+    workers = []
+    for i in range(n):
+        port = free_port()
+        p = spawn(
+            ["-m", "benchmarks.echo_worker", "--port", str(port), "--model", "m",
+             "--token-delay-ms", str(token_delay_ms)],
+            logs / f"echo{i}.log",
+        )
+        procs.append(p)
+        workers.append((f"http://127.0.0.1:{port}", p))
+    for u, p in workers:
+        await wait_ready(u + "/health", p)
+    return workers
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process, then wait for each (SIGKILL after 10 s)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 @dataclass
 class Result:
     target: str
@@ -151,17 +181,7 @@ async def main_async(args) -> list[dict]:
     logs = Path(args.log_dir)
     procs: list[subprocess.Popen] = []
     try:
-        workers = []
-        for i in range(args.workers):
-            port = free_port()
-            p = spawn(
-                ["-m", "benchmarks.echo_worker", "--port", str(port), "--model", "m"],
-                logs / f"echo{i}.log",
-            )
-            procs.append(p)
-            workers.append((f"http://127.0.0.1:{port}", p))
-        for u, p in workers:
-            await wait_ready(u + "/health", p)
+        workers = await start_echo_workers(args.workers, logs, procs)
         wurls = [u for u, _ in workers]
         wpids = {f"worker{i}": p.pid for i, (_, p) in enumerate(workers)}
 
@@ -190,13 +210,7 @@ async def main_async(args) -> list[dict]:
             rows.append(await _fallback_switch(args, wurls, sched, sport, logs, procs))
         return rows
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dict]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.cluster import free_port
-from benchmarks.gateway_overhead import external_routers, spawn, wait_ready
+from benchmarks.gateway_overhead import external_routers, spawn, start_echo_workers, stop_all, wait_ready
 from benchmarks.proc_cpu import cpu_seconds
 
 
@@ -70,14 +70,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     logs = Path(args.log_dir)
     procs: list[subprocess.Popen] = []
     try:
-        wurls = []
-        for i in range(args.workers):
-            port = free_port()
-            p = spawn(["-m", "benchmarks.echo_worker", "--port", str(port), "--model", "m",
-                       "--token-delay-ms", str(args.token_delay_ms)], logs / f"echo{i}.log")
-            procs.append(p)
-            wurls.append(f"http://127.0.0.1:{port}")
-            await wait_ready(wurls[-1] + "/health", p)
+        workers = await start_echo_workers(args.workers, logs, procs, args.token_delay_ms)
+        wurls = [url for url, _ in workers]
         gateways: dict[str, tuple[str, int]] = {}
         for name, checkout in args.gateway:
             port = free_port()
@@ -100,13 +94,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         return {"settings": {k: v for k, v in vars(args).items() if k != "gateway"},
                 "gateways": {name: str(path) for name, path in args.gateway}, "runs": runs}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def print_table(result: dict) -> None:
