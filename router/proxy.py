@@ -35,7 +35,10 @@ log = logging.getLogger("router.proxy")
 
 # Request headers not sent on to the worker: hop-by-hop ones, those the gateway sets itself,
 # the client's credentials, and the body's framing and encoding (the body sent on is the one
-# the gateway read: decoded, and sized anew).
+# the gateway read: decoded, and sized anew). The Sec-WebSocket-* ones (prefix below) too: they
+# belong to the client's WebSocket handshake with the gateway (its key, the extensions and
+# subprotocols it offered, an API key carried as one); the gateway's handshake with the worker
+# sets its own, and a client's key must not reach a worker.
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -55,6 +58,7 @@ HOP_BY_HOP = frozenset(
         "content-encoding",
     }
 )
+_WS_HANDSHAKE_PREFIX = "sec-websocket-"
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 # OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
 # "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
@@ -305,7 +309,11 @@ class Proxy(StreamForwarding):
         if path in _STREAMABLE:
             headers = {"Content-Type": "application/json"}
         else:
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+            headers = {
+                k: v
+                for k, v in request.headers.items()
+                if k.lower() not in HOP_BY_HOP and not k.lower().startswith(_WS_HANDSHAKE_PREFIX)
+            }
         headers["X-Request-Id"] = req_id
         if self.cfg.forward_api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]

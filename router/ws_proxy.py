@@ -109,7 +109,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             try:
                 upstream = await proxy.session.ws_connect(
                     route.url + "/v1/ws",
-                    headers=_upstream_ws_headers(proxy, request, rec.id),
+                    headers=proxy._upstream_headers(request, rec.id, "/v1/ws"),
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
                     max_msg_size=0,
                 )
@@ -137,14 +137,6 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             await client.close()
         proxy.metrics.in_flight.dec()
         proxy._finish(rec)
-
-
-def _upstream_ws_headers(proxy: Proxy, request: web.Request, request_id: str) -> dict[str, str]:
-    # The Sec-WebSocket-* headers belong to the client's handshake with the gateway (its key,
-    # the extensions and subprotocols it offered, an API key carried as one): the gateway's own
-    # handshake with the worker sets its own, and a client's key must not reach a worker.
-    headers = proxy._upstream_headers(request, request_id, "/v1/ws")
-    return {k: v for k, v in headers.items() if not k.lower().startswith("sec-websocket-")}
 
 
 async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
