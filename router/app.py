@@ -49,6 +49,8 @@ class Gateway:
         self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
         self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
         self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers)
+        # Every request in line, not only those asking the scheduler (the head, by default).
+        self.metrics.queued.set_function(lambda: self.queue.size)
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None

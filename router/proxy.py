@@ -220,9 +220,8 @@ class Proxy(StreamForwarding):
         exclude: list[str] = []
         last_failure = ""
         for attempt in range(self.cfg.retry_count + 1):
-            t_wait = time.perf_counter()
             try:
-                route = await self.sched.acquire(sched_body, exclude, deadline)
+                route = await self._acquire(rec, sched_body, exclude, deadline)
             except QueueFull:
                 self.metrics.rejected.labels("queue_full").inc()
                 return error_response(
@@ -259,9 +258,6 @@ class Proxy(StreamForwarding):
                 )
             except SchedulerRequestError as exc:
                 return error_response(400, str(exc))
-            waited = time.perf_counter() - t_wait
-            rec.queue_ms += waited * 1000
-            self.metrics.queue_wait.observe(waited)
             rec.worker = route.worker_id
             try:
                 if stream:
@@ -290,6 +286,26 @@ class Proxy(StreamForwarding):
         return error_response(
             502, f"every attempt failed; last: {last_failure}", "upstream_error", code="upstream_failed"
         )
+
+    async def _acquire(
+        self, rec: RequestRecord, body: dict[str, Any], exclude: list[str], deadline: float
+    ) -> Route:
+        """sched.acquire, timed into the record and the queue-wait histogram however the wait
+        ends: placed, timed out, or abandoned by its client (the longest waits end that way,
+        and a histogram of the placed alone would hide them). A full queue's refusal waited
+        for nothing and is counted as rejected instead."""
+        t0 = time.perf_counter()
+        refused = False
+        try:
+            return await self.sched.acquire(body, exclude, deadline)
+        except QueueFull:
+            refused = True
+            raise
+        finally:
+            if not refused:
+                waited = time.perf_counter() - t0
+                rec.queue_ms += waited * 1000
+                self.metrics.queue_wait.observe(waited)
 
     @staticmethod
     def _with_usage(raw: bytes, body: dict) -> bytes:

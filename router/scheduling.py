@@ -151,19 +151,15 @@ class Scheduling:
         if self.fallback_active:
             return self._fallback_pick(model, exclude)
         async with self.queue.place(model, body.get("prompt_tokens") or 0):
-            self.metrics.queued.inc()
-            try:
-                while True:
-                    if self.fallback_active:
-                        return self._fallback_pick(model, exclude)
-                    remaining_ms = int((deadline - time.monotonic()) * 1000)
-                    if remaining_ms <= 0:
-                        raise QueueTimeout
-                    route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
-                    if route is not None:
-                        return route
-            finally:
-                self.metrics.queued.dec()
+            while True:
+                if self.fallback_active:
+                    return self._fallback_pick(model, exclude)
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0:
+                    raise QueueTimeout
+                route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
+                if route is not None:
+                    return route
 
     async def _try_schedule(self, body: dict[str, Any], wait_ms: int) -> Route | None:
         """One scheduler call. None: wait (the scheduler said so, or it is down and the

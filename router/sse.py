@@ -21,7 +21,9 @@ _MAX_CARRY = 1 << 20
 
 
 class StreamTap:
-    __slots__ = ("carry", "completion_tokens", "events", "passthrough", "prompt_tokens", "strip_usage")
+    __slots__ = (
+        "carry", "completion_tokens", "events", "last", "passthrough", "prompt_tokens", "strip_usage",
+    )
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
@@ -30,6 +32,7 @@ class StreamTap:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.passthrough = False
+        self.last = b""  # the last piece passed on: a stream that ended ends it with [DONE]
 
     def feed(self, piece: bytes) -> bytes:
         """Bytes to send to the client now (possibly empty)."""
@@ -37,6 +40,7 @@ class StreamTap:
             self.events += piece.count(b"data:")
             if _USAGE.search(piece):
                 self._scan_usage_bytes(piece)
+            self.last = piece
             return piece
         if self.carry:
             piece = self.carry + piece
@@ -54,18 +58,23 @@ class StreamTap:
             self.carry = piece[cut:]
             piece = piece[:cut]
         self.events += piece.count(b"data:")
+        self.last = piece
         if _USAGE.search(piece) is not None:
             piece = self._take_usage(piece)
         return piece
 
     def flush(self) -> bytes:
         rest, self.carry = self.carry, b""
+        if rest:
+            self.events += rest.count(b"data:")
+            self.last = rest
         return rest
 
     @property
     def content_events(self) -> int:
-        """Events other than the final [DONE] (a stand-in for tokens when there is no usage)."""
-        return max(self.events - 1, 0)
+        """Events other than a final [DONE] (a stand-in for tokens when there is no usage).
+        A stream cut short (its client left, its worker failed) has no [DONE] to discount."""
+        return max(self.events - (b"[DONE]" in self.last), 0)
 
     def _take_usage(self, piece: bytes) -> bytes:
         out: list[bytes] = []

@@ -62,6 +62,7 @@ class StreamForwarding:
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
         complete = False
         resp: web.StreamResponse | None = None
+        tap: StreamTap | None = None
         try:
             if up.status >= 500:
                 detail = await self._read_some(up)
@@ -113,10 +114,19 @@ class StreamForwarding:
                     self.sched.fallback.mark_ok(route.url)
             await resp.write_eof()
             return resp
-        except ConnectionResetError:
-            # The client went away mid-stream: closing `up` below aborts the worker's request.
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            # The client went away mid-stream (a write failed, or aiohttp cancelled the handler
+            # when the connection dropped): closing `up` below aborts the worker's request.
+            # Either way 499, though the 200 was sent: the request counter and the access log
+            # then tell abandoned streams from finished ones.
             rec.error = "client_disconnected"
             rec.status = 499
+            if tap is not None:
+                # What the worker generated until then (no usage comes): the token counters
+                # and the lease would otherwise count none of an abandoned stream's tokens.
+                rec.output_tokens = tap.content_events
+            if isinstance(exc, asyncio.CancelledError):
+                raise  # the caller gives the lease back
             self._release(route, rec, ok=True, error=None)
             return resp if resp is not None else web.Response(status=499)
         finally:

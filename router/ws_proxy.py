@@ -97,7 +97,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):
             try:
-                route = await proxy.sched.acquire(sched_body, exclude, deadline)
+                route = await proxy._acquire(rec, sched_body, exclude, deadline)
             except (QueueFull, QueueTimeout):
                 await client.send_str(_ws_error("no worker available, retry later", 429))
                 rec.status = 429
@@ -126,7 +126,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         rec.worker = route.worker_id
         rec.status = 101
         await upstream.send_str(first.data)
-        await _pump_both(client, upstream, lambda: proxy._prefilled(route))
+        await _pump_both(client, upstream, lambda: proxy._prefilled(route), rec)
         return client
     finally:
         if upstream is not None:
@@ -139,15 +139,23 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         proxy._finish(rec)
 
 
+# A chunk with a choice in it (not a usage chunk, a terminal message or an error): the
+# worker's chunks are compact JSON. Counted as one output token each, the stand-in the SSE
+# path uses when a stream ends without usage (the socket's usage chunks are the client's).
+_CHOICE_CHUNK = '"choices":[{'
+
+
 async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
-                     on_first_answer: Callable[[], None]) -> None:
+                     on_first_answer: Callable[[], None], rec: RequestRecord) -> None:
     async def copy(src, dst) -> None:
-        first = src is upstream
+        first = down = src is upstream
         async for msg in src:
             if first:  # the worker's first chunk: the first request's prompt is prefilled
                 first = False
                 on_first_answer()
             if msg.type == aiohttp.WSMsgType.TEXT:
+                if down and _CHOICE_CHUNK in msg.data:
+                    rec.output_tokens += 1
                 await dst.send_str(msg.data)
             elif msg.type == aiohttp.WSMsgType.BINARY:
                 await dst.send_bytes(msg.data)

@@ -32,12 +32,22 @@ def cluster():
             p.stop()
 
 
+def _metric(gw: str, name: str) -> float:
+    """One unlabelled series of the gateway's /metrics page."""
+    for line in httpx.get(gw + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on the gateway's /metrics page")
+
+
 class QueueSampler:
-    """Samples the gateway's queue length in a thread while a burst runs."""
+    """Samples the gateway's queue length in a thread while a burst runs: its admin state and
+    its router_requests_queued gauge (what the queue-depth alert and the dashboards read)."""
 
     def __init__(self, gw: str) -> None:
         self.gw = gw
         self.seen: list[int] = []
+        self.gauge: list[float] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -45,6 +55,7 @@ class QueueSampler:
         with httpx.Client(timeout=5) as c:
             while not self._stop.is_set():
                 self.seen.append(c.get(self.gw + "/admin/state").json()["queued"])
+                self.gauge.append(_metric(self.gw, "router_requests_queued"))
                 time.sleep(0.02)
 
     def __enter__(self) -> QueueSampler:
@@ -86,6 +97,8 @@ def test_requests_beyond_capacity_wait_then_finish(cluster):
         rs = list(ex.map(lambda _: _post(cluster, SLOW), range(2 + QUEUE)))
     assert [r.status_code for r in rs] == [200] * (2 + QUEUE)
     assert max(qs.seen) == QUEUE  # three waited in the queue...
+    # ...and the gauge counted all three, not only the head that was asking the scheduler.
+    assert max(qs.gauge) == QUEUE and qs.gauge[-1] == 0
     waited = sorted(float(r.headers["x-router-queue-ms"]) for r in rs)
     # ...and were dispatched as capacity freed: the queued ones waited about one service time or more
     e2e_first = min(r.elapsed.total_seconds() for r in rs) * 1000
@@ -110,6 +123,8 @@ def test_overflow_gets_429_with_retry_after(cluster):
 
 def test_disconnect_while_queued_frees_the_place(cluster):
     _wait_queue_empty(cluster)
+    waits_before = _metric(cluster, "router_queue_wait_seconds_count")
+    waited_before = _metric(cluster, "router_queue_wait_seconds_sum")
     with ThreadPoolExecutor(8) as ex:
         running = [ex.submit(_post, cluster, SLOW) for _ in range(2)]
         _wait_leases(httpx.get(cluster + "/admin/state").json()["scheduler"], 2)
@@ -122,6 +137,10 @@ def test_disconnect_while_queued_frees_the_place(cluster):
         while httpx.get(cluster + "/admin/state").json()["queued"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert httpx.get(cluster + "/admin/state").json()["queued"] == 0
+        # Their waits are in the queue-wait histogram (the longest waits end this way; a
+        # histogram of the placed alone would hide them). The two running were placed at once.
+        assert _metric(cluster, "router_queue_wait_seconds_count") - waits_before == 2 + QUEUE
+        assert _metric(cluster, "router_queue_wait_seconds_sum") - waited_before >= QUEUE * 0.25
         # The queue has room again: three more wait (no 429) and finish.
         later = [ex.submit(_post, cluster, {**SLOW, "max_tokens": 20}) for _ in range(QUEUE)]
         assert [f.result().status_code for f in running + later] == [200] * (2 + QUEUE)
@@ -153,6 +172,9 @@ def test_queue_timeout_gets_429(cluster):
             r = _post(gu, SLOW)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
             assert int(r.headers["Retry-After"]) >= 1
+            # The wait that ended in the timeout is measured too.
+            assert _metric(gu, "router_queue_wait_seconds_count") == 1
+            assert _metric(gu, "router_queue_wait_seconds_sum") >= 0.3
             assert [f.result().status_code for f in running] == [200, 200]
     finally:
         g.stop()

@@ -5,6 +5,7 @@ retries on a dead worker, metrics and the WebSocket proxy."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import itertools
 import json
@@ -267,6 +268,58 @@ def test_access_log_line_per_request(stack):
         "tokens_out=3",
     ):
         assert field in line, (field, line)
+
+
+def _generation_tokens(gw: str) -> float:
+    for line in httpx.get(gw + "/metrics").text.splitlines():
+        if line.startswith('router_generation_tokens_total{model="m"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def _two_websocket_requests(gw: str, max_tokens: int) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        for _ in range(2):
+            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens}))
+            while json.loads((await ws.receive(timeout=10)).data).get("type") != "done":
+                pass
+
+
+def test_tokens_of_abandoned_streams_and_websockets_are_counted():
+    """Tokens a worker generated count in the gateway's token counter and access log even
+    when no usage closes the stream: an SSE client that leaves mid-answer, and WebSocket
+    traffic (whose usage chunks belong to the client)."""
+    w, wu = start_echo_worker(token_delay_ms=20)
+    g, gu = start_gateway("--workers", wu)
+    try:
+        body = {"model": "m", "prompt": "p", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", gu + "/v1/completions", json=body) as r:
+            rid = r.headers["x-request-id"]
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data:")
+                if seen == 10:
+                    break  # leave after 10 tokens of 200
+        deadline = time.monotonic() + 5
+        line = ""
+        while time.monotonic() < deadline and not line:
+            line = next((x for x in g.output().splitlines() if f"router.access: id={rid} " in x), "")
+            time.sleep(0.05)
+        assert "status=499" in line and "error=client_disconnected" in line, line
+        tokens_out = int(line.split("tokens_out=")[1].split()[0])
+        assert 10 <= tokens_out < 200, line
+        assert _generation_tokens(gu) == tokens_out
+
+        asyncio.run(_two_websocket_requests(gu, 3))
+        deadline = time.monotonic() + 5  # the socket's record is logged once it has closed
+        while time.monotonic() < deadline and _generation_tokens(gu) < tokens_out + 6:
+            time.sleep(0.05)
+        assert _generation_tokens(gu) == tokens_out + 6
+    finally:
+        g.stop()
+        w.stop()
 
 
 def test_metrics_on_their_own_port_or_off():

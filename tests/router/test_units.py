@@ -80,6 +80,22 @@ def test_stream_tap_keeps_usage_the_client_asked_for_and_joins_split_events():
     assert tap.completion_tokens == 1 and tap.content_events == 2
 
 
+def test_stream_tap_counts_the_events_of_a_stream_cut_short():
+    """Without usage, tokens are counted as events: less the [DONE] of a stream that ended,
+    all of them for one whose client left or whose worker failed (no [DONE] came)."""
+    events = [_ev({"choices": [{"text": "a"}]}) for _ in range(3)]
+    cut = StreamTap(strip_usage=False)
+    cut.feed(events[0] + events[1])
+    cut.feed(events[2][:10])  # half an event, held back until it ends or the stream does
+    cut.flush()
+    assert cut.content_events == 3
+    ended = StreamTap(strip_usage=False)
+    ended.feed(b"".join(events))
+    ended.feed(b"data: [DONE]\n\n")
+    ended.flush()
+    assert ended.content_events == 3
+
+
 def test_usage_of_body():
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 4}}).encode()
     assert usage_of_body(body) == (11, 4)
