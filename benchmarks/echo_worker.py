@@ -6,7 +6,9 @@ POST /v1/completions and /v1/chat/completions (stream and not, stream_options.in
 POST /v1/embeddings (each input's embedding is [its length in characters], so a test can see
 what arrived), GET /v1/models, /health, /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
-spaces them out. `python -m benchmarks.echo_worker --port 8101 --model m`
+spaces them out. With `--max-running N` a completion arriving while N are answered is refused
+as TGI refuses past its --max-concurrent-requests (429, "Model is overloaded").
+`python -m benchmarks.echo_worker --port 8101 --model m`
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class EchoWorker:
-    def __init__(self, model: str, token_delay_s: float, worker_name: str) -> None:
+    def __init__(self, model: str, token_delay_s: float, worker_name: str, max_running: int = 0) -> None:
         self.model = model
         self.token_delay_s = token_delay_s
         self.name = worker_name
+        self.max_running = max_running  # 0: no limit
         self.running = 0
         self.served = 0
+        self.refused = 0
 
     async def _parse(self, request: web.Request) -> dict | web.Response:
         try:
@@ -52,6 +56,13 @@ class EchoWorker:
             return body
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         prompt_tokens = len(_dumps(body.get("messages") or body.get("prompt") or "")) // 4
+        if self.max_running and self.running >= self.max_running:
+            self.refused += 1
+            return web.json_response(
+                {"error": "Model is overloaded", "error_type": "overloaded"},
+                status=429,
+                headers={"x-echo-worker": self.name},
+            )
         self.running += 1
         self.served += 1
         try:
@@ -196,6 +207,7 @@ class EchoWorker:
             f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lbl} 0\n"
             f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lbl} 0.0\n"
             f"# TYPE vllm:request_success counter\nvllm:request_success_total{lbl} {self.served}\n"
+            f"# TYPE echo_refused counter\necho_refused_total {self.refused}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -207,8 +219,10 @@ def _error(status: int, message: str) -> web.Response:
     )
 
 
-def build_app(model: str, token_delay_s: float = 0.0, name: str = "echo") -> web.Application:
-    w = EchoWorker(model, token_delay_s, name)
+def build_app(
+    model: str, token_delay_s: float = 0.0, name: str = "echo", max_running: int = 0
+) -> web.Application:
+    w = EchoWorker(model, token_delay_s, name, max_running)
     app = web.Application()
     app.router.add_post("/v1/completions", w.completions)
     app.router.add_post("/v1/chat/completions", w.chat)
@@ -226,8 +240,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8101)
     ap.add_argument("--model", default="m")
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--max-running", type=int, default=0, help="answer 429 past this many (0: no limit)")
     args = ap.parse_args()
-    app = build_app(args.model, args.token_delay_ms / 1000, f"echo-{args.port}")
+    app = build_app(args.model, args.token_delay_ms / 1000, f"echo-{args.port}", args.max_running)
     try:
         import uvloop
 

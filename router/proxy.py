@@ -27,7 +27,13 @@ from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import Route, Scheduling
 from router.sse import usage_of_body
-from router.streaming import UPSTREAM_ERRORS, RetryElsewhere, StreamForwarding, failure_kind
+from router.streaming import (
+    OVERLOADED,
+    UPSTREAM_ERRORS,
+    RetryElsewhere,
+    StreamForwarding,
+    failure_kind,
+)
 from router.tokens import TokenCounter, max_tokens_of, prefix_hashes, render_prompt
 from scheduler.client import SchedulerRequestError, UnknownModelError
 
@@ -219,6 +225,7 @@ class Proxy(StreamForwarding):
         deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
         exclude: list[str] = []
         last_failure = ""
+        overloaded = False
         for attempt in range(self.cfg.retry_count + 1):
             try:
                 route = await self._acquire(rec, sched_body, exclude, deadline)
@@ -271,7 +278,12 @@ class Proxy(StreamForwarding):
                 raise
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
-                self._failed(route, r.reason, rec)
+                overloaded = r.overloaded
+                if overloaded:
+                    # Full, not down: no failure report (that would take it out of rotation).
+                    self._release(route, rec, ok=True, error="overloaded")
+                else:
+                    self._failed(route, r.reason, rec)
                 exclude.append(route.worker_id)
                 if attempt < self.cfg.retry_count:
                     rec.retries += 1
@@ -283,6 +295,16 @@ class Proxy(StreamForwarding):
                         last_failure,
                     )
         rec.error = last_failure
+        if overloaded:
+            # The last worker tried was full: a client should come back, as from a full queue.
+            self.metrics.rejected.labels("workers_overloaded").inc()
+            return error_response(
+                429,
+                f"every worker tried is overloaded; last: {last_failure}",
+                "rate_limit_error",
+                code="workers_overloaded",
+                headers={"Retry-After": "1"},
+            )
         return error_response(
             502, f"every attempt failed; last: {last_failure}", "upstream_error", code="upstream_failed"
         )
@@ -403,8 +425,10 @@ class Proxy(StreamForwarding):
                 ctype = up.headers.get("Content-Type", "application/json")
         except UPSTREAM_ERRORS as exc:
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
-        if status >= 500:
-            raise RetryElsewhere(f"http_{status}", data[:200].decode(errors="replace"))
+        if status >= 500 or status == OVERLOADED:
+            raise RetryElsewhere(
+                f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
+            )
         p, c = usage_of_body(data) if status == 200 else (None, None)
         if p is not None:
             rec.prompt_tokens = p

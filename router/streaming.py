@@ -21,13 +21,20 @@ from router.sse import StreamTap
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
-class RetryElsewhere(Exception):
-    """The worker failed before any byte reached the client; another may serve."""
+# A worker's "too many requests": it is up but full (TGI answers 429 "Model is overloaded" past
+# --max-concurrent-requests). Another worker may have room; nothing reached the client yet.
+OVERLOADED = 429
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+
+class RetryElsewhere(Exception):
+    """The worker failed before any byte reached the client; another may serve.
+    `overloaded`: it refused as full (429), which says nothing against its health."""
+
+    def __init__(self, reason: str, detail: str = "", overloaded: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.detail = detail
+        self.overloaded = overloaded
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -64,9 +71,9 @@ class StreamForwarding:
         resp: web.StreamResponse | None = None
         tap: StreamTap | None = None
         try:
-            if up.status >= 500:
+            if up.status >= 500 or up.status == OVERLOADED:
                 detail = await self._read_some(up)
-                raise RetryElsewhere(f"http_{up.status}", detail)
+                raise RetryElsewhere(f"http_{up.status}", detail, up.status == OVERLOADED)
             if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
                 "text/event-stream"
             ):

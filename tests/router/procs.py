@@ -78,10 +78,13 @@ def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0) -> No
     raise TimeoutError(f"{url} not ready after {timeout_s}s ({last!r})\n{out}")
 
 
-def start_echo_worker(model: str = "m", token_delay_ms: float = 0.0) -> tuple[Proc, str]:
+def start_echo_worker(
+    model: str = "m", token_delay_ms: float = 0.0, max_running: int = 0
+) -> tuple[Proc, str]:
     port = free_port()
     p = Proc(["-m", "benchmarks.echo_worker", "--port", str(port), "--model", model,
-              "--token-delay-ms", str(token_delay_ms)], f"echo-{port}")
+              "--token-delay-ms", str(token_delay_ms), "--max-running", str(max_running)],
+             f"echo-{port}")
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", p)
     return p, url
