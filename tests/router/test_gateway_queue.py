@@ -14,6 +14,7 @@ from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
 
 QUEUE = 3
 SLOW = {"model": "m", "prompt": "a slow request", "max_tokens": 150}  # ~1 s on the tiny sim profile
+_PROMPT_TOKENS = 4  # the sim worker's usage for SLOW's prompt (its tokenizer: ~4 characters a token)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,17 @@ def _metric(gw: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not on the gateway's /metrics page")
+
+
+def _served(gw: str) -> list[float]:
+    """[end-to-end latencies observed, prompt tokens counted] for model m."""
+    values = {}
+    for line in httpx.get(gw + "/metrics").text.splitlines():
+        for name in ("router_e2e_request_latency_seconds_count", "router_prompt_tokens_total"):
+            if line.startswith(name + '{model="m"}'):
+                values[name] = float(line.split()[-1])
+    return [values.get("router_e2e_request_latency_seconds_count", 0.0),
+            values.get("router_prompt_tokens_total", 0.0) / _PROMPT_TOKENS]
 
 
 class QueueSampler:
@@ -107,6 +119,7 @@ def test_requests_beyond_capacity_wait_then_finish(cluster):
 
 def test_overflow_gets_429_with_retry_after(cluster):
     _wait_queue_empty(cluster)
+    served_before = _served(cluster)
     with ThreadPoolExecutor(8) as ex:
         futs = []
         for _ in range(2 + QUEUE + 3):
@@ -119,6 +132,10 @@ def test_overflow_gets_429_with_retry_after(cluster):
         if r.status_code == 429:
             assert int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["code"] == "queue_full"
+    # The refused requests are in router_requests_total only: their prompts are not input the
+    # workers took, and their instant answers not latencies (they would pull the histograms
+    # down exactly when the cluster is overloaded).
+    assert _served(cluster) == [n + 2 + QUEUE for n in served_before]
 
 
 def test_disconnect_while_queued_frees_the_place(cluster):

@@ -152,6 +152,11 @@ def test_compressed_body_is_forwarded_decoded(stack):
 def test_unknown_model_is_4xx_from_worker(stack):
     r = httpx.post(stack["gw"] + "/v1/completions", json={"model": "nope", "prompt": "p"})
     assert r.status_code == 404 and "error" in r.json()
+    # A model name a client invented opens no label set of token counters or latency
+    # histograms (only router_requests_total counts it, under model="unknown").
+    m = httpx.get(stack["gw"] + "/metrics").text
+    assert 'model="nope"' not in m
+    assert 'router_requests_total{model="unknown",status="404",worker="-"}' in m
 
 
 def test_auth_on(stack):
