@@ -48,6 +48,14 @@ class RequestRecord:
         self.retries = 0
         self.error: str | None = None
 
+    @property
+    def served(self) -> bool:
+        """A worker answered it (or was answering when its client left). Only such requests
+        count in the token and latency figures: a refusal (full queue, unknown model, every
+        attempt failed) counted there would inflate the input rate and pull latencies down
+        exactly when the cluster is overloaded."""
+        return self.worker != "-" and (self.status < 400 or self.status == 499)
+
 
 class Stats:
     """Counters for the periodic stats line (cheap: plain ints)."""
@@ -64,6 +72,8 @@ class Stats:
         self.done += 1
         if rec.status >= 400 or rec.error:
             self.errors += 1
+        if not rec.served:
+            return
         self.prompt_tokens += rec.prompt_tokens
         self.output_tokens += rec.output_tokens
         if rec.ttft_ms is not None:

@@ -133,14 +133,9 @@ class Proxy(StreamForwarding):
     def _finish(self, rec: RequestRecord) -> None:
         m = self.metrics
         m.request_done(rec.model, rec.status, rec.worker)
-        # Tokens and latencies are those of requests a worker served (or was serving when
-        # its client left): a refusal (429 from a full queue, an unknown model, every
-        # attempt failed) counts in router_requests_total only. Counted, its prompt would
-        # inflate the input rate and its millisecond answer pull the latency histograms
-        # down, both when the cluster is overloaded; and an invented model name would
-        # open a label set.
-        served = rec.worker != "-" and (rec.status < 400 or rec.status == 499)
-        if served and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):
+        # A refusal counts in router_requests_total only (see RequestRecord.served); nor
+        # does an invented model name open a label set of the per-model series.
+        if rec.served and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):
             prompt_c, gen_c, ttft_h, tpot_h, e2e_h = m.per_model(rec.model)
             e2e = time.perf_counter() - rec.start
             prompt_c.inc(rec.prompt_tokens)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
 from router.fallback import FallbackRouter, NoWorkerError
 from router.queue import AdmissionQueue, QueueFull
@@ -301,3 +302,18 @@ def test_access_log_quotes_and_cuts_client_chosen_fields():
     assert " model=smollm2 " in lines[0]
     assert ' model="x\\n2026-01-01' in lines[1]
     assert len(lines[2]) < MAX_FIELD_CHARS + 300 and lines[2].count("a") >= MAX_FIELD_CHARS
+
+
+def test_stats_line_counts_tokens_of_served_requests_only():
+    stats = Stats()
+    refused = RequestRecord("r1", "POST", "/v1/completions")
+    refused.model, refused.status, refused.prompt_tokens = "m", 429, 100  # a full queue's 429
+    served = RequestRecord("r2", "POST", "/v1/completions")
+    served.model, served.worker, served.status = "m", "w1", 200
+    served.prompt_tokens, served.output_tokens, served.ttft_ms = 7, 3, 12.0
+    left = RequestRecord("r3", "POST", "/v1/completions")  # its client left mid-stream
+    left.model, left.worker, left.status, left.output_tokens = "m", "w1", 499, 5
+    for rec in (refused, served, left):
+        stats.add(rec)
+    assert (stats.done, stats.errors) == (3, 2)
+    assert (stats.prompt_tokens, stats.output_tokens, stats.ttft_n) == (7, 8, 1)
