@@ -135,8 +135,10 @@ def router_dashboard() -> dict:
         panel("stat", "Requests/s", [(f"sum(rate(router_requests_total{m}[{RATE}]))", "req/s")],
               "reqps", width=4, height=4),
         panel("stat", "Error ratio (non-2xx)",
-              [(f'sum(rate(router_requests_total{{model=~"$model",status!~"2.."}}[{RATE}])) / '
-                f"sum(rate(router_requests_total{m}[{RATE}]))", "errors")], "percentunit", width=4, height=4),
+              [(f'sum(rate(router_requests_total{{model=~"$model",status!~"2..|499"}}[{RATE}])) / '
+                f"sum(rate(router_requests_total{m}[{RATE}]))", "errors")], "percentunit", width=4, height=4,
+              description="Answers other than 2xx, less 499: a client that left (a chat's stop "
+              "button, a closed tab) is no error of the service"),
         panel("stat", "In flight", [("sum(router_requests_in_flight)", "in flight")], width=4, height=4),
         panel("stat", "Queued", [("sum(router_requests_queued)", "queued")], width=4, height=4),
         panel("stat", "Fallback mode (gateways)", [("sum(router_fallback_mode)", "in fallback")],
