@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import secrets
 import time
 from itertools import count
 from typing import Any
@@ -81,6 +83,8 @@ _MODEL_ENDPOINTS = _POST_ONLY | {
     "/v1/images/generations",
 }
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
+# A client's X-Request-Id is kept when it is this plain (it is logged and sent on as is).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class Proxy(StreamForwarding):
@@ -107,7 +111,10 @@ class Proxy(StreamForwarding):
         )
         self.idle_s = cfg.idle_stream_timeout_ms / 1000
         self._ids = count(1)
-        self._id_prefix = f"{int(time.time()) & 0xFFFFFF:06x}"
+        # Random per process: replicas started in the same second must not hand out the same
+        # ids, which engines use as their own (vLLM: `chatcmpl-<X-Request-Id>`; one still in
+        # flight there makes a second request with its id fail).
+        self._id_prefix = secrets.token_hex(4)
         self.tokens = TokenCounter(cfg.tokenizer)
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
@@ -116,7 +123,7 @@ class Proxy(StreamForwarding):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.match_info.get("tail")
         path = "/v1/" + path if path is not None else request.path
-        rec = RequestRecord(f"{self._id_prefix}-{next(self._ids)}", request.method, path)
+        rec = RequestRecord(self.request_id(request, ""), request.method, path)
         self.metrics.in_flight.inc()
         try:
             resp = await self._handle(request, rec, path)
@@ -129,6 +136,14 @@ class Proxy(StreamForwarding):
         finally:
             self.metrics.in_flight.dec()
             self._finish(rec)
+
+    def request_id(self, request: web.Request, kind: str) -> str:
+        """The client's X-Request-Id when it is usable as one (tracing through the gateway to
+        the engine, which takes it as its own, as vLLM and our worker do), else a new one."""
+        client_id = request.headers.get("X-Request-Id")
+        if client_id is not None and _CLIENT_ID.fullmatch(client_id):
+            return client_id
+        return f"{self._id_prefix}-{kind}{next(self._ids)}"
 
     def _finish(self, rec: RequestRecord) -> None:
         m = self.metrics

@@ -69,7 +69,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30, protocols=chosen
     )
     await client.prepare(request)
-    rec = RequestRecord(f"{proxy._id_prefix}-ws{next(proxy._ids)}", "WS", "/v1/ws")
+    rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")
     proxy.metrics.in_flight.inc()
     upstream: aiohttp.ClientWebSocketResponse | None = None
     route = None

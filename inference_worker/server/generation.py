@@ -11,10 +11,12 @@ stops early (client disconnect, WebSocket cancel); it is a no-op once finished.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from inference_worker.engine.errors import DuplicateRequestError
 from inference_worker.engine.types import AsyncEngineClient, RequestOutput, SamplingParams
 from inference_worker.server.chunks import ChatChunks, CompletionChunks
 from inference_worker.server.errors import invalid_request, model_not_found
@@ -35,6 +37,15 @@ class Generation:
 
     async def start(self, engine: AsyncEngineClient) -> RequestOutput:
         """Submit to the engine and return the first output (raises the engine's admission errors)."""
+        try:
+            return await self._first(engine)
+        except DuplicateRequestError:
+            # A caller reused an X-Request-Id still in flight: the engine's id must be unique,
+            # the answer keeps the caller's (its chunks were made with it).
+            self.request_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
+            return await self._first(engine)
+
+    async def _first(self, engine: AsyncEngineClient) -> RequestOutput:
         self._outputs = engine.generate(self.request_id, self.prompt_token_ids, self.params)
         try:
             return await anext(self._outputs)
@@ -54,6 +65,19 @@ class Generation:
                 await aclose()
 
 
+# A caller's X-Request-Id becomes the request's id, as in vLLM (`chatcmpl-<id>`), so that a
+# gateway's access log, the answer's `id` and this worker name the same request. Only ids of
+# these characters: the id is written into every chunk's JSON as is.
+_CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_base(header: str | None) -> str:
+    """The caller's id if it is usable as one, else a fresh one."""
+    if header is not None and _CALLER_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
 class GenerationFactory:
     """Validates bodies for one served model and turns them into `Generation`s."""
 
@@ -65,11 +89,11 @@ class GenerationFactory:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
-    def completion(self, body: bytes | str) -> Generation:
+    def completion(self, body: bytes | str, id_base: str | None = None) -> Generation:
         request = CompletionRequest.model_validate_json(body)
-        return self.completion_from(request)
+        return self.completion_from(request, id_base)
 
-    def completion_from(self, request: CompletionRequest) -> Generation:
+    def completion_from(self, request: CompletionRequest, id_base: str | None = None) -> Generation:
         self.check_model(request.model)
         prompt = request.prompt_text_or_ids()
         tokenizer = self.engine.tokenizer
@@ -85,7 +109,7 @@ class GenerationFactory:
                     param="prompt",
                 )
         params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
         return Generation(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -95,15 +119,15 @@ class GenerationFactory:
             include_usage=request.include_usage,
         )
 
-    def chat(self, body: bytes | str) -> Generation:
+    def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
         request = ChatCompletionRequest.model_validate_json(body)
-        return self.chat_from(request)
+        return self.chat_from(request, id_base)
 
-    def chat_from(self, request: ChatCompletionRequest) -> Generation:
+    def chat_from(self, request: ChatCompletionRequest, id_base: str | None = None) -> Generation:
         self.check_model(request.model)
         prompt_ids = self.engine.tokenizer.apply_chat_template(request.template_messages())
         params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
         return Generation(
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),

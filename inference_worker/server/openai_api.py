@@ -19,7 +19,7 @@ from aiohttp import web
 
 from inference_worker.engine.types import AsyncEngineClient, FinishReason, RequestOutput
 from inference_worker.server.errors import APIError, exception_to_api_error
-from inference_worker.server.generation import Generation, GenerationFactory
+from inference_worker.server.generation import Generation, GenerationFactory, request_id_base
 from inference_worker.server.protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.state import ENGINE, FACTORY
 
@@ -37,12 +37,14 @@ def engine_error(out: RequestOutput) -> APIError:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
-    return await serve(request, factory.completion(await request.read()))
+    id_base = request_id_base(request.headers.get("X-Request-Id"))
+    return await serve(request, factory.completion(await request.read(), id_base))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
-    return await serve(request, factory.chat(await request.read()))
+    id_base = request_id_base(request.headers.get("X-Request-Id"))
+    return await serve(request, factory.chat(await request.read(), id_base))
 
 
 async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:

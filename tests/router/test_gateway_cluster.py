@@ -132,6 +132,33 @@ def test_two_replicas_against_one_scheduler(cluster):
         assert list(ex.map(call, range(16))) == [200] * 16
 
 
+def test_one_request_id_from_client_through_gateway_to_worker(cluster):
+    """The id in the gateway's log is the one the worker answers under (`cmpl-<id>`, as vLLM
+    takes X-Request-Id), a client's own X-Request-Id is kept for tracing, and two replicas
+    started together never hand out the same id (an engine refuses a second request whose id
+    is still in flight)."""
+    body = {"model": "m", "prompt": "trace me", "max_tokens": 2}
+    r = httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30)
+    assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
+    r = httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30,
+                   headers={"X-Request-Id": "client-trace-42"})
+    assert r.headers["x-request-id"] == "client-trace-42"
+    assert r.json()["id"] == "cmpl-client-trace-42"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "id=client-trace-42 " not in cluster["gw_proc"].output():
+        time.sleep(0.05)
+    assert "router.access: id=client-trace-42 " in cluster["gw_proc"].output()
+    # An id that is not a plain token (a log line could be forged with it) is replaced.
+    r = httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30,
+                   headers={"X-Request-Id": "x" * 200})
+    assert r.status_code == 200 and r.headers["x-request-id"] != "x" * 200
+    # Both replicas' first requests: ids differ (they used to be start second + counter).
+    auth = {"Authorization": "Bearer key-one"}
+    ids = {httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=30).headers["x-request-id"]
+           for url in (cluster["gw"], cluster["gw_auth"])}
+    assert len(ids) == 2 and len({i.split("-")[0] for i in ids}) == 2
+
+
 def test_auth_on_and_off(cluster):
     body = {"model": "m", "prompt": "x", "max_tokens": 1}
     assert httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30).status_code == 200  # off

@@ -3,6 +3,7 @@ driven by the official `openai` client, httpx for bad input and aiohttp for the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -143,6 +144,38 @@ def test_seeded_sampling_is_reproducible(client) -> None:
         return out.choices[0].text
 
     assert sample() == sample()
+
+
+def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
+    """X-Request-Id becomes the answer's id (`cmpl-<id>`, `chatcmpl-<id>`, every chunk too), so
+    a gateway's log line and the client's answer name the same request; an id that is not a
+    plain token (here one with a quote, which would break the chunks' JSON) is replaced."""
+    url = worker.api_url
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(url + "/completions", json=body, headers={"X-Request-Id": "gw-7f3a.12"}, timeout=60)
+    assert r.json()["id"] == "cmpl-gw-7f3a.12"
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", url + "/chat/completions", json=chat, headers={"X-Request-Id": "trace-1"},
+                      timeout=60) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-trace-1"}
+    r = httpx.post(url + "/completions", json=body, headers={"X-Request-Id": 'a"b'}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and '"' not in r.json()["id"]
+
+
+async def test_a_caller_id_reused_while_in_flight_still_serves_both(worker) -> None:
+    """Two requests with one X-Request-Id at once (a client that reuses its ids): the engine
+    needs unique ids, but neither caller gets an error, and both answers carry the caller's."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24}
+    async with httpx.AsyncClient(timeout=120) as c:
+        rs = await asyncio.gather(*[
+            c.post(worker.api_url + "/completions", json={**body, "ignore_eos": True},
+                   headers={"X-Request-Id": "same-id"})
+            for _ in range(2)
+        ])
+    assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+    assert [r.json()["id"] for r in rs] == ["cmpl-same-id"] * 2
+    assert [r.json()["usage"]["completion_tokens"] for r in rs] == [24, 24]
 
 
 def test_models_and_health(worker, client) -> None:
