@@ -4,7 +4,8 @@ Decoding a token on its own can produce a broken character (a UTF-8 sequence spl
 across tokens) or lose a leading space, so each step decodes a short window
 (`prefix_offset:`) and emits only what it adds over the window's previous text
 (the scheme vLLM and TGI use). Text that could still turn into a stop string is held
-back until it cannot; a matched stop string is cut out of the text, as OpenAI does.
+back until it cannot; a matched stop string is cut out of the text, as OpenAI does, or
+kept as its end (`include_stop`, vLLM's include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _PROMPT_CONTEXT = 6  # prompt tokens kept as decoding context for the first outp
 class IncrementalDetokenizer:
     __slots__ = (
         "_ids",
+        "_include_stop",
         "_max_stop_len",
         "_prefix_offset",
         "_read_offset",
@@ -28,8 +30,15 @@ class IncrementalDetokenizer:
         "_tokenizer",
     )
 
-    def __init__(self, tokenizer: WorkerTokenizer, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: WorkerTokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        include_stop: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -64,8 +73,9 @@ class IncrementalDetokenizer:
                 best = (pos, stop)
         if best is None:
             return None
-        self._text = self._text[: best[0]]
-        return best[1]
+        pos, stop = best
+        self._text = self._text[: pos + len(stop) if self._include_stop else pos]
+        return stop
 
     def take(self, final: bool) -> str:
         """The text not yet emitted; short of the end, keep back what may begin a stop string."""

@@ -128,7 +128,9 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
         self._seqs[request_id] = seq
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
+        self._detok[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.token_ids, params.stop, params.include_stop_str_in_output
+        )
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:

@@ -1,7 +1,7 @@
 """Turn the logits of one step into one token per sequence.
 
 Greedy rows (temperature 0 or top_k 1) are an argmax over the whole batch at once.
-Random rows apply temperature, top-k and top-p, then draw. A seeded request draws
+Random rows apply temperature, then min-p, top-k and top-p (vLLM's order), then draw. A seeded request draws
 from a generator seeded with (seed, number of tokens generated so far), so its stream
 is reproducible whatever it was batched with and even after a preemption (the runner
 does not need to keep generator state across steps).
@@ -9,6 +9,7 @@ does not need to keep generator state across steps).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,12 @@ import torch
 from inference_worker.engine.types import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # mixes the step index into the seed
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the likeliest token's (1-D): in log space,
+    logit < max logit + log(min_p). The likeliest token always survives."""
+    return logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -55,6 +62,8 @@ def sample(
         if i in greedy_set:
             continue
         row = logits[i].float() / p.temperature
+        if p.min_p > 0.0:
+            row = _filter_min_p(row, p.min_p)
         row = _filter_top_k_top_p(row, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
         gen = None

@@ -30,8 +30,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: disabled
+    # 0: off. Else tokens less likely than min_p x the likeliest one's probability are dropped.
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Keep a matched stop string at the end of the text (vLLM's option); cut it by default.
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1

@@ -38,8 +38,10 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1)
@@ -117,8 +119,10 @@ class _GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             n=self.n,

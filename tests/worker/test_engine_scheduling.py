@@ -300,6 +300,20 @@ def test_stop_string_stop_token_eos_and_length():
     assert t[-1].finish_reason is FinishReason.STOP and t[-1].num_output_tokens == full.index(full[3]) + 1
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_nothing_after():
+    engine, _, _ = make_engine()
+    prompt = list(range(3, 12))
+    engine.add_request("len", prompt, greedy(12))
+    text = CharTokenizer().decode(run_all(engine)["len"])
+    stop = text[5:7]
+    engine.add_request("keep", prompt, greedy(12, stop=(stop,), include_stop_str_in_output=True))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].matched_stop == stop
+    assert "".join(o.text for o in outs) == text[: text.index(stop) + len(stop)]
+
+
 def test_request_validation():
     engine, _, _ = make_engine(max_model_len=32)
     with pytest.raises(PromptTooLongError):
@@ -370,6 +384,14 @@ def test_sampler_filters_and_edge_parameters():
         out = sample(logits, params, [0] * 6)
         assert out[:4] == [1, 1, 1, 1]
         assert out[4] in (1, 2) and out[5] in (1, 2)
+    # min_p: tokens below min_p x the top probability never come out (at temperature 1 here,
+    # 4.8 is e^-0.2 = 0.82 of the top and 0.0 is e^-5 of it); min_p 0 leaves them all possible.
+    kept = SamplingParams(max_tokens=1, temperature=1.0, min_p=0.8)
+    assert {sample(logits[:1], [kept], [k])[0] for k in range(200)} <= {1, 2, 4}
+    hot = SamplingParams(max_tokens=1, temperature=5.0, min_p=0.0)
+    assert {sample(logits[:1], [hot], [k])[0] for k in range(400)} == {0, 1, 2, 3, 4}
+    narrow = SamplingParams(max_tokens=1, temperature=5.0, min_p=0.99)  # only the top survives
+    assert {sample(logits[:1], [narrow], [k])[0] for k in range(50)} == {1}
     # Seeded draws depend on (seed, output index) only.
     row = torch.randn(1, 1000)
     p = [SamplingParams(max_tokens=1, temperature=1.0, seed=11)]

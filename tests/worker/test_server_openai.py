@@ -146,6 +146,29 @@ def test_seeded_sampling_is_reproducible(client) -> None:
     assert sample() == sample()
 
 
+def test_include_stop_str_in_output_and_min_p_are_applied_not_ignored(worker, greedy_completion) -> None:
+    """vLLM's include_stop_str_in_output and min_p change the answer: honoured (they used to
+    be accepted and silently ignored), stream and non-stream alike."""
+    text = greedy_completion.choices[0].text
+    stop = text[4:7]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop": [stop], "include_stop_str_in_output": True}
+    done = httpx.post(worker.api_url + "/completions", json=body, timeout=60).json()["choices"][0]
+    assert done["text"] == text[: text.index(stop) + len(stop)] and done["finish_reason"] == "stop"
+    with httpx.stream("POST", worker.api_url + "/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"]
+                           for line in r.iter_lines() if line.startswith("data: {"))
+    assert streamed == done["text"]
+    # min_p 1 keeps only the likeliest token: at any temperature the answer is the greedy one.
+    hot = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 2.0, "min_p": 1.0,
+           "ignore_eos": True, "seed": 5}
+    answer = httpx.post(worker.api_url + "/completions", json=hot, timeout=60).json()
+    assert answer["choices"][0]["text"] == text
+    bad = httpx.post(worker.api_url + "/completions", json={**hot, "min_p": 1.5}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
+
+
 def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
     """X-Request-Id becomes the answer's id (`cmpl-<id>`, `chatcmpl-<id>`, every chunk too), so
     a gateway's log line and the client's answer name the same request; an id that is not a
