@@ -2,8 +2,9 @@
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
-(logprobs, n > 1, echo, penalties, tools, ...) are rejected with a 400 naming the
-parameter instead of being ignored. Unknown extra fields are ignored, as vLLM does.
+(logprobs, n > 1, echo, penalties, tools, vLLM's guided decoding and other options that
+would change the answer, ...) are rejected with a 400 naming the parameter instead of
+being ignored. Other unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
 """
 
@@ -28,10 +29,45 @@ def _unsupported(param: str, what: str) -> APIError:
     return invalid_request(f"{what} is not supported by this worker", param=param, code="unsupported")
 
 
+# vLLM's request options that change the answer and that this worker does not implement, with
+# the value that means "off". Set to anything else, they are a 400 naming them: ignored, a
+# constrained-output request (guided_json, ...) would get free text and not know it.
+_UNIMPLEMENTED: dict[str, Any] = {
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "use_beam_search": False,
+    "priority": 0,
+    "skip_special_tokens": True,
+}
+_UNIMPLEMENTED_CHAT: dict[str, Any] = {
+    "chat_template": None,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "echo": False,
+}
+
+
+def _reject_set(request: BaseModel, options: dict[str, Any]) -> None:
+    extra = request.model_extra or {}
+    for name, neutral in options.items():
+        value = extra.get(name, neutral)
+        if value is not None and value != neutral and value != []:
+            raise _unsupported(name, name)
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Unknown fields are kept aside (model_extra), not validated: ignored, as vLLM does, but
+    # those of _UNIMPLEMENTED are looked at.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -65,6 +101,7 @@ class _GenerationRequest(BaseModel):
         return value
 
     def _reject_unsupported(self) -> None:
+        _reject_set(self, _UNIMPLEMENTED)
         if self.n > 1:
             raise _unsupported("n", "n > 1 (several choices per request)")
         if self.best_of is not None and self.best_of > 1:
@@ -218,6 +255,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise _unsupported("tools", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _unsupported("response_format", "response_format other than text")
+        _reject_set(self, _UNIMPLEMENTED_CHAT)
         self._reject_unsupported()
         return self
 

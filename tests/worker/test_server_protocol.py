@@ -124,3 +124,48 @@ def test_websocket_cancel_message_detection() -> None:
     assert not _is_cancel('{"type": "cancel", "prompt": "x"}')
     assert not _is_cancel('{"prompt": "cancel"}')
     assert not _is_cancel("cancel")
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_regex", "[0-9]+"),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"choice": ["a"]}),
+        ("bad_words", ["no"]),
+        ("allowed_token_ids", [1, 2]),
+        ("prompt_logprobs", 1),
+        ("truncate_prompt_tokens", 8),
+        ("use_beam_search", True),
+        ("priority", 3),
+        ("skip_special_tokens", False),
+    ],
+)
+def test_options_that_would_change_the_answer_are_refused_not_ignored(option, value) -> None:
+    """Ignored, a request for JSON-constrained output (say) would get free text and not know it."""
+    for req_cls, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)):
+        with pytest.raises(APIError) as err:
+            req_cls.model_validate({**body, option: value})
+        assert err.value.status == 400 and err.value.param == option and err.value.code == "unsupported"
+        # At its neutral value (what a client library may send by default) it is fine.
+        neutral = {"use_beam_search": False, "priority": 0, "skip_special_tokens": True}.get(option)
+        req_cls.model_validate({**body, option: neutral})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "neutral"),
+    [("chat_template", "{{ messages }}", None), ("add_generation_prompt", False, True),
+     ("continue_final_message", True, False), ("echo", True, False)],
+)
+def test_chat_rendering_options_are_refused_unless_neutral(option, value, neutral) -> None:
+    with pytest.raises(APIError) as err:
+        ChatCompletionRequest.model_validate({**_CHAT, option: value})
+    assert err.value.param == option
+    ChatCompletionRequest.model_validate({**_CHAT, option: neutral})
+    # Fields no one acts on (OpenAI platform options, unknown names) are still ignored.
+    ChatCompletionRequest.model_validate({**_CHAT, "store": True, "metadata": {"a": "b"}, "x_y": 1})
