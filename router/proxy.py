@@ -357,7 +357,11 @@ class Proxy(StreamForwarding):
                     return inner + _INJECT_USAGE[1:]
                 return inner + _INJECT_USAGE
         new = dict(body)
-        new["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        opts = new["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if opts.get("continuous_usage_stats"):
+            # It takes effect only with include_usage (vLLM): the usage asked for here must not
+            # put usage into every chunk for a client that did not ask for usage at all.
+            opts["continuous_usage_stats"] = False
         return json.dumps(new).encode()
 
     def _upstream_headers(self, request: web.Request, req_id: str, path: str) -> dict[str, str]:

@@ -59,6 +59,13 @@ class _Chunks:
     def usage(self, last: RequestOutput) -> str:
         return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
 
+    @staticmethod
+    def counted(frame: str, out: RequestOutput, completion_tokens: int | None = None) -> str:
+        """`frame` carrying the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        done = out.num_output_tokens if completion_tokens is None else completion_tokens
+        usage = usage_dict(out.num_prompt_tokens, done, out.num_cached_tokens)
+        return f'{frame[:-1]},"usage":{_dumps(usage)}}}'
+
     def _body(self, choice: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
         choice["logprobs"] = None
         choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None

@@ -33,6 +33,7 @@ class Generation:
     chunks: CompletionChunks | ChatChunks
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
     _outputs: AsyncIterator[RequestOutput] | None = field(default=None, repr=False)
 
     async def start(self, engine: AsyncEngineClient) -> RequestOutput:
@@ -117,6 +118,7 @@ class GenerationFactory:
             chunks=CompletionChunks(request_id, self.model_name),
             stream=request.stream,
             include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
         )
 
     def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
@@ -135,4 +137,5 @@ class GenerationFactory:
             chunks=ChatChunks(request_id, self.model_name),
             stream=request.stream,
             include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
         )

@@ -126,6 +126,11 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: continuous_usage_stats, which (as in vLLM) needs include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 

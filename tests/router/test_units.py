@@ -97,6 +97,20 @@ def test_stream_tap_counts_the_events_of_a_stream_cut_short():
     assert ended.content_events == 3
 
 
+def test_usage_the_gateway_asks_for_never_turns_on_a_clients_continuous_usage():
+    from router.proxy import Proxy
+
+    def sent(body: dict) -> dict:
+        return json.loads(Proxy._with_usage(json.dumps(body).encode(), body))["stream_options"]
+
+    assert sent({"model": "m", "stream": True}) == {"include_usage": True}
+    # continuous_usage_stats takes effect with include_usage only: the client asked for none.
+    assert sent({"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}) == {
+        "include_usage": True, "continuous_usage_stats": False}
+    assert sent({"model": "m", "stream": True, "stream_options": {"include_usage": False}}) == {
+        "include_usage": True}
+
+
 def test_usage_of_body():
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 4}}).encode()
     assert usage_of_body(body) == (11, 4)

@@ -169,6 +169,22 @@ def test_include_stop_str_in_output_and_min_p_are_applied_not_ignored(worker, gr
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(worker) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", worker.api_url + "/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in e for e in events)
+    done = [e["usage"]["completion_tokens"] for e in events]
+    assert done[0] == 0 and done == sorted(done) and done[-1] == 6  # the role chunk, ..., the usage chunk
+    assert {e["usage"]["prompt_tokens"] for e in events} == {events[-1]["usage"]["prompt_tokens"]}
+    # As in vLLM it needs include_usage: alone it adds nothing.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    with httpx.stream("POST", worker.api_url + "/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events and not any("usage" in e for e in events)
+
+
 def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
     """X-Request-Id becomes the answer's id (`cmpl-<id>`, `chatcmpl-<id>`, every chunk too), so
     a gateway's log line and the client's answer name the same request; an id that is not a
@@ -341,6 +357,13 @@ async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, gr
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         assert text == greedy_completion.choices[0].text
         assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+        # continuous usage over the socket too
+        counted = {"include_usage": True, "continuous_usage_stats": True}
+        await ws.send_str(json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True,
+                                      "stream_options": counted}))
+        chunks, end = await _receive_until_end(ws)
+        assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 3
 
         # a bad message: error object, socket stays open
         await ws.send_str("{oops")
