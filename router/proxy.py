@@ -297,8 +297,9 @@ class Proxy(StreamForwarding):
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
                 overloaded = r.overloaded
                 if overloaded:
-                    # Full, not down: no failure report (that would take it out of rotation).
-                    self._release(route, rec, ok=True, error="overloaded")
+                    # Full, not down: no failure report (that would take it out of rotation),
+                    # and no KV credit for tokens it never held.
+                    self._release(route, rec, ok=True, error="overloaded", held_kv=False)
                 else:
                     self._failed(route, r.reason, rec)
                 exclude.append(route.worker_id)
@@ -408,15 +409,19 @@ class Proxy(StreamForwarding):
         if self.cfg.report_prefilled and route.lease_id is not None and not route.released:
             self.sched.prefilled_nowait(route.lease_id)
 
-    def _release(self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None) -> None:
+    def _release(
+        self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None, held_kv: bool = True
+    ) -> None:
+        """Give the lease back. The tokens sent with it are KV the scheduler credits as freed
+        before the next scrape shows it: none when the worker refused the request."""
         if route.lease_id is None or route.released or self.sched.client is None:
             return
         route.released = True
         rel: dict[str, Any] = {
             "lease_id": route.lease_id,
             "ok": ok,
-            "prompt_tokens": rec.prompt_tokens,
-            "output_tokens": rec.output_tokens,
+            "prompt_tokens": rec.prompt_tokens if held_kv else 0,
+            "output_tokens": rec.output_tokens if held_kv else 0,
         }
         if rec.ttft_ms is not None:
             rel["ttft_ms"] = round(rec.ttft_ms, 3)
