@@ -115,6 +115,7 @@ class Proxy(StreamForwarding):
         # ids, which engines use as their own (vLLM: `chatcmpl-<X-Request-Id>`; one still in
         # flight there makes a second request with its id fail).
         self._id_prefix = secrets.token_hex(4)
+        self._live_client_ids: set[str] = set()
         self.tokens = TokenCounter(cfg.tokenizer)
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
@@ -141,11 +142,18 @@ class Proxy(StreamForwarding):
         """The client's X-Request-Id when it is usable as one (tracing through the gateway to
         the engine, which takes it as its own, as vLLM and our worker do), else a new one."""
         client_id = request.headers.get("X-Request-Id")
-        if client_id is not None and _CLIENT_ID.fullmatch(client_id):
-            return client_id
-        return f"{self._id_prefix}-{kind}{next(self._ids)}"
+        own = f"{self._id_prefix}-{kind}{next(self._ids)}"
+        if client_id is None or not _CLIENT_ID.fullmatch(client_id):
+            return own
+        if client_id in self._live_client_ids:
+            # The client reused an id still in flight here: an engine refuses a second request
+            # under the id of one it is running (vLLM: "Request id ... already running").
+            return f"{client_id}-{own}"
+        self._live_client_ids.add(client_id)
+        return client_id
 
     def _finish(self, rec: RequestRecord) -> None:
+        self._live_client_ids.discard(rec.id)
         m = self.metrics
         m.request_done(rec.model, rec.status, rec.worker)
         # A refusal counts in router_requests_total only (see RequestRecord.served); nor

@@ -11,6 +11,7 @@ import itertools
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -322,6 +323,28 @@ def test_tokens_of_abandoned_streams_and_websockets_are_counted():
         while time.monotonic() < deadline and _generation_tokens(gu) < tokens_out + 6:
             time.sleep(0.05)
         assert _generation_tokens(gu) == tokens_out + 6
+    finally:
+        g.stop()
+        w.stop()
+
+
+def test_a_client_id_reused_while_in_flight_is_made_unique():
+    """Engines refuse a second request under the id of one they are running (vLLM), so two
+    requests with one X-Request-Id at once leave the gateway with different ids; the first
+    keeps the client's, and once it has ended the id is free again."""
+    w, wu = start_echo_worker(token_delay_ms=20)
+    g, gu = start_gateway("--workers", wu)
+    try:
+        body = {"model": "m", "prompt": "p", "max_tokens": 10}
+        same = {"X-Request-Id": "client-7"}
+        with ThreadPoolExecutor(2) as ex:
+            first = ex.submit(httpx.post, gu + "/v1/completions", json=body, headers=same, timeout=30)
+            time.sleep(0.05)
+            second = httpx.post(gu + "/v1/completions", json=body, headers=same, timeout=30)
+            ids = [first.result().headers["x-request-id"], second.headers["x-request-id"]]
+        assert ids[0] == "client-7" and ids[1] != "client-7" and ids[1].startswith("client-7-")
+        again = httpx.post(gu + "/v1/completions", json=body, headers=same, timeout=30)
+        assert again.headers["x-request-id"] == "client-7"
     finally:
         g.stop()
         w.stop()
