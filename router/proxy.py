@@ -112,8 +112,9 @@ class Proxy(StreamForwarding):
         self.idle_s = cfg.idle_stream_timeout_ms / 1000
         self._ids = count(1)
         # Random per process: replicas started in the same second must not hand out the same
-        # ids, which engines use as their own (vLLM: `chatcmpl-<X-Request-Id>`; one still in
-        # flight there makes a second request with its id fail).
+        # ids, which engines use as their own (vLLM: `chatcmpl-<X-Request-Id>`). Older vLLM
+        # releases fail a second request under an id still in flight ("Request id ... already
+        # running" in their source); vLLM 0.32 serves it (tests/router/test_real_vllm.py).
         self._id_prefix = secrets.token_hex(4)
         self._live_client_ids: set[str] = set()
         self.tokens = TokenCounter(cfg.tokenizer)
@@ -146,8 +147,8 @@ class Proxy(StreamForwarding):
         if client_id is None or not _CLIENT_ID.fullmatch(client_id):
             return own
         if client_id in self._live_client_ids:
-            # The client reused an id still in flight here: an engine refuses a second request
-            # under the id of one it is running (vLLM: "Request id ... already running").
+            # The client reused an id still in flight here: older vLLM releases (and engines
+            # keyed by request id) fail a second request under the id of one they are running.
             return f"{client_id}-{own}"
         self._live_client_ids.add(client_id)
         return client_id

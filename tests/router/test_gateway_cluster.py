@@ -135,7 +135,7 @@ def test_two_replicas_against_one_scheduler(cluster):
 def test_one_request_id_from_client_through_gateway_to_worker(cluster):
     """The id in the gateway's log is the one the worker answers under (`cmpl-<id>`, as vLLM
     takes X-Request-Id), a client's own X-Request-Id is kept for tracing, and two replicas
-    started together never hand out the same id (an engine refuses a second request whose id
+    started together never hand out the same id (older vLLM releases fail a second request whose id
     is still in flight)."""
     body = {"model": "m", "prompt": "trace me", "max_tokens": 2}
     r = httpx.post(cluster["gw"] + "/v1/completions", json=body, timeout=30)

@@ -329,7 +329,7 @@ def test_tokens_of_abandoned_streams_and_websockets_are_counted():
 
 
 def test_a_client_id_reused_while_in_flight_is_made_unique():
-    """Engines refuse a second request under the id of one they are running (vLLM), so two
+    """Older vLLM releases fail a second request under the id of one they are running, so two
     requests with one X-Request-Id at once leave the gateway with different ids; the first
     keeps the client's, and once it has ended the id is free again."""
     w, wu = start_echo_worker(token_delay_ms=20)

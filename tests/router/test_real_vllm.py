@@ -148,3 +148,27 @@ def test_usage_and_vllm_4xx_pass_through(stack):
                    json={"model": MODEL, "messages": "not a list"})
     assert 400 <= r.status_code < 500, r.text
     assert "error" in r.json()
+
+
+def test_one_request_id_through_the_gateway_to_vllm_even_when_a_client_reuses_it(stack):
+    """vLLM names a request by X-Request-Id (`cmpl-<id>`), so the gateway's id is the answer's.
+    A client that reuses its id while the first is in flight gets both answers, the second
+    under an id of its own (older vLLM releases fail a second request under a running id;
+    vLLM 0.32 itself serves both, which this test saw with the gateway's suffix taken out)."""
+    gateway = stack["gateway"]
+    body = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 64, "ignore_eos": True}
+    r = httpx.post(gateway + "/v1/completions", json=body, timeout=120)
+    assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
+
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            same = {"X-Request-Id": "reused-id"}
+            first = asyncio.create_task(client.post(gateway + "/v1/completions", json=body, headers=same))
+            await asyncio.sleep(0.3)  # the first is decoding in vLLM now
+            second = await client.post(gateway + "/v1/completions", json=body, headers=same)
+            return [await first, second]
+
+    rs = asyncio.run(twice())
+    assert [r.status_code for r in rs] == [200, 200], [r.text[:300] for r in rs]
+    assert rs[0].json()["id"] == "cmpl-reused-id"
+    assert rs[1].json()["id"] == "cmpl-" + rs[1].headers["x-request-id"] != "cmpl-reused-id"
