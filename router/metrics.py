@@ -32,7 +32,11 @@ class RouterMetrics:
             ["model", "status", "worker"],
             registry=r,
         )
-        self.in_flight = Gauge("router_requests_in_flight", "Requests being served now", registry=r)
+        self.in_flight = Gauge(
+            "router_requests_in_flight",
+            "Requests accepted and not yet answered, those queued for a worker included",
+            registry=r,
+        )
         self.queued = Gauge(
             "router_requests_queued", "Requests waiting in the admission queue", registry=r
         )

@@ -139,7 +139,8 @@ def router_dashboard() -> dict:
                 f"sum(rate(router_requests_total{m}[{RATE}]))", "errors")], "percentunit", width=4, height=4,
               description="Answers other than 2xx, less 499: a client that left (a chat's stop "
               "button, a closed tab) is no error of the service"),
-        panel("stat", "In flight", [("sum(router_requests_in_flight)", "in flight")], width=4, height=4),
+        panel("stat", "In flight", [("sum(router_requests_in_flight)", "in flight")], width=4, height=4,
+              description="Accepted and not yet answered, the queued ones included"),
         panel("stat", "Queued", [("sum(router_requests_queued)", "queued")], width=4, height=4),
         panel("stat", "Fallback mode (gateways)", [("sum(router_fallback_mode)", "in fallback")],
               width=4, height=4, description="Gateway replicas routing by round robin (no scheduler)"),
@@ -150,7 +151,8 @@ def router_dashboard() -> dict:
         panel(ts, "Requests/s by worker", [
             (f"sum by (worker) (rate(router_requests_total{m}[{RATE}]))", "{{worker}}")], "reqps"),
         panel(ts, "In flight and queued (all gateways)", [
-            ("sum(router_requests_in_flight)", "in flight"), ("sum(router_requests_queued)", "queued")]),
+            ("sum(router_requests_in_flight)", "in flight (queued included)"),
+            ("sum(router_requests_queued)", "queued")]),
         panel(ts, "Token throughput IN / OUT", [
             (f"sum(rate(router_prompt_tokens_total{m}[{RATE}]))", "IN (prompt tokens/s)"),
             (f"sum(rate(router_generation_tokens_total{m}[{RATE}]))", "OUT (generated tokens/s)")],
