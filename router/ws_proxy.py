@@ -75,8 +75,12 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     route = None
     try:
         first = await client.receive()
-        if first.type != aiohttp.WSMsgType.TEXT:
+        if first.type == aiohttp.WSMsgType.BINARY:
+            await client.send_str(_ws_error("first message must be a JSON text message with a 'model'", 400))
+            rec.status = 400
             return client
+        if first.type != aiohttp.WSMsgType.TEXT:
+            return client  # closed before asking anything
         try:
             body = json.loads(first.data)
             model = body["model"]

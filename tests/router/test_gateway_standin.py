@@ -215,6 +215,11 @@ async def test_websocket_round_trip(stack):
                 if msg.get("type") in ("done", "end") or "error" in msg:
                     break
             assert len(msgs) == 4 and msgs[-1]["type"] in ("done", "end")
+    # A binary first frame is answered with an error, not a silent close.
+    async with aiohttp.ClientSession() as s, s.ws_connect(stack["gw"] + "/v1/ws") as ws:
+        await ws.send_bytes(b'{"model": "m"}')
+        err = json.loads((await ws.receive(timeout=10)).data)["error"]
+        assert err["code"] == 400 and "text message" in err["message"]
 
 
 def test_models_of_static_workers_are_discovered(stack):
