@@ -93,6 +93,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         rec.model = model
         text, ids = render_prompt(body)
         sched_body = {"model": model, "prompt_tokens": proxy.tokens.count(text, ids)}
+        rec.prompt_tokens = sched_body["prompt_tokens"]
         if (mt := max_tokens_of(body)) is not None:
             sched_body["max_tokens"] = mt
         if hashes := prefix_hashes(text):
@@ -130,7 +131,8 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         rec.worker = route.worker_id
         rec.status = 101
         await upstream.send_str(first.data)
-        await _pump_both(client, upstream, lambda: proxy._prefilled(route), rec)
+        await _pump_both(client, upstream, lambda: proxy._prefilled(route), rec,
+                         lambda data: _prompt_tokens(proxy, data))
         return client
     finally:
         if upstream is not None:
@@ -149,8 +151,22 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
 _CHOICE_CHUNK = '"choices":[{'
 
 
+def _prompt_tokens(proxy: Proxy, data: str) -> int:
+    """The prompt estimate of one more request on the socket (0 for a cancel or a bad message,
+    which the worker answers itself), as the HTTP path counts a request without usage."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return 0
+    if not isinstance(body, dict):
+        return 0
+    text, ids = render_prompt(body)
+    return proxy.tokens.count(text, ids) if text or ids else 0
+
+
 async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
-                     on_first_answer: Callable[[], None], rec: RequestRecord) -> None:
+                     on_first_answer: Callable[[], None], rec: RequestRecord,
+                     count_prompt: Callable[[str], int]) -> None:
     async def copy(src, dst) -> None:
         first = down = src is upstream
         async for msg in src:
@@ -158,8 +174,11 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
                 first = False
                 on_first_answer()
             if msg.type == aiohttp.WSMsgType.TEXT:
-                if down and _CHOICE_CHUNK in msg.data:
-                    rec.output_tokens += 1
+                if down:
+                    if _CHOICE_CHUNK in msg.data:
+                        rec.output_tokens += 1
+                else:  # the client's next request on this socket
+                    rec.prompt_tokens += count_prompt(msg.data)
                 await dst.send_str(msg.data)
             elif msg.type == aiohttp.WSMsgType.BINARY:
                 await dst.send_bytes(msg.data)

@@ -281,9 +281,9 @@ def test_access_log_line_per_request(stack):
         assert field in line, (field, line)
 
 
-def _generation_tokens(gw: str) -> float:
+def _tokens_counted(gw: str, kind: str = "generation") -> float:
     for line in httpx.get(gw + "/metrics").text.splitlines():
-        if line.startswith('router_generation_tokens_total{model="m"}'):
+        if line.startswith(f'router_{kind}_tokens_total{{model="m"}}'):
             return float(line.split()[-1])
     return 0.0
 
@@ -292,8 +292,8 @@ async def _two_websocket_requests(gw: str, max_tokens: int) -> None:
     import aiohttp
 
     async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
-        for _ in range(2):
-            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens}))
+        for _ in range(2):  # 40 characters: a 10-token prompt by the gateway's estimate
+            await ws.send_str(json.dumps({"model": "m", "prompt": "a" * 40, "max_tokens": max_tokens}))
             while json.loads((await ws.receive(timeout=10)).data).get("type") != "done":
                 pass
 
@@ -321,13 +321,15 @@ def test_tokens_of_abandoned_streams_and_websockets_are_counted():
         assert "status=499" in line and "error=client_disconnected" in line, line
         tokens_out = int(line.split("tokens_out=")[1].split()[0])
         assert 10 <= tokens_out < 200, line
-        assert _generation_tokens(gu) == tokens_out
+        assert _tokens_counted(gu) == tokens_out
 
+        prompt_before = _tokens_counted(gu, "prompt")
         asyncio.run(_two_websocket_requests(gu, 3))
         deadline = time.monotonic() + 5  # the socket's record is logged once it has closed
-        while time.monotonic() < deadline and _generation_tokens(gu) < tokens_out + 6:
+        while time.monotonic() < deadline and _tokens_counted(gu) < tokens_out + 6:
             time.sleep(0.05)
-        assert _generation_tokens(gu) == tokens_out + 6
+        assert _tokens_counted(gu) == tokens_out + 6
+        assert _tokens_counted(gu, "prompt") == prompt_before + 2 * 10  # both requests' prompts
     finally:
         g.stop()
         w.stop()
