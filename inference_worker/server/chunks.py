@@ -41,30 +41,37 @@ class _Chunks:
     chunk_object = ""  # "object" of each stream chunk
     body_object = ""  # "object" of the final non-stream body
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, continuous_usage: bool = False) -> None:
         self.request_id = request_id
         self.model = model
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+        self.continuous_usage = continuous_usage
         self.created = int(time.time())
         self._head = (
             f'{{"id":"{request_id}","object":"{self.chunk_object}","created":{self.created},'
             f'"model":{_dumps(model)},"choices":'
         )
 
-    def _frame(self, choice_fields: str, finish_reason: FinishReason | None) -> str:
-        return (
+    def _frame(
+        self,
+        choice_fields: str,
+        finish_reason: FinishReason | None,
+        out: RequestOutput | None,
+        completion_tokens: int | None = None,
+    ) -> str:
+        """One chunk; with continuous usage, `out`'s usage so far (or `completion_tokens`)."""
+        frame = (
             f'{self._head}[{{"index":0,{choice_fields},"logprobs":null,'
-            f'"finish_reason":{finish_reason_json(finish_reason)}}}]}}'
+            f'"finish_reason":{finish_reason_json(finish_reason)}}}]'
         )
+        if not (self.continuous_usage and out is not None):
+            return frame + "}"
+        done = out.num_output_tokens if completion_tokens is None else completion_tokens
+        usage = usage_dict(out.num_prompt_tokens, done, out.num_cached_tokens)
+        return f'{frame},"usage":{_dumps(usage)}}}'
 
     def usage(self, last: RequestOutput) -> str:
         return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
-
-    @staticmethod
-    def counted(frame: str, out: RequestOutput, completion_tokens: int | None = None) -> str:
-        """`frame` carrying the usage so far (vLLM's stream_options.continuous_usage_stats)."""
-        done = out.num_output_tokens if completion_tokens is None else completion_tokens
-        usage = usage_dict(out.num_prompt_tokens, done, out.num_cached_tokens)
-        return f'{frame[:-1]},"usage":{_dumps(usage)}}}'
 
     def _body(self, choice: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
         choice["logprobs"] = None
@@ -85,12 +92,12 @@ class CompletionChunks(_Chunks):
 
     chunk_object = body_object = "text_completion"
 
-    def first(self) -> str | None:
+    def first(self, out: RequestOutput | None = None) -> str | None:
         """A chunk to send before any token (none for completions)."""
         return None
 
-    def delta(self, text: str, finish_reason: FinishReason | None) -> str:
-        return self._frame(f'"text":{_dumps(text)}', finish_reason)
+    def delta(self, text: str, finish_reason: FinishReason | None, out: RequestOutput | None = None) -> str:
+        return self._frame(f'"text":{_dumps(text)}', finish_reason, out)
 
     def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
         return self._body({"index": 0, "text": text}, last)
@@ -102,13 +109,14 @@ class ChatChunks(_Chunks):
     chunk_object = "chat.completion.chunk"
     body_object = "chat.completion"
 
-    def first(self) -> str:
-        """The role chunk that opens every chat stream (as OpenAI and vLLM send it)."""
-        return self._frame('"delta":{"role":"assistant","content":""}', None)
+    def first(self, out: RequestOutput | None = None) -> str:
+        """The role chunk that opens every chat stream (as OpenAI and vLLM send it); it
+        precedes every token, so its usage counts none."""
+        return self._frame('"delta":{"role":"assistant","content":""}', None, out, 0)
 
-    def delta(self, text: str, finish_reason: FinishReason | None) -> str:
+    def delta(self, text: str, finish_reason: FinishReason | None, out: RequestOutput | None = None) -> str:
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
-        return self._frame(f'"delta":{delta}', finish_reason)
+        return self._frame(f'"delta":{delta}', finish_reason, out)
 
     def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
         return self._body({"index": 0, "message": {"role": "assistant", "content": text}}, last)

@@ -33,7 +33,6 @@ class Generation:
     chunks: CompletionChunks | ChatChunks
     stream: bool
     include_usage: bool
-    continuous_usage: bool = False
     _outputs: AsyncIterator[RequestOutput] | None = field(default=None, repr=False)
 
     async def start(self, engine: AsyncEngineClient) -> RequestOutput:
@@ -115,10 +114,9 @@ class GenerationFactory:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
-            chunks=CompletionChunks(request_id, self.model_name),
+            chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage),
             stream=request.stream,
             include_usage=request.include_usage,
-            continuous_usage=request.continuous_usage,
         )
 
     def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
@@ -134,8 +132,7 @@ class GenerationFactory:
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),
             params=params,
-            chunks=ChatChunks(request_id, self.model_name),
+            chunks=ChatChunks(request_id, self.model_name, request.continuous_usage),
             stream=request.stream,
             include_usage=request.include_usage,
-            continuous_usage=request.continuous_usage,
         )

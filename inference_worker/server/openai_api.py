@@ -73,11 +73,8 @@ async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> 
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     chunks = gen.chunks
-    counted = gen.continuous_usage
     rest = gen.rest()
-    opening = chunks.first()
-    if opening and counted:
-        opening = chunks.counted(opening, out, 0)
+    opening = chunks.first(out)
     events = [f"data: {opening}\n\n"] if opening else []
     try:
         while True:
@@ -85,16 +82,14 @@ async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> 
                 if out.finish_reason is FinishReason.ERROR:
                     events.append(f"data: {json.dumps(engine_error(out).body())}\n\n")
                 else:
-                    last = chunks.delta(out.text, out.finish_reason)
-                    events.append(f"data: {chunks.counted(last, out) if counted else last}\n\n")
+                    events.append(f"data: {chunks.delta(out.text, out.finish_reason, out)}\n\n")
                     if gen.include_usage:
                         events.append(f"data: {chunks.usage(out)}\n\n")
                 events.append(_DONE)
                 await response.write("".join(events).encode())
                 break
             if out.text:  # a step can yield no text (an incomplete UTF-8 sequence is held back)
-                delta = chunks.delta(out.text, None)
-                events.append(f"data: {chunks.counted(delta, out) if counted else delta}\n\n")
+                events.append(f"data: {chunks.delta(out.text, None, out)}\n\n")
             if events:
                 await response.write("".join(events).encode())
                 events = []

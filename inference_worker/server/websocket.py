@@ -147,20 +147,17 @@ async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, cu
         current.request_id = gen.request_id
         out = await gen.start(engine)
         chunks = gen.chunks
-        counted = gen.continuous_usage
-        opening = chunks.first()
+        opening = chunks.first(out)
         if opening:
-            await ws.send_str(chunks.counted(opening, out, 0) if counted else opening)
+            await ws.send_str(opening)
         rest = gen.rest()
         while not out.finished:
             if out.text:
-                delta = chunks.delta(out.text, None)
-                await ws.send_str(chunks.counted(delta, out) if counted else delta)
+                await ws.send_str(chunks.delta(out.text, None, out))
             out = await anext(rest)
         if out.finish_reason is FinishReason.ERROR:
             raise APIError(500, f"The engine failed while generating request {out.request_id}.")
-        last = chunks.delta(out.text, out.finish_reason)
-        await ws.send_str(chunks.counted(last, out) if counted else last)
+        await ws.send_str(chunks.delta(out.text, out.finish_reason, out))
         if gen.include_usage:
             await ws.send_str(chunks.usage(out))
         await ws.send_str(json.dumps({"type": "done", "id": gen.request_id}))
