@@ -29,10 +29,14 @@ def _unsupported(param: str, what: str) -> APIError:
     return invalid_request(f"{what} is not supported by this worker", param=param, code="unsupported")
 
 
-# vLLM's request options that change the answer and that this worker does not implement, with
-# the value that means "off". Set to anything else, they are a 400 naming them: ignored, a
-# constrained-output request (guided_json, ...) would get free text and not know it.
+# Request options that change the answer and that this worker does not implement, with the
+# value that means "off". Set to anything else, they are a 400 naming them: ignored, a
+# constrained-output request (guided_json, ...) would get free text and not know it. The
+# penalties are declared fields (their types are checked); vLLM's others are read unvalidated.
 _UNIMPLEMENTED: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
     "guided_json": None,
     "guided_regex": None,
     "guided_choice": None,
@@ -56,8 +60,9 @@ _UNIMPLEMENTED_CHAT: dict[str, Any] = {
 
 def _reject_set(request: BaseModel, options: dict[str, Any]) -> None:
     extra = request.model_extra or {}
+    declared = type(request).model_fields
     for name, neutral in options.items():
-        value = extra.get(name, neutral)
+        value = getattr(request, name) if name in declared else extra.get(name, neutral)
         if value is not None and value != neutral and value != []:
             raise _unsupported(name, name)
 
@@ -106,13 +111,6 @@ class _GenerationRequest(BaseModel):
             raise _unsupported("n", "n > 1 (several choices per request)")
         if self.best_of is not None and self.best_of > 1:
             raise _unsupported("best_of", "best_of > 1")
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            if getattr(self, name) != neutral:
-                raise _unsupported(name, name)
         if self.min_tokens:
             raise _unsupported("min_tokens", "min_tokens")
         if self.logit_bias:
