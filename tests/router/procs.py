@@ -78,6 +78,17 @@ def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0) -> No
     raise TimeoutError(f"{url} not ready after {timeout_s}s ({last!r})\n{out}")
 
 
+
+def series_value(url: str, series: str, default: float | None = None) -> float:
+    """One series of the /metrics page at `url`, named as the page writes it (with its labels,
+    e.g. 'router_prompt_tokens_total{model="m"}'). Absent: `default`, or the test fails."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    if default is None:
+        raise AssertionError(f"{series} is not on {url}/metrics")
+    return default
+
 def start_echo_worker(
     model: str = "m", token_delay_ms: float = 0.0, max_running: int = 0
 ) -> tuple[Proc, str]:

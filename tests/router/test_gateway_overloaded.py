@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.router.procs import start_echo_worker, start_gateway, start_scheduler
+from tests.router.procs import series_value, start_echo_worker, start_gateway, start_scheduler
 
 SLOW = 25  # ms per token: a 20-token answer holds its worker for half a second
 
@@ -33,10 +33,7 @@ def _burst(gw: str, n: int, stream: bool = False) -> list[httpx.Response]:
 
 
 def _refused(worker: str) -> float:
-    for line in httpx.get(worker + "/metrics").text.splitlines():
-        if line.startswith("echo_refused_total "):
-            return float(line.split()[1])
-    raise AssertionError("echo worker without its refusal counter")
+    return series_value(worker, "echo_refused_total")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
+from tests.router.procs import series_value, start_gateway, start_scheduler, start_sim_workers
 
 QUEUE = 3
 SLOW = {"model": "m", "prompt": "a slow request", "max_tokens": 150}  # ~1 s on the tiny sim profile
@@ -33,23 +33,10 @@ def cluster():
             p.stop()
 
 
-def _metric(gw: str, name: str) -> float:
-    """One unlabelled series of the gateway's /metrics page."""
-    for line in httpx.get(gw + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not on the gateway's /metrics page")
-
-
 def _served(gw: str) -> list[float]:
     """[end-to-end latencies observed, prompt tokens counted] for model m."""
-    values = {}
-    for line in httpx.get(gw + "/metrics").text.splitlines():
-        for name in ("router_e2e_request_latency_seconds_count", "router_prompt_tokens_total"):
-            if line.startswith(name + '{model="m"}'):
-                values[name] = float(line.split()[-1])
-    return [values.get("router_e2e_request_latency_seconds_count", 0.0),
-            values.get("router_prompt_tokens_total", 0.0) / _PROMPT_TOKENS]
+    return [series_value(gw, 'router_e2e_request_latency_seconds_count{model="m"}', 0.0),
+            series_value(gw, 'router_prompt_tokens_total{model="m"}', 0.0) / _PROMPT_TOKENS]
 
 
 class QueueSampler:
@@ -67,7 +54,7 @@ class QueueSampler:
         with httpx.Client(timeout=5) as c:
             while not self._stop.is_set():
                 self.seen.append(c.get(self.gw + "/admin/state").json()["queued"])
-                self.gauge.append(_metric(self.gw, "router_requests_queued"))
+                self.gauge.append(series_value(self.gw, "router_requests_queued"))
                 time.sleep(0.02)
 
     def __enter__(self) -> QueueSampler:
@@ -140,8 +127,8 @@ def test_overflow_gets_429_with_retry_after(cluster):
 
 def test_disconnect_while_queued_frees_the_place(cluster):
     _wait_queue_empty(cluster)
-    waits_before = _metric(cluster, "router_queue_wait_seconds_count")
-    waited_before = _metric(cluster, "router_queue_wait_seconds_sum")
+    waits_before = series_value(cluster, "router_queue_wait_seconds_count")
+    waited_before = series_value(cluster, "router_queue_wait_seconds_sum")
     with ThreadPoolExecutor(8) as ex:
         running = [ex.submit(_post, cluster, SLOW) for _ in range(2)]
         _wait_leases(httpx.get(cluster + "/admin/state").json()["scheduler"], 2)
@@ -156,8 +143,8 @@ def test_disconnect_while_queued_frees_the_place(cluster):
         assert httpx.get(cluster + "/admin/state").json()["queued"] == 0
         # Their waits are in the queue-wait histogram (the longest waits end this way; a
         # histogram of the placed alone would hide them). The two running were placed at once.
-        assert _metric(cluster, "router_queue_wait_seconds_count") - waits_before == 2 + QUEUE
-        assert _metric(cluster, "router_queue_wait_seconds_sum") - waited_before >= QUEUE * 0.25
+        assert series_value(cluster, "router_queue_wait_seconds_count") - waits_before == 2 + QUEUE
+        assert series_value(cluster, "router_queue_wait_seconds_sum") - waited_before >= QUEUE * 0.25
         # The queue has room again: three more wait (no 429) and finish.
         later = [ex.submit(_post, cluster, {**SLOW, "max_tokens": 20}) for _ in range(QUEUE)]
         assert [f.result().status_code for f in running + later] == [200] * (2 + QUEUE)
@@ -190,8 +177,8 @@ def test_queue_timeout_gets_429(cluster):
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
             assert int(r.headers["Retry-After"]) >= 1
             # The wait that ended in the timeout is measured too.
-            assert _metric(gu, "router_queue_wait_seconds_count") == 1
-            assert _metric(gu, "router_queue_wait_seconds_sum") >= 0.3
+            assert series_value(gu, "router_queue_wait_seconds_count") == 1
+            assert series_value(gu, "router_queue_wait_seconds_sum") >= 0.3
             assert [f.result().status_code for f in running] == [200, 200]
     finally:
         g.stop()

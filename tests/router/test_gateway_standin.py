@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.procs import free_port, start_echo_worker, start_gateway
+from tests.router.procs import free_port, series_value, start_echo_worker, start_gateway
 
 BASE = "/api/predict/grp.svc_llm_gateway"
 
@@ -282,10 +282,7 @@ def test_access_log_line_per_request(stack):
 
 
 def _tokens_counted(gw: str, kind: str = "generation") -> float:
-    for line in httpx.get(gw + "/metrics").text.splitlines():
-        if line.startswith(f'router_{kind}_tokens_total{{model="m"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    return series_value(gw, f'router_{kind}_tokens_total{{model="m"}}', 0.0)
 
 
 async def _two_websocket_requests(gw: str, max_tokens: int) -> None:
