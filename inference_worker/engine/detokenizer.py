@@ -47,8 +47,9 @@ class IncrementalDetokenizer:
         self._stops = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Feed one output token. Returns the matched stop string if the text now contains one."""
+    def add_token(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Feed one output token. Returns the matched stop string if the text now contains one
+        (not looked for with find_stop false: before the request's min_tokens)."""
         ids = self._ids
         ids.append(token_id)
         decode = self._tokenizer.decode
@@ -66,6 +67,8 @@ class IncrementalDetokenizer:
             self._read_offset -= drop
         start = max(0, len(self._text) - self._max_stop_len + 1)
         self._text += delta
+        if not find_stop:
+            return None
         best: tuple[int, str] | None = None
         for stop in self._stops:  # the earliest match wins, whatever the list order
             pos = self._text.find(stop, start)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import count
 
 from inference_worker.engine.block_manager import BlockManager
@@ -32,7 +33,9 @@ from inference_worker.engine.types import (
     FinishReason,
     ModelRunner,
     RequestOutput,
+    SampleLogprobs,
     SamplingParams,
+    TokenLogprobs,
     WorkerTokenizer,
 )
 
@@ -43,6 +46,10 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, ma
         raise EmptyPromptError("the prompt is empty")
     if params.max_tokens < 1:
         raise EngineRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
+    if params.min_tokens > params.max_tokens:
+        raise EngineRequestError(
+            f"min_tokens ({params.min_tokens}) must be less than or equal to max_tokens ({params.max_tokens})"
+        )
     n = len(prompt_token_ids)
     if n + params.max_tokens > max_model_len:
         raise PromptTooLongError(
@@ -117,6 +124,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         validate_request(prompt_token_ids, params, self.max_model_len)
+        if params.min_tokens:
+            eos = () if params.ignore_eos else tuple(sorted(self._eos))
+            params = replace(params, ends_answer_ids=(*params.stop_token_ids, *eos))
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         seq = Seq(
@@ -194,25 +204,44 @@ class LLMEngine:
                 iteration.inter_token_latencies_iter.append(now - seq.last_token_time)
             seq.last_token_time = now
             iteration.num_generation_tokens += 1
-            outputs.append(self._after_token(seq, token, now, iteration))
+            logprobs = self._logprobs(token, scheduled.sampled_logprobs)
+            outputs.append(self._after_token(seq, token, now, iteration, logprobs))
 
-    def _after_token(self, seq: Seq, token: int, now: float, iteration: IterationStats) -> RequestOutput:
+    def _logprobs(self, token: int, sampled: SampleLogprobs | None) -> list[TokenLogprobs] | None:
+        """The runner's logprobs of one step, with token texts (only for requests that ask)."""
+        if sampled is None:
+            return None
+        decode = self.tokenizer.decode
+        top = tuple((decode([t]), lp) for t, lp in sampled.top)
+        return [TokenLogprobs(decode([token]), sampled.logprob, top)]
+
+    def _after_token(
+        self,
+        seq: Seq,
+        token: int,
+        now: float,
+        iteration: IterationStats,
+        logprobs: list[TokenLogprobs] | None,
+    ) -> RequestOutput:
         params = seq.sampling
         detok = self._detok[seq.seq_id]
         reason: FinishReason | None = None
         matched: str | int | None = None
-        if token in params.stop_token_ids:
+        # Before min_tokens nothing but the length ends the answer (the sampler kept EOS and the
+        # stop ids out; stop strings are not looked for), as in vLLM.
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
             reason, matched = FinishReason.STOP, token
-        elif token in self._eos and not params.ignore_eos:
+        elif may_stop and token in self._eos and not params.ignore_eos:
             reason = FinishReason.STOP
         else:
-            stop = detok.add_token(token)
+            stop = detok.add_token(token, find_stop=may_stop)
             if stop is not None:
                 reason, matched = FinishReason.STOP, stop
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(seq, reason, iteration, now, token, matched)
+            return self._finish(seq, reason, iteration, now, token, matched, logprobs)
         return RequestOutput(
             request_id=seq.request_id,
             text=detok.take(final=False),
@@ -222,6 +251,7 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         )
 
     def _finish(
@@ -232,6 +262,7 @@ class LLMEngine:
         now: float,
         token: int | None,
         matched: str | int | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
@@ -247,6 +278,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             matched_stop=matched,
+            logprobs=logprobs,
         )
 
     @staticmethod

@@ -1,10 +1,13 @@
 """Turn the logits of one step into one token per sequence.
 
-Greedy rows (temperature 0 or top_k 1) are an argmax over the whole batch at once.
-Random rows apply temperature, then min-p, top-k and top-p (vLLM's order), then draw. A seeded request draws
-from a generator seeded with (seed, number of tokens generated so far), so its stream
-is reproducible whatever it was batched with and even after a preemption (the runner
-does not need to keep generator state across steps).
+Rows whose request sets penalties, a logit bias or min_tokens are adjusted first
+(logits_adjust.py). Greedy rows (temperature 0 or top_k 1) are then an argmax, over the
+whole batch at once where nothing was adjusted. Random rows apply temperature, then
+min-p, top-k and top-p (vLLM's order), then draw. A seeded request draws from a
+generator seeded with (seed, number of tokens generated so far), so its stream is
+reproducible whatever it was batched with and even after a preemption (the runner does
+not need to keep generator state across steps). Logprobs are the model's own
+(`logprobs_of`), computed only for the rows that ask.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from inference_worker.engine.types import SamplingParams
+from inference_worker.engine.logits_adjust import adjust_row, needs_adjusting
+from inference_worker.engine.types import SampleLogprobs, SamplingParams
 
 _SEED_STRIDE = 1_000_003  # mixes the step index into the seed
 
@@ -42,26 +46,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], num_output_tokens: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    token_ids: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
-    """logits: [n, vocab] (any float dtype); one SamplingParams and output count per row."""
+    """logits: [n, vocab] (any float dtype); one SamplingParams and output count per row.
+    token_ids: each row's sequence so far (prompt then answer), needed only by the rows whose
+    penalties or min_tokens apply (logits_adjust.py)."""
     n = logits.shape[0]
     if n == 0:
         return []
+    adjusted = [
+        i for i, p in enumerate(params) if needs_adjusting(p, num_output_tokens[i])
+    ]
     # A non-positive temperature cannot scale logits: treat it as greedy rather than fail the step.
     greedy_rows = [i for i, p in enumerate(params) if p.greedy or p.temperature <= 0]
-    if len(greedy_rows) == n:
+    if len(greedy_rows) == n and not adjusted:
         return logits.argmax(dim=-1).tolist()
+    rows: dict[int, torch.Tensor] = {}
+    for i in adjusted:
+        assert token_ids is not None, "penalties need the rows' token ids"
+        rows[i] = adjust_row(logits[i].float().clone(), params[i], token_ids[i], num_output_tokens[i])
     out: list[int] = [0] * n
-    if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
-        for row, tok in zip(greedy_rows, picked, strict=True):
+    plain_greedy = [i for i in greedy_rows if i not in rows]
+    if plain_greedy:
+        picked = logits[plain_greedy].argmax(dim=-1).tolist()
+        for row, tok in zip(plain_greedy, picked, strict=True):
             out[row] = tok
     greedy_set = set(greedy_rows)
     for i, p in enumerate(params):
         if i in greedy_set:
+            if i in rows:
+                out[i] = int(rows[i].argmax())
             continue
-        row = logits[i].float() / p.temperature
+        row = rows[i] if i in rows else logits[i].float()
+        row = row / p.temperature
         if p.min_p > 0.0:
             row = _filter_min_p(row, p.min_p)
         row = _filter_top_k_top_p(row, p.top_k, p.top_p)
@@ -71,4 +91,23 @@ def sample(
             gen = torch.Generator(device=probs.device)
             gen.manual_seed((p.seed * _SEED_STRIDE + num_output_tokens[i]) & 0x7FFF_FFFF_FFFF_FFFF)
         out[i] = int(torch.multinomial(probs, 1, generator=gen))
+    return out
+
+
+def logprobs_of(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[SampleLogprobs | None]:
+    """The model's own log-probabilities (before penalties, temperature and filters, as
+    vLLM's default "raw_logprobs") of each row's sampled token and its `logprobs` likeliest,
+    for the rows that ask."""
+    out: list[SampleLogprobs | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        logp = torch.log_softmax(logits[i].float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs > 0:
+            values, ids = torch.topk(logp, min(p.logprobs, logp.shape[-1]))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        out[i] = SampleLogprobs(float(logp[tokens[i]]), top)
     return out

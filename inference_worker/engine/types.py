@@ -38,6 +38,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Penalties and bias (see engine/logits_adjust.py); logit_bias as (token id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # The tokens that would end the answer (stop_token_ids, and EOS unless ignore_eos): kept
+    # out before min_tokens. Filled by the engine, which knows the tokenizer's EOS.
+    ends_answer_ids: tuple[int, ...] = ()
+    # None: no logprobs. N >= 0: the sampled token's log-probability and the N likeliest.
+    logprobs: int | None = None
     n: int = 1
     # The request's own max_tokens (None when the client left it unset), for
     # vllm:request_params_max_tokens, which is observed only when set.
@@ -46,6 +57,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLogprobs:
+    """A runner's log-probabilities at one position: the sampled token's, and the request's
+    `logprobs` likeliest tokens as (token id, log-probability), likeliest first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probabilities as the API shows them: token texts, not ids."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -65,6 +94,8 @@ class RequestOutput:
     num_output_tokens: int  # cumulative, for usage
     num_cached_tokens: int = 0
     matched_stop: str | int | None = None
+    # One entry per token of `token_ids` when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +119,8 @@ class ScheduledSequence:
     is_prefill: bool = False
     # Tokens generated so far (for seeded sampling streams to stay reproducible).
     num_output_tokens: int = 0
+    # Filled by the runner when the request asks for logprobs (sampling.logprobs is set).
+    sampled_logprobs: SampleLogprobs | None = None
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inference_worker.engine.sampler import sample
+from inference_worker.engine.sampler import logprobs_of, sample
 from inference_worker.engine.types import ScheduledSequence, StepBatch
 from inference_worker.model.llama import AttentionGroup, PagedLlama, StepInputs
 
@@ -100,9 +100,13 @@ class TorchModelRunner:
         inputs, order = self.build_inputs(batch)
         logits = self.model.forward(inputs)
         sampled_seqs = [batch.sequences[i] for i in order if batch.sequences[i].needs_sample]
+        params = [s.sampling for s in sampled_seqs]
         tokens = sample(
-            logits, [s.sampling for s in sampled_seqs], [s.num_output_tokens for s in sampled_seqs]
+            logits, params, [s.num_output_tokens for s in sampled_seqs], [s.token_ids for s in sampled_seqs]
         )
+        if any(p.logprobs is not None for p in params):
+            for seq, logprobs in zip(sampled_seqs, logprobs_of(logits, params, tokens), strict=True):
+                seq.sampled_logprobs = logprobs
         result: list[int | None] = [None] * len(batch.sequences)
         it = iter(tokens)
         for i in order:

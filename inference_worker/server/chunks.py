@@ -12,9 +12,15 @@ import json
 import time
 from typing import Any
 
-from inference_worker.engine.types import FinishReason, RequestOutput
+from inference_worker.engine.types import FinishReason, RequestOutput, TokenLogprobs
 
 _dumps = json.dumps
+# JSON has no -Infinity: a log-probability this low stands for "impossible" (as in vLLM).
+_LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, _LOGPROB_FLOOR)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -59,9 +65,14 @@ class _Chunks:
         out: RequestOutput | None,
         completion_tokens: int | None = None,
     ) -> str:
-        """One chunk; with continuous usage, `out`'s usage so far (or `completion_tokens`)."""
+        """One chunk; with continuous usage, `out`'s usage so far (or `completion_tokens`).
+        The logprobs of `out`'s tokens, where it has them, unless `completion_tokens` says
+        the chunk precedes every token."""
+        logprobs = "null"
+        if out is not None and out.logprobs and completion_tokens is None:
+            logprobs = _dumps(self.logprobs_json(out.logprobs))
         frame = (
-            f'{self._head}[{{"index":0,{choice_fields},"logprobs":null,'
+            f'{self._head}[{{"index":0,{choice_fields},"logprobs":{logprobs},'
             f'"finish_reason":{finish_reason_json(finish_reason)}}}]'
         )
         if not (self.continuous_usage and out is not None):
@@ -73,8 +84,14 @@ class _Chunks:
     def usage(self, last: RequestOutput) -> str:
         return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
 
-    def _body(self, choice: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
-        choice["logprobs"] = None
+    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        """The choice's `logprobs` object for these tokens (each kind has its own shape)."""
+        raise NotImplementedError
+
+    def _body(
+        self, choice: dict[str, Any], last: RequestOutput, logprobs: list[TokenLogprobs] | None
+    ) -> dict[str, Any]:
+        choice["logprobs"] = self.logprobs_json(logprobs) if logprobs else None
         choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
         choice["stop_reason"] = last.matched_stop
         return {
@@ -92,6 +109,10 @@ class CompletionChunks(_Chunks):
 
     chunk_object = body_object = "text_completion"
 
+    def __init__(self, request_id: str, model: str, continuous_usage: bool = False) -> None:
+        super().__init__(request_id, model, continuous_usage)
+        self._text_offset = 0  # where the next token's text begins in the answer (logprobs)
+
     def first(self, out: RequestOutput | None = None) -> str | None:
         """A chunk to send before any token (none for completions)."""
         return None
@@ -99,8 +120,27 @@ class CompletionChunks(_Chunks):
     def delta(self, text: str, finish_reason: FinishReason | None, out: RequestOutput | None = None) -> str:
         return self._frame(f'"text":{_dumps(text)}', finish_reason, out)
 
-    def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
-        return self._body({"index": 0, "text": text}, last)
+    def full(
+        self, text: str, last: RequestOutput, logprobs: list[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        return self._body({"index": 0, "text": text}, last, logprobs)
+
+    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        """The legacy completions shape. Each position's top_logprobs also holds the sampled
+        token (OpenAI: "up to logprobs+1 elements"); text_offset counts on from the previous
+        chunk of this request."""
+        offsets = []
+        for t in logprobs:
+            offsets.append(self._text_offset)
+            self._text_offset += len(t.token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [_lp(t.logprob) for t in logprobs],
+            "tokens": [t.token for t in logprobs],
+            "top_logprobs": [
+                {**{tok: _lp(lp) for tok, lp in t.top}, t.token: _lp(t.logprob)} for t in logprobs
+            ],
+        }
 
 
 class ChatChunks(_Chunks):
@@ -118,5 +158,22 @@ class ChatChunks(_Chunks):
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
         return self._frame(f'"delta":{delta}', finish_reason, out)
 
-    def full(self, text: str, last: RequestOutput) -> dict[str, Any]:
-        return self._body({"index": 0, "message": {"role": "assistant", "content": text}}, last)
+    def full(
+        self, text: str, last: RequestOutput, logprobs: list[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        return self._body({"index": 0, "message": {"role": "assistant", "content": text}}, last, logprobs)
+
+    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    **_chat_token(t.token, t.logprob),
+                    "top_logprobs": [_chat_token(tok, lp) for tok, lp in t.top],
+                }
+                for t in logprobs
+            ]
+        }
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}

@@ -108,7 +108,7 @@ class GenerationFactory:
                     f"prompt holds token id {max(prompt_ids)}, outside the vocabulary (size {vocab_size})",
                     param="prompt",
                 )
-        params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "prompt")
+        params = self._params(request, len(prompt_ids), "prompt")
         request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
         return Generation(
             request_id=request_id,
@@ -119,6 +119,18 @@ class GenerationFactory:
             include_usage=request.include_usage,
         )
 
+    def _params(
+        self, request: CompletionRequest | ChatCompletionRequest, prompt_len: int, prompt_param: str
+    ) -> SamplingParams:
+        params = request.sampling_params(prompt_len, self.engine.max_model_len, prompt_param)
+        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
+        if vocab_size is not None and any(t >= vocab_size for t, _ in params.logit_bias):
+            raise invalid_request(
+                f"logit_bias names a token id outside the vocabulary (size {vocab_size})",
+                param="logit_bias",
+            )
+        return params
+
     def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
         request = ChatCompletionRequest.model_validate_json(body)
         return self.chat_from(request, id_base)
@@ -126,7 +138,7 @@ class GenerationFactory:
     def chat_from(self, request: ChatCompletionRequest, id_base: str | None = None) -> Generation:
         self.check_model(request.model)
         prompt_ids = self.engine.tokenizer.apply_chat_template(request.template_messages())
-        params = request.sampling_params(len(prompt_ids), self.engine.max_model_len, "messages")
+        params = self._params(request, len(prompt_ids), "messages")
         request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
         return Generation(
             request_id=request_id,

@@ -60,13 +60,15 @@ async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
 
 async def _collect(gen: Generation, out: RequestOutput) -> web.Response:
     texts = [out.text]
+    logprobs = list(out.logprobs or ())
     rest = gen.rest()
     while not out.finished:
         out = await anext(rest)
         texts.append(out.text)
+        logprobs.extend(out.logprobs or ())
     if out.finish_reason is FinishReason.ERROR:
         raise engine_error(out)
-    return web.json_response(gen.chunks.full("".join(texts), out))
+    return web.json_response(gen.chunks.full("".join(texts), out, logprobs or None))
 
 
 async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> web.StreamResponse:
@@ -88,7 +90,9 @@ async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> 
                 events.append(_DONE)
                 await response.write("".join(events).encode())
                 break
-            if out.text:  # a step can yield no text (an incomplete UTF-8 sequence is held back)
+            # A step can yield no text (an incomplete UTF-8 sequence, or what may begin a stop
+            # string, is held back); its token's logprobs still go out.
+            if out.text or out.logprobs:
                 events.append(f"data: {chunks.delta(out.text, None, out)}\n\n")
             if events:
                 await response.write("".join(events).encode())

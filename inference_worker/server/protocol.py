@@ -2,8 +2,8 @@
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
-(logprobs, n > 1, echo, penalties, tools, vLLM's guided decoding and other options that
-would change the answer, ...) are rejected with a 400 naming the parameter instead of
+(n > 1, echo, tools, vLLM's guided decoding and other options that would change the
+answer, ...) are rejected with a 400 naming the parameter instead of
 being ignored. Other unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
 """
@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from inference_worker.engine.types import SamplingParams
 from inference_worker.server.errors import APIError, invalid_request
+
+# vLLM's default --max-logprobs: the most alternatives a request may ask for at each token.
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -31,12 +34,9 @@ def _unsupported(param: str, what: str) -> APIError:
 
 # Request options that change the answer and that this worker does not implement, with the
 # value that means "off". Set to anything else, they are a 400 naming them: ignored, a
-# constrained-output request (guided_json, ...) would get free text and not know it. The
-# penalties are declared fields (their types are checked); vLLM's others are read unvalidated.
+# constrained-output request (guided_json, ...) would get free text and not know it. They
+# are read from the unvalidated extras (or a declared field, where one is).
 _UNIMPLEMENTED: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "guided_json": None,
     "guided_regex": None,
     "guided_choice": None,
@@ -88,15 +88,25 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values.
-    best_of: int | None = Field(None, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
+    # Accepted only at its neutral value.
+    best_of: int | None = Field(None, ge=1)
     # For the WebSocket: which endpoint a message is for (ignored over HTTP).
     endpoint: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, not {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -111,10 +121,6 @@ class _GenerationRequest(BaseModel):
             raise _unsupported("n", "n > 1 (several choices per request)")
         if self.best_of is not None and self.best_of > 1:
             raise _unsupported("best_of", "best_of > 1")
-        if self.min_tokens:
-            raise _unsupported("min_tokens", "min_tokens")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -131,6 +137,10 @@ class _GenerationRequest(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """None: no logprobs; N: the sampled token's and the N likeliest."""
+        return None
 
     def sampling_params(self, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
         """Check lengths against the context window (vLLM's wording) and build the engine's params."""
@@ -152,10 +162,16 @@ class _GenerationRequest(BaseModel):
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        max_tokens = requested if requested is not None else max_model_len - prompt_len
+        if self.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = -1 if self.top_k in (None, 0) else self.top_k
         return SamplingParams(
-            max_tokens=requested if requested is not None else max_model_len - prompt_len,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=top_k,
@@ -165,6 +181,12 @@ class _GenerationRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens,
+            logprobs=self.requested_logprobs(),
             n=self.n,
             max_tokens_param=requested,
         )
@@ -174,7 +196,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: Any = None
     # OpenAI's default for /v1/completions (vLLM keeps it).
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -182,14 +204,15 @@ class CompletionRequest(_GenerationRequest):
     def _check(self) -> CompletionRequest:
         if self.prompt is None:
             raise invalid_request("prompt is required", param="prompt")
-        if self.logprobs is not None:
-            raise _unsupported("logprobs", "logprobs")
         if self.echo:
             raise _unsupported("echo", "echo")
         if self.suffix:
             raise _unsupported("suffix", "suffix")
         self._reject_unsupported()
         return self
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text_or_ids(self) -> str | list[int]:
         """The one prompt: a string or a list of token ids (batches of one are unwrapped)."""
@@ -246,14 +269,14 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise _unsupported("logprobs", "logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise _unsupported("tools", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -264,6 +287,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_message() for m in self.messages]

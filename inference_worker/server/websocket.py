@@ -152,7 +152,7 @@ async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, cu
             await ws.send_str(opening)
         rest = gen.rest()
         while not out.finished:
-            if out.text:
+            if out.text or out.logprobs:
                 await ws.send_str(chunks.delta(out.text, None, out))
             out = await anext(rest)
         if out.finish_reason is FinishReason.ERROR:

@@ -19,18 +19,20 @@ excess (plus idle time) so a benchmark under sustained load can tell when a larg
 Tokens. The next token is a hash of the last two tokens and the position, mapped onto the
 sim tokenizer's word list: it depends only on the sequence's content, so a sequence's
 output is the same alone, batched, after a prefix-cache hit or after a preemption
-(recompute). Sampling parameters other than `seed` and `ignore_eos` are not modelled.
-When the profile sets mean_output_tokens and the request does not ignore EOS, EOS comes
-out with probability 1/mean_output_tokens at each position (a geometric length).
+(recompute). Sampling parameters other than `seed`, `ignore_eos` and `min_tokens` are not
+modelled. When the profile sets mean_output_tokens and the request does not ignore EOS,
+EOS comes out with probability 1/mean_output_tokens at each position (a geometric length).
+Logprobs report that modelled distribution: the word, and EOS where it may come out.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inference_worker.engine.types import StepBatch
+from inference_worker.engine.types import SampleLogprobs, ScheduledSequence, StepBatch
 from inference_worker.sim.latency_model import LatencyModel
 from inference_worker.sim.tokenizer import EOS_ID
 
@@ -94,7 +96,7 @@ class SimModelRunner:
             computed += n
             context += c + n
             pairs += n * c + n * (n + 1) // 2
-            out.append(self._next_token(seq.token_ids, c + n, seq.sampling) if seq.needs_sample else None)
+            out.append(self._sample(seq, c + n) if seq.needs_sample else None)
         seconds = self.latency.step_time_raw(computed, len(batch.sequences), context, pairs)
         duration = seconds * self.time_scale
         stats = self.stats
@@ -117,18 +119,33 @@ class SimModelRunner:
             stats.late_steps += 1
         return out
 
-    def _next_token(self, token_ids, position: int, sampling) -> int:
-        """A token for `position` (the index the new token will have) from the content."""
+    def _sample(self, seq: ScheduledSequence, position: int) -> int:
+        """The token for `position` (the index the new token will have), and its logprobs."""
+        sampling = seq.sampling
+        may_end = not sampling.ignore_eos and seq.num_output_tokens >= sampling.min_tokens
+        word, ends = self._next_token(seq.token_ids, position, sampling.seed or 0)
+        token = EOS_ID if ends and may_end else word
+        if sampling.logprobs is not None:
+            seq.sampled_logprobs = self._logprobs(token, word, may_end, sampling.logprobs)
+        return token
+
+    def _next_token(self, token_ids, position: int, seed: int) -> tuple[int, bool]:
+        """The word this content leads to at `position`, and whether EOS comes out instead."""
         last = token_ids[position - 1] if position >= 1 else 0
         before = token_ids[position - 2] if position >= 2 else 0
-        seed = sampling.seed or 0
         h = (last * 0x9E3779B1 + before * 0x85EBCA6B + position * 0xC2B2AE35 + seed) & _MASK
         h ^= h >> 16
         h = (h * 0x7FEB352D) & _MASK
         h ^= h >> 15
-        if h < self._eos_threshold and not sampling.ignore_eos:
-            return EOS_ID
-        return self._words[h % self._num_words]
+        return self._words[h % self._num_words], h < self._eos_threshold
+
+    def _logprobs(self, token: int, word: int, may_end: bool, top_n: int) -> SampleLogprobs:
+        """The modelled distribution, honestly: the content's word, or EOS with probability
+        1/mean_output_tokens where the profile sets it and the request may end here."""
+        p_eos = self._eos_threshold / (_MASK + 1) if may_end else 0.0
+        choices = [(word, math.log1p(-p_eos))] + ([(EOS_ID, math.log(p_eos))] if p_eos > 0 else [])
+        choices.sort(key=lambda c: -c[1])
+        return SampleLogprobs(dict(choices)[token], tuple(choices[:top_n]))
 
     @property
     def lag_fraction(self) -> float:

@@ -92,6 +92,31 @@ def test_natural_eos_only_when_not_ignored():
     assert all(never.execute(StepBatch([seq(1, [1, i, i], 2, 1)]))[0] != EOS_ID for i in range(400))
 
 
+def test_min_tokens_holds_eos_back_and_logprobs_report_the_modelled_odds():
+    import math
+
+    runner, _ = make_runner(fake=FakeTime(), mean_output_tokens=4)
+    params = SamplingParams(max_tokens=100, min_tokens=5, logprobs=2)
+    held, free = [], []
+    for i in range(400):
+        tokens = [1, 300 + i, 400 + i]
+        before = seq(1, tokens, 2, 1, sampling=params)
+        before.num_output_tokens = 4  # the 5th token: still under min_tokens
+        after = seq(1, tokens, 2, 1, sampling=params)
+        after.num_output_tokens = 5
+        held.append((runner.execute(StepBatch([before]))[0], before.sampled_logprobs))
+        free.append((runner.execute(StepBatch([after]))[0], after.sampled_logprobs))
+    assert EOS_ID not in [t for t, _ in held]
+    assert 50 < [t for t, _ in free].count(EOS_ID) < 150
+    for token, lp in held:  # EOS cannot come out: the word is certain
+        assert lp.logprob == 0.0 and lp.top == ((token, 0.0),)
+    for token, lp in free:  # the word at 3/4, then EOS at 1/4
+        (word, word_lp), (eos, eos_lp) = lp.top
+        assert eos == EOS_ID and word != EOS_ID
+        assert (word_lp, eos_lp) == (pytest.approx(math.log(0.75)), pytest.approx(math.log(0.25)))
+        assert lp.logprob == (eos_lp if token == EOS_ID else word_lp)
+
+
 def test_steps_chain_on_a_virtual_timeline_absorbing_engine_overhead():
     fake = FakeTime()
     runner, _ = make_runner(fake=fake)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference_worker.engine.llm_engine import LLMEngine
-from inference_worker.engine.types import SamplingParams
+from inference_worker.engine.types import FinishReason, SamplingParams
 from inference_worker.model.llama import PagedLlama
 from inference_worker.model.loader import load_model
 from inference_worker.model.tokenizer import HFTokenizer
@@ -172,6 +172,107 @@ def test_seeded_sampling_reproducible_alone_and_batched(runner, tokenizer, promp
 
 def _fields(p: SamplingParams) -> dict:
     return {name: getattr(p, name) for name in SamplingParams.__slots__}
+
+
+# ---- logprobs, penalties, logit bias, min_tokens against transformers ----------------------------
+def _reference_greedy(loaded, prompt: list[int], steps: int, adjust) -> list[int]:
+    """Greedy decoding with transformers' own forward over the whole sequence at each step;
+    `adjust(ids, logits)` changes the last position's logits first."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = loaded.hf_model(torch.tensor([ids])).logits[0, -1].float()
+            ids.append(int(adjust(ids, logits).argmax()))
+    return ids[len(prompt) :]
+
+
+def _outputs(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(1000):
+        if not engine.has_unfinished:
+            return outs
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not finish in time")
+
+
+def test_logprobs_are_the_models_own_batched_or_not(loaded, runner, tokenizer, prompts):
+    """Each token's logprob and its 3 likeliest alternatives are transformers' log-softmax at that
+    position, for a request batched beside others that ask for none."""
+    engine, _ = make_engine(runner, tokenizer)
+    engine.add_request("plain", prompts[0], greedy())
+    asks = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    engine.add_request("lp", prompts[1], asks)
+    outs = _outputs(engine)
+    assert all(o.logprobs is None for o in outs["plain"])
+    answer = [t for o in outs["lp"] for t in o.token_ids]
+    logprobs = [lp for o in outs["lp"] for lp in o.logprobs]
+    assert len(logprobs) == len(answer) == 6
+    ids = prompts[1] + answer
+    with torch.inference_mode():
+        theirs = torch.log_softmax(loaded.hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i, (token, lp) in enumerate(zip(answer, logprobs, strict=True)):
+        row = theirs[len(prompts[1]) - 1 + i]
+        assert lp.token == tokenizer.decode([token])
+        assert lp.logprob == pytest.approx(float(row[token]), abs=2e-3)
+        values, top_ids = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == [tokenizer.decode([t]) for t in top_ids.tolist()]
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=2e-3)
+        assert lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-6)  # greedy: the sampled one is the top
+
+
+def test_repetition_penalty_matches_transformers_processor(loaded, runner, tokenizer, prompts):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    processor = RepetitionPenaltyLogitsProcessor(1.5)
+    expected = _reference_greedy(
+        loaded, prompts[2], 10, lambda ids, logits: processor(torch.tensor([ids]), logits[None])[0]
+    )
+    engine, _ = make_engine(runner, tokenizer)
+    engine.add_request("rep", prompts[2], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                       repetition_penalty=1.5))
+    engine.add_request("plain", prompts[2], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    out = run_all(engine)
+    assert out["rep"] == expected
+    assert out["plain"] != expected  # the penalty changed the answer, and only where asked
+
+
+def test_frequency_and_presence_penalties_follow_openais_formula(loaded, runner, tokenizer, prompts):
+    """OpenAI's documented rule: logit[j] -= count_in_answer[j] * frequency + (count > 0) * presence."""
+    prompt = prompts[1]  # its answers differ if the prompt's own tokens were counted too
+
+    def penalize(ids, logits):
+        answer = ids[len(prompt) :]
+        for tok in set(answer):
+            logits[tok] -= answer.count(tok) * 1.0 + 1.0
+        return logits
+
+    expected = _reference_greedy(loaded, prompt, 12, penalize)
+    engine, _ = make_engine(runner, tokenizer)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                            presence_penalty=1.0)
+    engine.add_request("pen", prompt, params)
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    out = run_all(engine)
+    assert out["pen"] == expected
+    assert out["plain"] != expected
+
+
+def test_logit_bias_and_min_tokens(runner, tokenizer, prompts):
+    engine, _ = make_engine(runner, tokenizer)
+    forced = tokenizer.encode(" banana")[0]
+    engine.add_request("bias", prompts[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                        logit_bias=((forced, 100.0),)))
+    # Without min_tokens a short greedy answer ends with EOS; with it, not before 40 tokens.
+    engine.add_request("free", prompts[2], SamplingParams(max_tokens=60, temperature=0.0))
+    engine.add_request("min", prompts[2], SamplingParams(max_tokens=60, temperature=0.0, min_tokens=40))
+    outs = _outputs(engine)
+    assert [t for o in outs["bias"] for t in o.token_ids] == [forced] * 5
+    free, held = outs["free"][-1], outs["min"][-1]
+    assert free.finish_reason is FinishReason.STOP and free.num_output_tokens < 40
+    assert held.num_output_tokens >= 40
+    held_tokens = [t for o in outs["min"] for t in o.token_ids]
+    assert not set(held_tokens[:39]) & tokenizer.eos_token_ids
 
 
 # ---- AsyncEngine: streaming, stop strings, abort on close / cancel, stats --------------------------

@@ -169,6 +169,82 @@ def test_include_stop_str_in_output_and_min_p_are_applied_not_ignored(worker, gr
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_p"
 
 
+def _events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_chat_logprobs_stream_and_non_stream_through_the_openai_client(worker, client) -> None:
+    """OpenAI's chat shape: one entry per answer token with its bytes and N alternatives,
+    likeliest first; the stream carries the same entries as the whole answer."""
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        alternatives = [alt.logprob for alt in entry.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy took the likeliest
+        assert entry.logprob == alternatives[0] <= 0
+    assert "".join(e.token for e in content) == done.choices[0].message.content
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 3}
+    events = _events(worker.api_url + "/chat/completions", body)
+    assert events[0]["choices"][0]["logprobs"] is None  # the role chunk precedes every token
+    streamed = [e for ev in events for e in (ev["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert streamed == [e.model_dump() for e in content]
+    # Without logprobs: none in the answer.
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_legacy_shape(worker, greedy_completion) -> None:
+    # A long stop string that never matches holds the text back for many steps: those steps' tokens
+    # still send their logprobs.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "stop": ["#" * 40]}
+    choice = httpx.post(worker.api_url + "/completions", json=body, timeout=60).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == greedy_completion.choices[0].text
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert "".join(lp["tokens"]) == text
+    assert all(text[o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[token] == logprob == max(top.values())  # the sampled token is among them
+        assert len(top) <= 3
+    events = _events(worker.api_url + "/completions", body)
+    parts = [e["choices"][0]["logprobs"] for e in events]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]  # offsets run on
+    assert [t for p in parts for t in p["token_logprobs"]] == lp["token_logprobs"]
+
+
+def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_completion) -> None:
+    """Accepted and applied (they used to be refused): each changes the greedy answer."""
+    url = worker.api_url + "/completions"
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    greedy_text = greedy_completion.choices[0].text
+
+    def text(**extra) -> str:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text(frequency_penalty=2.0, presence_penalty=2.0) != greedy_text
+    assert text(repetition_penalty=1.8) != greedy_text
+    tokenized = httpx.post(worker.base_url + "/tokenize", json={"prompt": " banana"}, timeout=60)
+    banana = tokenized.json()["tokens"]
+    assert text(logit_bias={str(banana[0]): 100}) == " banana" * 12
+    # A chat answer that ends early by itself does not end before min_tokens.
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 60, "temperature": 0}
+    free = httpx.post(worker.api_url + "/chat/completions", json=chat, timeout=60).json()
+    held = httpx.post(worker.api_url + "/chat/completions", json={**chat, "min_tokens": 40},
+                      timeout=60).json()
+    assert free["choices"][0]["finish_reason"] == "stop" and free["usage"]["completion_tokens"] < 40
+    assert held["usage"]["completion_tokens"] >= 40
+
+
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(worker) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -268,8 +344,21 @@ BAD_INPUTS = [
     bad("unknown model", CMPL, {"model": "gpt-9", "prompt": "a"}, 404, "model"),
     bad("unknown model chat", CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
     bad("n > 1", CMPL, {"prompt": "a", "n": 2}, 400, "n"),
-    bad("logprobs", CMPL, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
-    bad("chat logprobs", CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    bad("logprobs beyond 20", CMPL, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    bad("top_logprobs without logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400,
+        "top_logprobs"),
+    bad("top_logprobs beyond 20", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400,
+        "top_logprobs"),
+    bad("presence_penalty beyond 2", CMPL, {"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
+    bad("frequency_penalty below -2", CHAT, {"messages": MESSAGES, "frequency_penalty": -2.5}, 400,
+        "frequency_penalty"),
+    bad("repetition_penalty zero", CMPL, {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    bad("logit_bias key not an id", CMPL, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    bad("logit_bias beyond 100", CMPL, {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    bad("logit_bias id outside vocab", CMPL, {"prompt": "a", "logit_bias": {"999999999": 1}}, 400,
+        "logit_bias"),
+    bad("min_tokens beyond max_tokens", CMPL, {"prompt": "a", "max_tokens": 3, "min_tokens": 4}, 400,
+        "min_tokens"),
     bad("missing prompt", CMPL, {"max_tokens": 3}, 400, "prompt"),
     bad("empty token list", CMPL, {"prompt": []}, 400, "prompt"),
     bad("mixed prompt list", CMPL, {"prompt": [1, "a"]}, 400, "prompt"),
@@ -364,6 +453,13 @@ async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, gr
                                       "stream_options": counted}))
         chunks, end = await _receive_until_end(ws)
         assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 3
+
+        # logprobs over the socket: one per token, as over SSE
+        await ws.send_str(json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                      "ignore_eos": True, "logprobs": True, "top_logprobs": 1}))
+        chunks, end = await _receive_until_end(ws)
+        entries = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+        assert len(entries) == 4 and all(len(e["top_logprobs"]) == 1 for e in entries)
 
         # a bad message: error object, socket stays open
         await ws.send_str("{oops")
