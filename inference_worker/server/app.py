@@ -1,4 +1,4 @@
-"""The worker's aiohttp application: OpenAI API, WebSocket, health, metrics, tokenize.
+"""The worker's aiohttp application: OpenAI API, WebSocket, health, metrics, tokenize, version.
 
 `build_app(engine, model_name, registry)` wires the routes; the caller owns the
 engine's lifetime (see `inference_worker.__main__`). Run it with
@@ -7,6 +7,8 @@ its handler and the engine aborts the request at once.
 """
 
 from __future__ import annotations
+
+import importlib.metadata
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -26,6 +28,15 @@ async def health(request: web.Request) -> web.Response:
     if request.app[ENGINE].is_healthy:
         return web.Response(status=200)
     return json_error(APIError(503, "The engine is not healthy.", code="engine_unhealthy"))
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's GET /version: the serving software's version (ours: this package's)."""
+    try:
+        number = importlib.metadata.version("llm-router")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        number = "unknown"
+    return web.json_response({"version": number})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -53,6 +64,10 @@ def build_app(
     app.router.add_post("/detokenize", openai_api.detokenize)
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/health", health)
+    # vLLM's (and SageMaker's) liveness path: the same answer as /health.
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/metrics/", metrics)  # where routers send `?name[]=` to vLLM (see there)
     return app

@@ -308,6 +308,8 @@ class TokenizeRequest(BaseModel):
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise invalid_request("give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise invalid_request("messages must not be empty", param="messages")
         return self
 
 

@@ -4,6 +4,7 @@ driven by the official `openai` client, httpx for bad input and aiohttp for the 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 
 import aiohttp
@@ -293,10 +294,14 @@ async def test_a_caller_id_reused_while_in_flight_still_serves_both(worker) -> N
     assert [r.json()["usage"]["completion_tokens"] for r in rs] == [24, 24]
 
 
-def test_models_and_health(worker, client) -> None:
+def test_models_health_ping_and_version(worker, client) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(f"{worker.base_url}/health").status_code == 200
+    # vLLM's other two: /ping (GET or POST, as /health) and /version.
+    assert [httpx.request(m, f"{worker.base_url}/ping").status_code for m in ("GET", "POST")] == [200, 200]
+    served = httpx.get(f"{worker.base_url}/version").json()["version"]
+    assert served == importlib.metadata.version("llm-router")
 
 
 def test_openai_client_sees_typed_errors(client) -> None:
@@ -379,6 +384,7 @@ BAD_INPUTS = [
     bad("empty stop string", CMPL, {"prompt": "a", "stop": [""]}, 400, "stop"),
     bad("stream not a bool", CMPL, {"prompt": "a", "stream": "yes"}, 400, "stream"),
     bad("tokenize nothing", "/tokenize", {}, 400, "prompt"),
+    bad("tokenize no messages", "/tokenize", {"messages": []}, 400, "messages"),
     bad("unknown route", "/v1/nothing", None, 404, None, method="GET"),
     bad("wrong method", CMPL, None, 405, None, method="GET"),
 ]
