@@ -288,13 +288,20 @@ class LLMEngine:
         first, last = seq.first_token_time, seq.last_token_time
         n_gen = seq.num_output_tokens
         decode = (last - first) if first is not None else 0.0
+        n_param, max_gen = 1, n_gen
+        parallel = seq.sampling.parallel
+        if parallel is not None:
+            last_choice = parallel.finish(n_gen)
+            n_param = parallel.n if last_choice else None
+            max_gen = parallel.max_generation_tokens if last_choice else None
         return FinishedRequestStats(
             finish_reason=reason,
             e2e_latency=now - seq.arrival_time,
             num_prompt_tokens=seq.prompt_len,
             num_generation_tokens=n_gen,
             max_tokens_param=seq.sampling.max_tokens_param,
-            n_param=seq.sampling.n,
+            n_param=n_param,
+            max_num_generation_tokens=max_gen,
             queued_time=(scheduled_ts - queued_ts) if scheduled_ts is not None else 0.0,
             prefill_time=(first - scheduled_ts) if first is not None and scheduled_ts is not None else 0.0,
             inference_time=(last - scheduled_ts) if first is not None and scheduled_ts is not None else 0.0,

@@ -66,7 +66,10 @@ class FinishedRequestStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     max_tokens_param: int | None = None
-    n_param: int = 1
+    # Per request, not per choice: None for the choices of a request with n > 1 but its
+    # last to end, which carries n and its longest choice's length (None there: this one's).
+    n_param: int | None = 1
+    max_num_generation_tokens: int | None = None
     queued_time: float = 0.0
     prefill_time: float = 0.0
     inference_time: float = 0.0

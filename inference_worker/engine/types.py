@@ -24,6 +24,23 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+@dataclass(eq=False, slots=True)
+class ParallelSampling:
+    """The n choices of one request with n > 1, each an engine request of its own (vLLM's
+    ParentRequest): the per-request histograms of n and of the longest answer count the
+    request once, when its last choice ends. Touched only on the engine thread."""
+
+    n: int
+    unfinished: int
+    max_generation_tokens: int = 0
+
+    def finish(self, num_generation_tokens: int) -> bool:
+        """One choice ended with this many tokens; True when it was the last."""
+        self.unfinished -= 1
+        self.max_generation_tokens = max(self.max_generation_tokens, num_generation_tokens)
+        return self.unfinished == 0
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
@@ -50,6 +67,8 @@ class SamplingParams:
     # None: no logprobs. N >= 0: the sampled token's log-probability and the N likeliest.
     logprobs: int | None = None
     n: int = 1
+    # With n > 1: the choices' shared record (each choice is an engine request of its own).
+    parallel: ParallelSampling | None = None
     # The request's own max_tokens (None when the client left it unset), for
     # vllm:request_params_max_tokens, which is observed only when set.
     max_tokens_param: int | None = None

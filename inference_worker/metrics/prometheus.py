@@ -296,9 +296,12 @@ class PrometheusStatLogger:
         self.request_prompt_tokens.observe(f.num_prompt_tokens)
         self.request_generation_tokens.observe(f.num_generation_tokens)
         self.request_time_per_output_token.observe(f.mean_time_per_output_token)
-        # One sequence per request (n=1), so its length is also the request's max.
-        self.request_max_num_generation_tokens.observe(f.num_generation_tokens)
-        self.request_params_n.observe(f.n_param)
+        if f.n_param is not None:  # once per request, also with n > 1 (see FinishedRequestStats)
+            self.request_params_n.observe(f.n_param)
+            longest = f.max_num_generation_tokens
+            self.request_max_num_generation_tokens.observe(
+                f.num_generation_tokens if longest is None else longest
+            )
         if f.max_tokens_param is not None:
             self.request_params_max_tokens.observe(f.max_tokens_param)
         self.request_num_preemptions.observe(f.num_preemptions)

@@ -4,12 +4,16 @@ Streaming sends one chunk per engine step per request, so the per-token path mus
 be cheap: the constant part of every chunk (id, object, created, model) is
 rendered once per request into a template, and each chunk only `json.dumps` its
 text delta. The same chunk JSON goes into SSE `data:` lines and WebSocket messages.
+A request with n > 1 has one choice per engine request; each chunk is about one
+choice (its `index`), and the usage adds the choices' tokens up (`UsageTally`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from inference_worker.engine.types import FinishReason, RequestOutput, TokenLogprobs
@@ -32,22 +36,37 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
-def usage_of(last: RequestOutput) -> dict[str, Any]:
-    return usage_dict(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+class UsageTally:
+    """A request's usage so far: the prompt once, the answer tokens of every choice."""
+
+    __slots__ = ("_done", "cached_tokens", "prompt_tokens")
+
+    def __init__(self, first: RequestOutput, n: int = 1) -> None:
+        self.prompt_tokens = first.num_prompt_tokens
+        self.cached_tokens = first.num_cached_tokens
+        self._done = [0] * n
+
+    def update(self, index: int, out: RequestOutput) -> None:
+        self._done[index] = out.num_output_tokens
+        if index == 0:  # the first choice's prompt, as a request with n = 1 would report it
+            self.cached_tokens = out.num_cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return usage_dict(self.prompt_tokens, sum(self._done), self.cached_tokens)
 
 
 def finish_reason_json(reason: FinishReason | None) -> str:
     return "null" if reason is None else f'"{reason.value}"'
 
 
-class _Chunks:
+class _Chunks(ABC):
     """What both kinds share: the prebuilt chunk head, the per-token frame, the usage
     chunk and the final non-stream body."""
 
     chunk_object = ""  # "object" of each stream chunk
     body_object = ""  # "object" of the final non-stream body
 
-    def __init__(self, request_id: str, model: str, continuous_usage: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, continuous_usage: bool = False, n: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
@@ -60,47 +79,57 @@ class _Chunks:
 
     def _frame(
         self,
+        index: int,
         choice_fields: str,
         finish_reason: FinishReason | None,
-        out: RequestOutput | None,
-        completion_tokens: int | None = None,
+        logprobs: list[TokenLogprobs] | None,
+        tally: UsageTally | None,
     ) -> str:
-        """One chunk; with continuous usage, `out`'s usage so far (or `completion_tokens`).
-        The logprobs of `out`'s tokens, where it has them, unless `completion_tokens` says
-        the chunk precedes every token."""
-        logprobs = "null"
-        if out is not None and out.logprobs and completion_tokens is None:
-            logprobs = _dumps(self.logprobs_json(out.logprobs))
+        """One chunk about choice `index`; with continuous usage, the tally's usage so far."""
+        logprobs_json = _dumps(self.logprobs_json(logprobs, index)) if logprobs else "null"
         frame = (
-            f'{self._head}[{{"index":0,{choice_fields},"logprobs":{logprobs},'
+            f'{self._head}[{{"index":{index},{choice_fields},"logprobs":{logprobs_json},'
             f'"finish_reason":{finish_reason_json(finish_reason)}}}]'
         )
-        if not (self.continuous_usage and out is not None):
+        if not (self.continuous_usage and tally is not None):
             return frame + "}"
-        done = out.num_output_tokens if completion_tokens is None else completion_tokens
-        usage = usage_dict(out.num_prompt_tokens, done, out.num_cached_tokens)
-        return f'{frame},"usage":{_dumps(usage)}}}'
+        return f'{frame},"usage":{_dumps(tally.as_dict())}}}'
 
-    def usage(self, last: RequestOutput) -> str:
-        return f'{self._head}[],"usage":{_dumps(usage_of(last))}}}'
+    def usage(self, tally: UsageTally) -> str:
+        return f'{self._head}[],"usage":{_dumps(tally.as_dict())}}}'
 
-    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-        """The choice's `logprobs` object for these tokens (each kind has its own shape)."""
-        raise NotImplementedError
+    @abstractmethod
+    def logprobs_json(self, logprobs: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
+        """Choice `index`'s `logprobs` object for these tokens (each kind has its own shape)."""
 
-    def _body(
-        self, choice: dict[str, Any], last: RequestOutput, logprobs: list[TokenLogprobs] | None
+    @abstractmethod
+    def _choice(self, index: int, text: str) -> dict[str, Any]:
+        """Choice `index` of the non-stream body, with its whole text."""
+
+    def full(
+        self,
+        texts: Sequence[str],
+        lasts: Sequence[RequestOutput],
+        logprobs: Sequence[list[TokenLogprobs]] | None = None,
     ) -> dict[str, Any]:
-        choice["logprobs"] = self.logprobs_json(logprobs) if logprobs else None
-        choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
-        choice["stop_reason"] = last.matched_stop
+        """The non-stream body: one choice per text, each ended by its last output."""
+        tally = UsageTally(lasts[0], len(lasts))
+        choices = []
+        for index, (text, last) in enumerate(zip(texts, lasts, strict=True)):
+            tally.update(index, last)
+            choice = self._choice(index, text)
+            lps = logprobs[index] if logprobs else None
+            choice["logprobs"] = self.logprobs_json(lps, index) if lps else None
+            choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
+            choice["stop_reason"] = last.matched_stop
+            choices.append(choice)
         return {
             "id": self.request_id,
             "object": self.body_object,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage_of(last),
+            "choices": choices,
+            "usage": tally.as_dict(),
         }
 
 
@@ -109,30 +138,37 @@ class CompletionChunks(_Chunks):
 
     chunk_object = body_object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, continuous_usage: bool = False) -> None:
-        super().__init__(request_id, model, continuous_usage)
-        self._text_offset = 0  # where the next token's text begins in the answer (logprobs)
+    def __init__(self, request_id: str, model: str, continuous_usage: bool = False, n: int = 1) -> None:
+        super().__init__(request_id, model, continuous_usage, n)
+        # Per choice: where the next token's text begins in its answer (logprobs' text_offset).
+        self._text_offset = [0] * n
 
-    def first(self, out: RequestOutput | None = None) -> str | None:
+    def first(self, index: int = 0, tally: UsageTally | None = None) -> str | None:
         """A chunk to send before any token (none for completions)."""
         return None
 
-    def delta(self, text: str, finish_reason: FinishReason | None, out: RequestOutput | None = None) -> str:
-        return self._frame(f'"text":{_dumps(text)}', finish_reason, out)
+    def delta(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        out: RequestOutput | None = None,
+        index: int = 0,
+        tally: UsageTally | None = None,
+    ) -> str:
+        logprobs = out.logprobs if out is not None else None
+        return self._frame(index, f'"text":{_dumps(text)}', finish_reason, logprobs, tally)
 
-    def full(
-        self, text: str, last: RequestOutput, logprobs: list[TokenLogprobs] | None = None
-    ) -> dict[str, Any]:
-        return self._body({"index": 0, "text": text}, last, logprobs)
+    def _choice(self, index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "text": text}
 
-    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def logprobs_json(self, logprobs: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
         """The legacy completions shape. Each position's top_logprobs also holds the sampled
         token (OpenAI: "up to logprobs+1 elements"); text_offset counts on from the previous
-        chunk of this request."""
+        chunk of this choice."""
         offsets = []
         for t in logprobs:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t.token)
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t.token)
         return {
             "text_offset": offsets,
             "token_logprobs": [_lp(t.logprob) for t in logprobs],
@@ -149,21 +185,27 @@ class ChatChunks(_Chunks):
     chunk_object = "chat.completion.chunk"
     body_object = "chat.completion"
 
-    def first(self, out: RequestOutput | None = None) -> str:
-        """The role chunk that opens every chat stream (as OpenAI and vLLM send it); it
-        precedes every token, so its usage counts none."""
-        return self._frame('"delta":{"role":"assistant","content":""}', None, out, 0)
+    def first(self, index: int = 0, tally: UsageTally | None = None) -> str:
+        """The role chunk that opens each choice of a chat stream (as OpenAI and vLLM send it);
+        it precedes every token (the tally's usage then counts none)."""
+        return self._frame(index, '"delta":{"role":"assistant","content":""}', None, None, tally)
 
-    def delta(self, text: str, finish_reason: FinishReason | None, out: RequestOutput | None = None) -> str:
+    def delta(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        out: RequestOutput | None = None,
+        index: int = 0,
+        tally: UsageTally | None = None,
+    ) -> str:
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
-        return self._frame(f'"delta":{delta}', finish_reason, out)
+        logprobs = out.logprobs if out is not None else None
+        return self._frame(index, f'"delta":{delta}', finish_reason, logprobs, tally)
 
-    def full(
-        self, text: str, last: RequestOutput, logprobs: list[TokenLogprobs] | None = None
-    ) -> dict[str, Any]:
-        return self._body({"index": 0, "message": {"role": "assistant", "content": text}}, last, logprobs)
+    def _choice(self, index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}}
 
-    def logprobs_json(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def logprobs_json(self, logprobs: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
         return {
             "content": [
                 {

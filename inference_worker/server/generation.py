@@ -3,21 +3,29 @@
 `prepare_*` validates a body, checks the model name, tokenizes and builds the engine's
 `SamplingParams`; every problem raises an `APIError`/`ValidationError` before the
 engine sees the request. `Generation.start()` then starts the request in the engine
-and waits for its first output, so errors the engine raises on admission (a
-`ValueError` subclass) still reach the client as a 4xx before any byte of a stream
-was sent. `Generation.close()` aborts the request in the engine when the consumer
-stops early (client disconnect, WebSocket cancel); it is a no-op once finished.
+(one engine request per choice) and waits for its first output, so errors the engine
+raises on admission (a `ValueError` subclass) still reach the client as a 4xx before
+any byte of a stream was sent. `Generation.outputs()` then yields every choice's outputs.
+`Generation.close()` aborts the request in the engine when the consumer stops early
+(client disconnect, WebSocket cancel); it is a no-op once finished.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from inference_worker.engine.errors import DuplicateRequestError
-from inference_worker.engine.types import AsyncEngineClient, RequestOutput, SamplingParams
+from inference_worker.engine.types import (
+    AsyncEngineClient,
+    ParallelSampling,
+    RequestOutput,
+    SamplingParams,
+)
 from inference_worker.server.chunks import ChatChunks, CompletionChunks
 from inference_worker.server.errors import invalid_request, model_not_found
 from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,7 +33,8 @@ from inference_worker.server.protocol import ChatCompletionRequest, CompletionRe
 
 @dataclass(slots=True)
 class Generation:
-    """One request on its way through the engine."""
+    """One request on its way through the engine: one engine request per choice (n of them,
+    as vLLM fans a request with n > 1 out into n child requests)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -33,34 +42,94 @@ class Generation:
     chunks: CompletionChunks | ChatChunks
     stream: bool
     include_usage: bool
-    _outputs: AsyncIterator[RequestOutput] | None = field(default=None, repr=False)
+    _outputs: list[AsyncIterator[RequestOutput]] = field(default_factory=list, repr=False)
+    _pending: dict[asyncio.Future[RequestOutput], int] = field(default_factory=dict, repr=False)
+    _parallel: ParallelSampling | None = field(default=None, repr=False)
+    # Outputs taken from the engine and not yet handed on, as (choice index, output).
+    _ready: deque[tuple[int, RequestOutput]] = field(default_factory=deque, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    def _child(self, index: int) -> tuple[str, SamplingParams]:
+        """The engine id and params of choice `index`: with n > 1, vLLM's `<index>_<id>` and a
+        seed of its own (seed + index), so that seeded choices differ yet reproduce."""
+        if self.n == 1:
+            return self.request_id, self.params
+        seed = None if self.params.seed is None else self.params.seed + index
+        return f"{index}_{self.request_id}", replace(self.params, seed=seed, parallel=self._parallel)
 
     async def start(self, engine: AsyncEngineClient) -> RequestOutput:
-        """Submit to the engine and return the first output (raises the engine's admission errors)."""
+        """Submit every choice and wait for the first output of any: the engine's admission
+        errors are raised here (every choice aborted), before an answer's headers go out.
+        Returns that output (it tells the prompt's size)."""
         try:
-            return await self._first(engine)
+            return await self._start(engine)
         except DuplicateRequestError:
             # A caller reused an X-Request-Id still in flight: the engine's id must be unique,
             # the answer keeps the caller's (its chunks were made with it).
+            await self.close()
             self.request_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
-            return await self._first(engine)
+            return await self._start(engine)
 
-    async def _first(self, engine: AsyncEngineClient) -> RequestOutput:
-        self._outputs = engine.generate(self.request_id, self.prompt_token_ids, self.params)
+    async def _start(self, engine: AsyncEngineClient) -> RequestOutput:
+        self._parallel = ParallelSampling(self.n, self.n) if self.n > 1 else None
+        self._outputs = []
+        for index in range(self.n):
+            engine_id, params = self._child(index)
+            self._outputs.append(engine.generate(engine_id, self.prompt_token_ids, params))
         try:
-            return await anext(self._outputs)
+            if self.n == 1:
+                first = await anext(self._outputs[0])
+                self._ready.append((0, first))
+                return first
+            # Every choice at once: their prompts are prefilled together. Not all of them need
+            # to have started: with few free sequence slots the later ones wait their turn.
+            self._pending = {asyncio.ensure_future(anext(o)): i for i, o in enumerate(self._outputs)}
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            self._take(done)
+            return self._ready[0][1]
         except BaseException:
             await self.close()
             raise
 
-    def rest(self) -> AsyncIterator[RequestOutput]:
-        assert self._outputs is not None, "start() first"
-        return self._outputs
+    def _take(self, done: set[asyncio.Future[RequestOutput]]) -> None:
+        """Move finished anext()s to the ready outputs; start the next one of each choice."""
+        for future in sorted(done, key=self._pending.__getitem__):
+            index = self._pending.pop(future)
+            out = future.result()  # an engine error is raised here
+            if not out.finished:
+                self._pending[asyncio.ensure_future(anext(self._outputs[index]))] = index
+            self._ready.append((index, out))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every output of every choice, as (choice index, output), in the order they come."""
+        assert self._outputs, "start() first"
+        if self.n == 1:
+            index, out = self._ready.popleft()
+            yield index, out
+            if not out.finished:
+                async for out in self._outputs[0]:
+                    yield 0, out
+            return
+        while self._ready or self._pending:
+            while self._ready:
+                yield self._ready.popleft()
+            if self._pending:
+                done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+                self._take(done)
 
     async def close(self) -> None:
-        outputs, self._outputs = self._outputs, None
-        if outputs is not None:
-            aclose = getattr(outputs, "aclose", None)
+        """Abort whatever choice has not finished (a no-op for finished ones)."""
+        pending, self._pending = self._pending, {}
+        for future in pending:
+            future.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        outputs, self._outputs = self._outputs, []
+        for out in outputs:
+            aclose = getattr(out, "aclose", None)
             if aclose is not None:
                 await aclose()
 
@@ -114,7 +183,7 @@ class GenerationFactory:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
-            chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage),
+            chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage, params.n),
             stream=request.stream,
             include_usage=request.include_usage,
         )
@@ -144,7 +213,7 @@ class GenerationFactory:
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),
             params=params,
-            chunks=ChatChunks(request_id, self.model_name, request.continuous_usage),
+            chunks=ChatChunks(request_id, self.model_name, request.continuous_usage, params.n),
             stream=request.stream,
             include_usage=request.include_usage,
         )

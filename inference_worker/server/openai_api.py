@@ -17,7 +17,8 @@ import time
 
 from aiohttp import web
 
-from inference_worker.engine.types import AsyncEngineClient, FinishReason, RequestOutput
+from inference_worker.engine.types import AsyncEngineClient, RequestOutput
+from inference_worker.server.answer import answer_body, answer_chunks
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation, GenerationFactory, request_id_base
 from inference_worker.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -29,10 +30,6 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",  # proxies (nginx) must not buffer the stream
 }
 _DONE = "data: [DONE]\n\n"
-
-
-def engine_error(out: RequestOutput) -> APIError:
-    return APIError(500, f"The engine failed while generating request {out.request_id}.", type="server_error")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -53,51 +50,18 @@ async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
     try:
         if gen.stream:
             return await _stream(request, gen, first)
-        return await _collect(gen, first)
+        return web.json_response(await answer_body(gen))
     finally:
         await gen.close()  # aborts in the engine unless the request already finished
 
 
-async def _collect(gen: Generation, out: RequestOutput) -> web.Response:
-    texts = [out.text]
-    logprobs = list(out.logprobs or ())
-    rest = gen.rest()
-    while not out.finished:
-        out = await anext(rest)
-        texts.append(out.text)
-        logprobs.extend(out.logprobs or ())
-    if out.finish_reason is FinishReason.ERROR:
-        raise engine_error(out)
-    return web.json_response(gen.chunks.full("".join(texts), out, logprobs or None))
-
-
-async def _stream(request: web.Request, gen: Generation, out: RequestOutput) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, first: RequestOutput) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
-    chunks = gen.chunks
-    rest = gen.rest()
-    opening = chunks.first(out)
-    events = [f"data: {opening}\n\n"] if opening else []
     try:
-        while True:
-            if out.finished:
-                if out.finish_reason is FinishReason.ERROR:
-                    events.append(f"data: {json.dumps(engine_error(out).body())}\n\n")
-                else:
-                    events.append(f"data: {chunks.delta(out.text, out.finish_reason, out)}\n\n")
-                    if gen.include_usage:
-                        events.append(f"data: {chunks.usage(out)}\n\n")
-                events.append(_DONE)
-                await response.write("".join(events).encode())
-                break
-            # A step can yield no text (an incomplete UTF-8 sequence, or what may begin a stop
-            # string, is held back); its token's logprobs still go out.
-            if out.text or out.logprobs:
-                events.append(f"data: {chunks.delta(out.text, None, out)}\n\n")
-            if events:
-                await response.write("".join(events).encode())
-                events = []
-            out = await anext(rest)
+        async for chunk in answer_chunks(gen, first):
+            await response.write(f"data: {chunk}\n\n".encode())
+        await response.write(_DONE.encode())
     except ConnectionError:
         return response  # the client went away; `serve` aborts the request
     except Exception as exc:

@@ -2,7 +2,7 @@
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
-(n > 1, echo, tools, vLLM's guided decoding and other options that would change the
+(echo, tools, best_of, vLLM's guided decoding and other options that would change the
 answer, ...) are rejected with a 400 naming the parameter instead of
 being ignored. Other unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from inference_worker.engine.types import SamplingParams
 from inference_worker.server.errors import APIError, invalid_request
 
+# OpenAI's limit on choices per request (each is an engine request of its own).
+MAX_N = 128
 # vLLM's default --max-logprobs: the most alternatives a request may ask for at each token.
 MAX_LOGPROBS = 20
 
@@ -85,7 +87,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -117,8 +119,6 @@ class _GenerationRequest(BaseModel):
 
     def _reject_unsupported(self) -> None:
         _reject_set(self, _UNIMPLEMENTED)
-        if self.n > 1:
-            raise _unsupported("n", "n > 1 (several choices per request)")
         if self.best_of is not None and self.best_of > 1:
             raise _unsupported("best_of", "best_of > 1")
         if self.stream_options is not None and not self.stream:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from aiohttp import WSMsgType, web
 
-from inference_worker.engine.types import AsyncEngineClient, FinishReason
+from inference_worker.engine.types import AsyncEngineClient
+from inference_worker.server.answer import answer_chunks
 from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request
 from inference_worker.server.generation import Generation, GenerationFactory
 from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -145,21 +146,9 @@ async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, cu
     try:
         gen = generation_from_message(app[FACTORY], text)
         current.request_id = gen.request_id
-        out = await gen.start(engine)
-        chunks = gen.chunks
-        opening = chunks.first(out)
-        if opening:
-            await ws.send_str(opening)
-        rest = gen.rest()
-        while not out.finished:
-            if out.text or out.logprobs:
-                await ws.send_str(chunks.delta(out.text, None, out))
-            out = await anext(rest)
-        if out.finish_reason is FinishReason.ERROR:
-            raise APIError(500, f"The engine failed while generating request {out.request_id}.")
-        await ws.send_str(chunks.delta(out.text, out.finish_reason, out))
-        if gen.include_usage:
-            await ws.send_str(chunks.usage(out))
+        first = await gen.start(engine)
+        async for chunk in answer_chunks(gen, first):
+            await ws.send_str(chunk)
         await ws.send_str(json.dumps({"type": "done", "id": gen.request_id}))
     except ConnectionError:
         return  # the socket is gone; the finally aborts the request

@@ -246,6 +246,54 @@ def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_co
     assert held["usage"]["completion_tokens"] >= 40
 
 
+def test_n_choices_whole_and_streamed(worker, client) -> None:
+    """n > 1: n choices, each its own seeded draw (seed + index, as vLLM), the prompt counted
+    once in the usage; the stream's chunks name their choice and add up to the same answers;
+    the n histogram counts the request once."""
+    before = worker.metrics()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "n": 3, "seed": 11, "temperature": 1.0,
+            "ignore_eos": True}
+    done = client.chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                          extra_body={"ignore_eos": True})
+    texts = [c.message.content for c in sorted(done.choices, key=lambda c: c.index)]
+    assert [c.index for c in done.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert {c.finish_reason for c in done.choices} == {"length"}
+    alone = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, seed=11,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    assert alone.choices[0].message.content == texts[0]  # choice 0 draws with the request's seed
+    assert done.usage.completion_tokens == 18 and done.usage.prompt_tokens == alone.usage.prompt_tokens
+    after = worker.metrics()
+    n_count = ("vllm:request_params_n_count", ())
+    n_sum = ("vllm:request_params_n_sum", ())
+    assert after[n_count] - before[n_count] == 2 and after[n_sum] - before[n_sum] == 4  # n=3, then n=1
+
+    with_usage = {**body, "stream_options": {"include_usage": True}}
+    events = _events(worker.api_url + "/chat/completions", with_usage)
+    by_choice: dict[int, list[dict]] = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == [0, 1, 2]
+    for index, choices in by_choice.items():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # each choice opens
+        assert [c["finish_reason"] for c in choices].count("length") == 1 and choices[-1]["finish_reason"]
+        assert "".join(c["delta"].get("content", "") for c in choices) == texts[index]
+    assert events[-1]["usage"]["completion_tokens"] == 18
+
+
+def test_n_choices_all_abort_when_the_client_leaves(worker) -> None:
+    before = worker.metrics()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "n": 3, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", worker.api_url + "/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first chunk
+    aborted = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    wait_for(lambda: worker.metrics()[aborted] - before[aborted] == 3, 60, what="three choices aborted")
+    idle = worker.metrics()
+    assert idle[("vllm:num_requests_running", ())] == 0 and idle[("vllm:kv_cache_usage_perc", ())] == 0
+
+
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(worker) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -348,7 +396,8 @@ BAD_INPUTS = [
     bad("max_tokens beyond context", CMPL, {"prompt": "a", "max_tokens": 5000}, 400, "max_tokens"),
     bad("unknown model", CMPL, {"model": "gpt-9", "prompt": "a"}, 404, "model"),
     bad("unknown model chat", CHAT, {"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
-    bad("n > 1", CMPL, {"prompt": "a", "n": 2}, 400, "n"),
+    bad("n beyond 128", CMPL, {"prompt": "a", "n": 129}, 400, "n"),
+    bad("n zero", CHAT, {"messages": MESSAGES, "n": 0}, 400, "n"),
     bad("logprobs beyond 20", CMPL, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
     bad("top_logprobs without logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400,
         "top_logprobs"),

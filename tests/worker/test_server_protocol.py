@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from inference_worker.engine.errors import EngineDeadError, PromptTooLongError
 from inference_worker.engine.types import FinishReason, RequestOutput
-from inference_worker.server.chunks import ChatChunks, CompletionChunks
+from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTally
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
 from inference_worker.server.websocket import _is_cancel
@@ -108,15 +108,24 @@ def test_chunks_are_valid_json_with_escaping() -> None:
     body = json.loads(comp.delta(tricky, None))
     assert body["choices"][0]["text"] == tricky and body["model"] == 'model "x"'
     assert json.loads(comp.delta("", FinishReason.LENGTH))["choices"][0]["finish_reason"] == "length"
-    usage = json.loads(comp.usage(_out("", True, FinishReason.STOP)))
+    last = _out("", True, FinishReason.STOP)
+    tally = UsageTally(last)
+    tally.update(0, last)
+    usage = json.loads(comp.usage(tally))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
     assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
     chat = ChatChunks("chatcmpl-1", "m")
     assert json.loads(chat.first())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert json.loads(chat.delta(tricky, None))["choices"][0]["delta"]["content"] == tricky
     assert json.loads(chat.delta("", FinishReason.STOP))["choices"][0]["delta"] == {}
-    full = chat.full("hello", _out("", True, FinishReason.STOP))
+    full = chat.full(["hello"], [last])
     assert full["choices"][0]["message"]["content"] == "hello" and full["usage"]["completion_tokens"] == 2
+    # n = 2: one choice per text, the prompt counted once, the answers added up.
+    two = chat.full(["a", "b"], [last, last])
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                            "prompt_tokens_details": {"cached_tokens": 1}}
+    assert json.loads(chat.delta("x", None, None, 1))["choices"][0]["index"] == 1
 
 
 def test_websocket_cancel_message_detection() -> None:

@@ -1,0 +1,68 @@
+"""A started Generation's answer, whole or as chunks: shared by SSE and the WebSocket.
+
+`answer_chunks` yields the JSON chunks of a stream in order (each choice's opening chunk,
+then one chunk per engine output that carries text or logprobs, each choice's last
+chunk with its finish reason, then the usage chunk when asked for); `answer_body` waits
+for every choice and builds the non-stream body. An engine failure raises an APIError
+(a 500) from either: before any byte, the client gets it as the response; mid-stream,
+as an error event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from inference_worker.engine.types import FinishReason, RequestOutput, TokenLogprobs
+from inference_worker.server.chunks import UsageTally
+from inference_worker.server.errors import APIError
+from inference_worker.server.generation import Generation
+
+
+def engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, f"The engine failed while generating request {out.request_id}.", type="server_error")
+
+
+async def answer_chunks(gen: Generation, first: RequestOutput) -> AsyncIterator[str]:
+    """first: what gen.start() returned."""
+    chunks = gen.chunks
+    tally = UsageTally(first, gen.n)
+    for index in range(gen.n):
+        opening = chunks.first(index, tally)
+        if opening:
+            yield opening
+    async for index, out in gen.outputs():
+        chunk = _chunk(gen, index, out, tally)
+        if chunk:
+            yield chunk
+    if gen.include_usage:
+        yield chunks.usage(tally)
+
+
+def _chunk(gen: Generation, index: int, out: RequestOutput, tally: UsageTally) -> str | None:
+    tally.update(index, out)
+    if out.finished:
+        if out.finish_reason is FinishReason.ERROR:
+            raise engine_error(out)
+        return gen.chunks.delta(out.text, out.finish_reason, out, index, tally)
+    # A step can yield no text (an incomplete UTF-8 sequence, or what may begin a stop
+    # string, is held back); its token's logprobs still go out.
+    if out.text or out.logprobs:
+        return gen.chunks.delta(out.text, None, out, index, tally)
+    return None
+
+
+async def answer_body(gen: Generation) -> dict[str, Any]:
+    texts: list[list[str]] = [[] for _ in range(gen.n)]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(gen.n)]
+    lasts: list[RequestOutput | None] = [None] * gen.n
+    async for index, out in gen.outputs():
+        texts[index].append(out.text)
+        logprobs[index].extend(out.logprobs or ())
+        lasts[index] = out
+    ended = [last for last in lasts if last is not None]  # all of them: outputs() ran to the end
+    for last in ended:
+        if last.finish_reason is FinishReason.ERROR:
+            raise engine_error(last)
+    wanted = gen.params.logprobs is not None
+    return gen.chunks.full(["".join(t) for t in texts], ended, logprobs if wanted else None)
