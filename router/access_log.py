@@ -16,6 +16,7 @@ class RequestRecord:
     """What happened to one request; filled in along the way, logged once at the end."""
 
     __slots__ = (
+        "choices",
         "error",
         "id",
         "method",
@@ -38,6 +39,7 @@ class RequestRecord:
         self.path = path
         self.start = time.perf_counter()
         self.model = "-"
+        self.choices = 1  # sequences the engine generates (n)
         self.worker = "-"
         self.status = 0
         self.stream = False

@@ -36,7 +36,7 @@ from router.streaming import (
     StreamForwarding,
     failure_kind,
 )
-from router.tokens import TokenCounter, max_tokens_of, prefix_hashes, render_prompt
+from router.tokens import TokenCounter, schedule_request
 from scheduler.client import SchedulerRequestError, UnknownModelError
 
 log = logging.getLogger("router.proxy")
@@ -236,16 +236,7 @@ class Proxy(StreamForwarding):
                 strip_usage = True  # ask the worker for usage; hide it from the client
                 raw = self._with_usage(raw, body)
 
-        text, id_tokens = render_prompt(body)
-        est = self.tokens.count(text, id_tokens)
-        rec.prompt_tokens = est
-        sched_body: dict[str, Any] = {"model": model, "prompt_tokens": est}
-        mt = max_tokens_of(body)
-        if mt is not None:
-            sched_body["max_tokens"] = mt
-        hashes = prefix_hashes(text)
-        if hashes:
-            sched_body["prefix_hashes"] = hashes
+        sched_body = self.schedule_body(rec, model, body)
 
         headers = self._upstream_headers(request, rec.id, path)
         deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
@@ -418,6 +409,11 @@ class Proxy(StreamForwarding):
         if self.cfg.report_prefilled and route.lease_id is not None and not route.released:
             self.sched.prefilled_nowait(route.lease_id)
 
+    def schedule_body(self, rec: RequestRecord, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """What the scheduler is told of a request; notes its prompt estimate and choices."""
+        sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body)
+        return sched_body
+
     def _release(
         self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None, held_kv: bool = True
     ) -> None:
@@ -429,7 +425,7 @@ class Proxy(StreamForwarding):
         rel: dict[str, Any] = {
             "lease_id": route.lease_id,
             "ok": ok,
-            "prompt_tokens": rec.prompt_tokens if held_kv else 0,
+            "prompt_tokens": rec.prompt_tokens * rec.choices if held_kv else 0,
             "output_tokens": rec.output_tokens if held_kv else 0,
         }
         if rec.ttft_ms is not None:

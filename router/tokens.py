@@ -86,6 +86,21 @@ def max_tokens_of(body: dict[str, Any]) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
+# OpenAI's limit on n: a larger value is the engine's to refuse, not a load to plan for.
+MAX_CHOICES = 128
+
+
+def choices_of(body: dict[str, Any]) -> int:
+    """How many sequences the engine generates for the request: n, or (older vLLM) best_of
+    where it is larger. Each holds its own KV and, prefilled in one step, computes the prompt."""
+    count = 1
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > count:
+            count = v
+    return min(count, MAX_CHOICES)
+
+
 class TokenCounter:
     """Prompt token counts: exact with a local tokenizer (a `tokenizer.json`, or a directory
     holding one, given by --tokenizer), else the 4-characters-per-token estimate.
@@ -117,3 +132,22 @@ class TokenCounter:
         if self._tok is None or not text:
             return estimate_tokens(text, id_tokens)
         return id_tokens + len(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def schedule_request(
+    counter: TokenCounter, model: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], int, int]:
+    """The scheduler's ScheduleRequest for an API body, with the prompt's token estimate and
+    the number of choices. A request for n choices is n sequences to the engine (vLLM fans
+    it out): n prompts to prefill and n answers' KV, planned for as one lease."""
+    text, id_tokens = render_prompt(body)
+    prompt = counter.count(text, id_tokens)
+    choices = choices_of(body)
+    sched: dict[str, Any] = {"model": model, "prompt_tokens": prompt * choices}
+    max_tokens = max_tokens_of(body)
+    if max_tokens is not None:
+        sched["max_tokens"] = max_tokens * choices
+    hashes = prefix_hashes(text)
+    if hashes:
+        sched["prefix_hashes"] = hashes
+    return sched, prompt, choices

@@ -24,7 +24,7 @@ from router.errors import error_response
 from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError
-from router.tokens import max_tokens_of, prefix_hashes, render_prompt
+from router.tokens import render_prompt
 from scheduler.client import SchedulerError
 
 log = logging.getLogger("router.ws")
@@ -91,13 +91,7 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             rec.status = 400
             return client
         rec.model = model
-        text, ids = render_prompt(body)
-        sched_body = {"model": model, "prompt_tokens": proxy.tokens.count(text, ids)}
-        rec.prompt_tokens = sched_body["prompt_tokens"]
-        if (mt := max_tokens_of(body)) is not None:
-            sched_body["max_tokens"] = mt
-        if hashes := prefix_hashes(text):
-            sched_body["prefix_hashes"] = hashes
+        sched_body = proxy.schedule_body(rec, model, body)
         exclude: list[str] = []
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):

@@ -15,10 +15,12 @@ from router.queue import AdmissionQueue, QueueFull
 from router.sse import StreamTap, usage_of_body
 from router.tokens import (
     PREFIX_CHUNK_CHARS,
+    TokenCounter,
     estimate_tokens,
     max_tokens_of,
     prefix_hashes,
     render_prompt,
+    schedule_request,
 )
 
 
@@ -295,6 +297,23 @@ def test_token_counter_with_a_local_tokenizer(tmp_path):
     )
     with pytest.raises(SystemExit):
         TokenCounter(str(tmp_path / "missing.json"))
+
+
+def test_a_request_for_n_choices_is_planned_as_n_sequences():
+    """vLLM fans n out into n engine requests: n prompts to prefill, n answers' KV."""
+    counter = TokenCounter(None)
+    body = {"messages": [{"role": "user", "content": "x" * 1000}], "max_tokens": 50}
+    one, prompt, choices = schedule_request(counter, "m", body)
+    assert (choices, one["prompt_tokens"], one["max_tokens"]) == (1, prompt, 50) and prompt > 200
+    four, prompt4, choices4 = schedule_request(counter, "m", {**body, "n": 4})
+    assert (choices4, prompt4) == (4, prompt)  # the prompt estimate itself (for the log) is unchanged
+    assert (four["prompt_tokens"], four["max_tokens"]) == (4 * prompt, 200)
+    assert four["prefix_hashes"] == one["prefix_hashes"]
+    # Older vLLM's best_of generates best_of sequences; junk and absurd values do not count.
+    assert schedule_request(counter, "m", {**body, "n": 2, "best_of": 3})[2] == 3
+    for junk in ("4", True, 0, -2, None):
+        assert schedule_request(counter, "m", {**body, "n": junk})[2] == 1
+    assert schedule_request(counter, "m", {**body, "n": 10**9})[2] == 128
 
 
 def test_access_log_quotes_and_cuts_client_chosen_fields():
