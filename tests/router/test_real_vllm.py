@@ -12,7 +12,8 @@ What it pins down, against the real thing rather than a fixture: the dialect is 
 vLLM's page; the scheduler then reads vLLM's filtered page (vLLM 0.32 honours `?name[]=` only on
 `/metrics/`, see scheduler.scrape.dialects), which carries the live load; streamed answers pass
 through with the gateway's own usage request hidden; vLLM's 4xx answers reach the client as 4xx
-in the OpenAI error shape.
+in the OpenAI error shape. And our own worker, beside it on the same weights, answers the
+sampling options (logprobs, penalties, logit_bias, min_tokens, n) as vLLM does.
 """
 
 from __future__ import annotations
@@ -172,3 +173,61 @@ def test_one_request_id_through_the_gateway_to_vllm_even_when_a_client_reuses_it
     assert [r.status_code for r in rs] == [200, 200], [r.text[:300] for r in rs]
     assert rs[0].json()["id"] == "cmpl-reused-id"
     assert rs[1].json()["id"] == "cmpl-" + rs[1].headers["x-request-id"] != "cmpl-reused-id"
+
+
+@pytest.fixture(scope="module")
+def our_worker():
+    port = free_port()
+    worker = Proc(["-m", "inference_worker", "--port", str(port)], f"worker-{port}")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", worker, timeout_s=180)
+        yield url
+    finally:
+        worker.stop()
+
+
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "Name a fruit."}]
+
+
+def _both(stack, our_worker, path: str, body: dict) -> tuple[dict, dict]:
+    """The same request to vLLM (through the gateway) and to our worker, same model and weights."""
+    answers = []
+    for base in (stack["gateway"], our_worker):
+        r = httpx.post(f"{base}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    return answers[0], answers[1]
+
+
+def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
+    """Logprobs, penalties, logit_bias, min_tokens and n: greedy answers are the same text as
+    vLLM's from the same fp32 weights, logprobs agree to 1e-3, and the shapes match."""
+    vllm, ours = _both(stack, our_worker, "completions", {"prompt": PROMPT, "max_tokens": 6,
+                                                         "temperature": 0, "logprobs": 2, "ignore_eos": True})
+    theirs, mine = vllm["choices"][0]["logprobs"], ours["choices"][0]["logprobs"]
+    assert mine["tokens"] == theirs["tokens"] and mine["text_offset"] == theirs["text_offset"]
+    assert mine["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-3)
+    for a, b in zip(mine["top_logprobs"], theirs["top_logprobs"], strict=True):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-3)
+
+    penalized = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                 "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+    vllm, ours = _both(stack, our_worker, "completions", penalized)
+    assert ours["choices"][0]["text"] == vllm["choices"][0]["text"]
+    vllm, ours = _both(stack, our_worker, "completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                         "logit_bias": {"28": 100}})
+    assert ours["choices"][0]["text"] == vllm["choices"][0]["text"] == ",,,"
+    vllm, ours = _both(stack, our_worker, "chat/completions", {"messages": CHAT, "max_tokens": 60,
+                                                              "temperature": 0, "min_tokens": 40})
+    assert ours["choices"][0]["message"]["content"] == vllm["choices"][0]["message"]["content"]
+    assert ours["usage"]["completion_tokens"] == vllm["usage"]["completion_tokens"] >= 40
+
+    # n: the same shape (the draws differ: another random generator).
+    vllm, ours = _both(stack, our_worker, "chat/completions", {"messages": CHAT, "max_tokens": 4, "n": 3,
+                                                              "seed": 5, "ignore_eos": True})
+    for answer in (vllm, ours):
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+        assert answer["usage"]["completion_tokens"] == 12
+    assert ours["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
