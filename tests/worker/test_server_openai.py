@@ -516,6 +516,13 @@ async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, gr
         entries = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
         assert len(entries) == 4 and all(len(e["top_logprobs"]) == 1 for e in entries)
 
+        # n = 2 over the socket: both choices, each ended once
+        await ws.send_str(json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "n": 2,
+                                      "ignore_eos": True}))
+        chunks, end = await _receive_until_end(ws)
+        ended = sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"])
+        assert ended == [0, 1] and end["type"] == "done"
+
         # a bad message: error object, socket stays open
         await ws.send_str("{oops")
         _, end = await _receive_until_end(ws)
