@@ -70,8 +70,8 @@ class BlockManager:
         The last token is always left to compute, so a fully cached prompt still
         yields logits for its next token.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
+            return []  # a request for prompt logprobs needs every prompt position computed
         limit = seq.num_tokens - 1
         self._hash_full_blocks(seq, limit)
         blocks = []

@@ -35,6 +35,7 @@ from inference_worker.engine.types import (
     RequestOutput,
     SampleLogprobs,
     SamplingParams,
+    ScheduledSequence,
     TokenLogprobs,
     WorkerTokenizer,
 )
@@ -191,11 +192,14 @@ class LLMEngine:
         outputs: list[RequestOutput],
     ) -> None:
         for seq, scheduled, token in zip(sched.scheduled, sched.batch.sequences, tokens, strict=True):
+            if scheduled.prompt_logprobs:
+                self._collect_prompt_logprobs(seq, scheduled)
             seq.num_computed_tokens += scheduled.num_new_tokens
             if token is None:
                 continue  # a non-final prefill chunk
             seq.token_ids.append(token)
-            if seq.first_token_time is None:
+            first = seq.first_token_time is None
+            if first:
                 seq.first_token_time = now
                 iteration.num_prompt_tokens += seq.prompt_len
                 iteration.num_cached_prompt_tokens += seq.num_cached_tokens
@@ -205,7 +209,24 @@ class LLMEngine:
             seq.last_token_time = now
             iteration.num_generation_tokens += 1
             logprobs = self._logprobs(token, scheduled.sampled_logprobs)
-            outputs.append(self._after_token(seq, token, now, iteration, logprobs))
+            out = self._after_token(seq, token, now, iteration, logprobs)
+            if first and seq.sampling.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
+            outputs.append(out)
+
+    def _collect_prompt_logprobs(self, seq: Seq, scheduled: ScheduledSequence) -> None:
+        """Keep the prompt logprobs of tokens not seen yet (a recompute after a preemption
+        computes them again)."""
+        assert scheduled.prompt_logprobs is not None
+        decode = self.tokenizer.decode
+        for i, sampled in enumerate(scheduled.prompt_logprobs):
+            position = scheduled.num_computed_tokens + 1 + i  # the prompt token it is for
+            if position != len(seq.prompt_logprobs) + 1:
+                continue
+            top = tuple((decode([t]), lp) for t, lp in sampled.top)
+            seq.prompt_logprobs.append(
+                TokenLogprobs(decode([seq.token_ids[position]]), sampled.logprob, top)
+            )
 
     def _logprobs(self, token: int, sampled: SampleLogprobs | None) -> list[TokenLogprobs] | None:
         """The runner's logprobs of one step, with token texts (only for requests that ask)."""

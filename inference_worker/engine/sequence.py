@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from inference_worker.engine.stats import EngineEvent, EngineEventType
-from inference_worker.engine.types import FinishReason, SamplingParams
+from inference_worker.engine.types import FinishReason, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +38,8 @@ class Sequence:
     last_token_time: float = 0.0
     num_preemptions: int = 0
     ever_scheduled: bool = False
+    # With sampling.prompt_logprobs: prompt tokens 1.. so far (a recompute does not redo them).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -66,6 +66,9 @@ class SamplingParams:
     ends_answer_ids: tuple[int, ...] = ()
     # None: no logprobs. N >= 0: the sampled token's log-probability and the N likeliest.
     logprobs: int | None = None
+    # The same for every prompt token after the first (echo with logprobs). Such a request
+    # computes its whole prompt: its prefix-cache hits are not used.
+    prompt_logprobs: int | None = None
     n: int = 1
     # With n > 1: the choices' shared record (each choice is an engine request of its own).
     parallel: ParallelSampling | None = None
@@ -115,6 +118,8 @@ class RequestOutput:
     matched_stop: str | int | None = None
     # One entry per token of `token_ids` when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # On the request's first output, when it asked: prompt tokens 1.. (the first has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -140,6 +145,9 @@ class ScheduledSequence:
     num_output_tokens: int = 0
     # Filled by the runner when the request asks for logprobs (sampling.logprobs is set).
     sampled_logprobs: SampleLogprobs | None = None
+    # Filled by the runner for a prefill step when sampling.prompt_logprobs is set: entry i
+    # is for token num_computed_tokens + 1 + i (the prompt tokens this step's rows predict).
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 @dataclass(slots=True)

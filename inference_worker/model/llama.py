@@ -139,6 +139,15 @@ class PagedLlama:
 
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Return logits [S, vocab] for the rows in inp.logits_index."""
+        return self.logits(self.hidden(inp))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] final hidden states (see `hidden`) -> [R, vocab] logits."""
+        return hidden @ self.lm_head.T
+
+    def hidden(self, inp: StepInputs) -> torch.Tensor:
+        """The final (normed) hidden states [S, hidden] of the rows in inp.logits_index: many
+        rows' logits (prompt logprobs) can then be computed a slice at a time."""
         x = F.embedding(inp.input_ids, self.embed)
         cos = self.cos[inp.positions].unsqueeze(1)
         sin = self.sin[inp.positions].unsqueeze(1)
@@ -167,5 +176,4 @@ class PagedLlama:
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
             x = torch.addmm(x, act, wdown.T)
         x = x[inp.logits_index]
-        x = F.rms_norm(x, norm_shape, self.final_norm, self.eps)
-        return x @ self.lm_head.T
+        return F.rms_norm(x, norm_shape, self.final_norm, self.eps)

@@ -7,8 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from inference_worker.engine.sampler import logprobs_of, sample
-from inference_worker.engine.types import ScheduledSequence, StepBatch
+from inference_worker.engine.types import SampleLogprobs, ScheduledSequence, StepBatch
 from inference_worker.model.llama import AttentionGroup, PagedLlama, StepInputs
+
+# Rows of prompt logits computed at once for prompt logprobs: 256 x a 49k vocabulary is 50 MB.
+PROMPT_LOGITS_SLICE = 256
 
 
 class TorchModelRunner:
@@ -92,13 +95,66 @@ class TorchModelRunner:
         )
         return inputs, order
 
+    # ---- prompt logprobs (echo) -------------------------------------------------------------
+    @staticmethod
+    def _prompt_rows(ordered: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, list[int]]]:
+        """For each prefill that asks for prompt logprobs: the rows of the step's tokens whose
+        next token is a prompt token (the last prompt position predicts the answer instead)."""
+        found = []
+        first_row = 0
+        for s in ordered:
+            if s.sampling.prompt_logprobs is not None and s.is_prefill:
+                prompt_len = len(s.token_ids) - s.num_output_tokens
+                start = s.num_computed_tokens
+                end = min(start + s.num_new_tokens, prompt_len - 1)
+                if end > start:
+                    found.append((s, list(range(first_row, first_row + end - start))))
+            first_row += s.num_new_tokens
+        return found
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[tuple[ScheduledSequence, list[int]]]
+    ) -> None:
+        """Log-probabilities of each row's next prompt token and its likeliest alternatives,
+        PROMPT_LOGITS_SLICE rows at a time (a whole prompt's logits at once would be
+        rows x vocab floats)."""
+        at = 0
+        for seq, rows in prompt_rows:
+            start = seq.num_computed_tokens
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + len(rows)], device=self.device)
+            top_n = seq.sampling.prompt_logprobs or 0
+            found: list[SampleLogprobs] = []
+            for lo in range(0, len(rows), PROMPT_LOGITS_SLICE):
+                part = hidden[at + lo : at + min(lo + PROMPT_LOGITS_SLICE, len(rows))]
+                logp = torch.log_softmax(self.model.logits(part).float(), dim=-1)
+                chosen = logp.gather(1, targets[lo : lo + part.shape[0], None])[:, 0].tolist()
+                tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+                if top_n:
+                    values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+                    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+                    tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+                found.extend(SampleLogprobs(lp, top) for lp, top in zip(chosen, tops, strict=True))
+            seq.prompt_logprobs = found
+            at += len(rows)
+
     # ---- ModelRunner ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[int | None]:
         if not batch.sequences:
             return []
         inputs, order = self.build_inputs(batch)
-        logits = self.model.forward(inputs)
+        prompt_rows = self._prompt_rows([batch.sequences[i] for i in order])
+        if not prompt_rows:
+            logits = self.model.forward(inputs)
+        else:
+            num_sampled = inputs.logits_index.shape[0]
+            extra = [row for _, rows in prompt_rows for row in rows]
+            inputs.logits_index = torch.cat(
+                (inputs.logits_index, torch.tensor(extra, dtype=torch.long, device=self.device))
+            )
+            hidden = self.model.hidden(inputs)
+            logits = self.model.logits(hidden[:num_sampled])
+            self._prompt_logprobs(hidden[num_sampled:], prompt_rows)
         sampled_seqs = [batch.sequences[i] for i in order if batch.sequences[i].needs_sample]
         params = [s.sampling for s in sampled_seqs]
         tokens = sample(

@@ -22,7 +22,8 @@ output is the same alone, batched, after a prefix-cache hit or after a preemptio
 (recompute). Sampling parameters other than `seed`, `ignore_eos` and `min_tokens` are not
 modelled. When the profile sets mean_output_tokens and the request does not ignore EOS,
 EOS comes out with probability 1/mean_output_tokens at each position (a geometric length).
-Logprobs report that modelled distribution: the word, and EOS where it may come out.
+Logprobs report that modelled distribution: the word, and EOS where it may come out (prompt
+logprobs: a prompt token is certain if it is the word, else impossible).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class SimModelRunner:
             context += c + n
             pairs += n * c + n * (n + 1) // 2
             out.append(self._sample(seq, c + n) if seq.needs_sample else None)
+            if seq.sampling.prompt_logprobs is not None and seq.is_prefill:
+                seq.prompt_logprobs = self._prompt_logprobs(seq)
         seconds = self.latency.step_time_raw(computed, len(batch.sequences), context, pairs)
         duration = seconds * self.time_scale
         stats = self.stats
@@ -128,6 +131,19 @@ class SimModelRunner:
         if sampling.logprobs is not None:
             seq.sampled_logprobs = self._logprobs(token, word, may_end, sampling.logprobs)
         return token
+
+    def _prompt_logprobs(self, seq: ScheduledSequence) -> list[SampleLogprobs]:
+        """The modelled odds of the prompt tokens this step's positions predict: certain where
+        the prompt goes on as the sim would, impossible elsewhere (the model is a hash)."""
+        prompt_len = len(seq.token_ids) - seq.num_output_tokens
+        start = seq.num_computed_tokens
+        top_n = seq.sampling.prompt_logprobs or 0
+        found = []
+        for position in range(start + 1, min(start + seq.num_new_tokens, prompt_len - 1) + 1):
+            word, _ = self._next_token(seq.token_ids, position, seq.sampling.seed or 0)
+            logprob = 0.0 if seq.token_ids[position] == word else float("-inf")
+            found.append(SampleLogprobs(logprob, ((word, 0.0),)[:top_n]))
+        return found
 
     def _next_token(self, token_ids, position: int, seed: int) -> tuple[int, bool]:
         """The word this content leads to at `position`, and whether EOS comes out instead."""

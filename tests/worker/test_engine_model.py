@@ -221,6 +221,33 @@ def test_logprobs_are_the_models_own_batched_or_not(loaded, runner, tokenizer, p
         assert lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-6)  # greedy: the sampled one is the top
 
 
+def test_prompt_logprobs_are_the_models_own_in_chunks_despite_a_cached_prefix(
+    loaded, runner, tokenizer, prompts
+):
+    """Echo with logprobs: each prompt token after the first gets transformers' log-softmax at
+    the position before it, whether the prompt was prefilled in several chunks or its prefix
+    was already cached (a request asking for prompt logprobs computes its whole prompt)."""
+    prompt = prompts[1]
+    with torch.inference_mode():
+        theirs = torch.log_softmax(loaded.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    engine = LLMEngine(runner, tokenizer, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512)
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    run_all(engine)  # the prompt's full blocks are now cached
+    computed = engine.num_computed_tokens_total
+    engine.add_request("echo", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    outs = _outputs(engine)["echo"]
+    assert engine.num_computed_tokens_total - computed == len(prompt) + 1  # no cache hit, 16 per step
+    got = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert len(got) == len(prompt) - 1
+    for position, entry in enumerate(got, start=1):
+        row = theirs[position - 1]
+        assert entry.token == tokenizer.decode([prompt[position]])
+        assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=2e-3)
+        likeliest = torch.topk(row, 2).indices.tolist()
+        assert [t for t, _ in entry.top] == [tokenizer.decode([t]) for t in likeliest]
+
+
 def test_repetition_penalty_matches_transformers_processor(loaded, runner, tokenizer, prompts):
     from transformers import RepetitionPenaltyLogitsProcessor
 
