@@ -95,7 +95,7 @@ class TokenLogprobs:
     """One output token's log-probabilities as the API shows them: token texts, not ids."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token: nothing predicts it
     top: tuple[tuple[str, float], ...] = ()
 
 

@@ -41,15 +41,30 @@ async def answer_chunks(gen: Generation, first: RequestOutput) -> AsyncIterator[
 
 def _chunk(gen: Generation, index: int, out: RequestOutput, tally: UsageTally) -> str | None:
     tally.update(index, out)
+    text, logprobs = _content(gen, out)
     if out.finished:
         if out.finish_reason is FinishReason.ERROR:
             raise engine_error(out)
-        return gen.chunks.delta(out.text, out.finish_reason, out, index, tally)
+        return gen.chunks.delta(text, out.finish_reason, logprobs, index, tally)
     # A step can yield no text (an incomplete UTF-8 sequence, or what may begin a stop
     # string, is held back); its token's logprobs still go out.
-    if out.text or out.logprobs:
-        return gen.chunks.delta(out.text, None, out, index, tally)
+    if text or logprobs:
+        return gen.chunks.delta(text, None, logprobs, index, tally)
     return None
+
+
+def _content(gen: Generation, out: RequestOutput) -> tuple[str, list[TokenLogprobs] | None]:
+    """An output's text and logprobs as the answer shows them: with echo, a choice's first
+    output (the one that carries prompt_logprobs, when asked) begins with the prompt."""
+    echo = gen.echo
+    if echo is None:
+        return out.text, out.logprobs
+    text, logprobs = ("", None) if echo.only else (out.text, out.logprobs)
+    if out.num_output_tokens == 1 and out.token_ids:  # the choice's first token
+        text = echo.text + text
+        if out.prompt_logprobs is not None:
+            logprobs = [echo.first_token, *out.prompt_logprobs, *(logprobs or ())]
+    return text, logprobs
 
 
 async def answer_body(gen: Generation) -> dict[str, Any]:
@@ -57,8 +72,9 @@ async def answer_body(gen: Generation) -> dict[str, Any]:
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(gen.n)]
     lasts: list[RequestOutput | None] = [None] * gen.n
     async for index, out in gen.outputs():
-        texts[index].append(out.text)
-        logprobs[index].extend(out.logprobs or ())
+        text, lps = _content(gen, out)
+        texts[index].append(text)
+        logprobs[index].extend(lps or ())
         lasts[index] = out
     ended = [last for last in lasts if last is not None]  # all of them: outputs() ran to the end
     for last in ended:

@@ -151,11 +151,10 @@ class CompletionChunks(_Chunks):
         self,
         text: str,
         finish_reason: FinishReason | None,
-        out: RequestOutput | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
         index: int = 0,
         tally: UsageTally | None = None,
     ) -> str:
-        logprobs = out.logprobs if out is not None else None
         return self._frame(index, f'"text":{_dumps(text)}', finish_reason, logprobs, tally)
 
     def _choice(self, index: int, text: str) -> dict[str, Any]:
@@ -171,11 +170,9 @@ class CompletionChunks(_Chunks):
             self._text_offset[index] += len(t.token)
         return {
             "text_offset": offsets,
-            "token_logprobs": [_lp(t.logprob) for t in logprobs],
+            "token_logprobs": [None if t.logprob is None else _lp(t.logprob) for t in logprobs],
             "tokens": [t.token for t in logprobs],
-            "top_logprobs": [
-                {**{tok: _lp(lp) for tok, lp in t.top}, t.token: _lp(t.logprob)} for t in logprobs
-            ],
+            "top_logprobs": [_top(t) for t in logprobs],
         }
 
 
@@ -194,12 +191,11 @@ class ChatChunks(_Chunks):
         self,
         text: str,
         finish_reason: FinishReason | None,
-        out: RequestOutput | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
         index: int = 0,
         tally: UsageTally | None = None,
     ) -> str:
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
-        logprobs = out.logprobs if out is not None else None
         return self._frame(index, f'"delta":{delta}', finish_reason, logprobs, tally)
 
     def _choice(self, index: int, text: str) -> dict[str, Any]:
@@ -217,5 +213,13 @@ class ChatChunks(_Chunks):
         }
 
 
-def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+def _top(t: TokenLogprobs) -> dict[str, float] | None:
+    """A position's likeliest tokens and the chosen one (None for an echoed prompt's first)."""
+    if t.logprob is None:
+        return None
+    return {t.token: _lp(t.logprob), **{tok: _lp(lp) for tok, lp in t.top}}
+
+
+def _chat_token(token: str, logprob: float | None) -> dict[str, Any]:
+    assert logprob is not None, "chat has no echo"
     return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}

@@ -25,10 +25,22 @@ from inference_worker.engine.types import (
     ParallelSampling,
     RequestOutput,
     SamplingParams,
+    TokenLogprobs,
 )
 from inference_worker.server.chunks import ChatChunks, CompletionChunks
 from inference_worker.server.errors import invalid_request, model_not_found
 from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """Completions' echo: the prompt goes before each choice's answer."""
+
+    text: str
+    # The prompt's first token, in the logprobs (nothing predicts it: its logprob is None).
+    first_token: TokenLogprobs
+    # max_tokens 0: the prompt is the whole answer; the engine's one token is dropped.
+    only: bool = False
 
 
 @dataclass(slots=True)
@@ -42,6 +54,7 @@ class Generation:
     chunks: CompletionChunks | ChatChunks
     stream: bool
     include_usage: bool
+    echo: Echo | None = None
     _outputs: list[AsyncIterator[RequestOutput]] = field(default_factory=list, repr=False)
     _pending: dict[asyncio.Future[RequestOutput], int] = field(default_factory=dict, repr=False)
     _parallel: ParallelSampling | None = field(default=None, repr=False)
@@ -179,6 +192,11 @@ class GenerationFactory:
                 )
         params = self._params(request, len(prompt_ids), "prompt")
         request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
+        echo = None
+        if request.echo:
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+            first = TokenLogprobs(tokenizer.decode(prompt_ids[:1]), None)
+            echo = Echo(text, first, request.echo_only)
         return Generation(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -186,6 +204,7 @@ class GenerationFactory:
             chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage, params.n),
             stream=request.stream,
             include_usage=request.include_usage,
+            echo=echo,
         )
 
     def _params(

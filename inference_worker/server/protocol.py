@@ -2,7 +2,7 @@
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
-(echo, tools, best_of, vLLM's guided decoding and other options that would change the
+(chat echo, tools, best_of, vLLM's guided decoding and other options that would change the
 answer, ...) are rejected with a 400 naming the parameter instead of
 being ignored. Other unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
@@ -142,6 +142,10 @@ class _GenerationRequest(BaseModel):
         """None: no logprobs; N: the sampled token's and the N likeliest."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions' echo)."""
+        return None
+
     def sampling_params(self, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
         """Check lengths against the context window (vLLM's wording) and build the engine's params."""
         if prompt_len == 0:
@@ -187,6 +191,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             n=self.n,
             max_tokens_param=requested,
         )
@@ -194,8 +199,8 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Any = None
-    # OpenAI's default for /v1/completions (vLLM keeps it).
-    max_tokens: int | None = Field(16, ge=1)
+    # OpenAI's default for /v1/completions (vLLM keeps it). 0 only with echo: the prompt alone.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -204,15 +209,29 @@ class CompletionRequest(_GenerationRequest):
     def _check(self) -> CompletionRequest:
         if self.prompt is None:
             raise invalid_request("prompt is required", param="prompt")
-        if self.echo:
-            raise _unsupported("echo", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid_request(
+                "max_tokens must be at least 1, got 0 (0 only with echo)", param="max_tokens"
+            )
         if self.suffix:
             raise _unsupported("suffix", "suffix")
         self._reject_unsupported()
         return self
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (the engine still generates one
+        token, which is dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompt_text_or_ids(self) -> str | list[int]:
         """The one prompt: a string or a list of token ids (batches of one are unwrapped)."""

@@ -13,7 +13,7 @@ vLLM's page; the scheduler then reads vLLM's filtered page (vLLM 0.32 honours `?
 `/metrics/`, see scheduler.scrape.dialects), which carries the live load; streamed answers pass
 through with the gateway's own usage request hidden; vLLM's 4xx answers reach the client as 4xx
 in the OpenAI error shape. And our own worker, beside it on the same weights, answers the
-sampling options (logprobs, penalties, logit_bias, min_tokens, n) as vLLM does.
+sampling options (logprobs, echo, penalties, logit_bias, min_tokens, n) as vLLM does.
 """
 
 from __future__ import annotations
@@ -223,6 +223,18 @@ def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
                                                               "temperature": 0, "min_tokens": 40})
     assert ours["choices"][0]["message"]["content"] == vllm["choices"][0]["message"]["content"]
     assert ours["usage"]["completion_tokens"] == vllm["usage"]["completion_tokens"] >= 40
+
+    # echo: scoring a text (max_tokens 0), as lm-eval-harness does through the completions API
+    vllm, ours = _both(stack, our_worker, "completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                         "logprobs": 1})
+    theirs, mine = vllm["choices"][0], ours["choices"][0]
+    assert mine["text"] == theirs["text"] == PROMPT
+    assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+    assert mine["logprobs"]["token_logprobs"][0] is theirs["logprobs"]["token_logprobs"][0] is None
+    assert mine["logprobs"]["token_logprobs"][1:] == pytest.approx(theirs["logprobs"]["token_logprobs"][1:],
+                                                                   abs=1e-3)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [ours["usage"][k] for k in counts] == [vllm["usage"][k] for k in counts]
 
     # n: the same shape (the draws differ: another random generator).
     vllm, ours = _both(stack, our_worker, "chat/completions", {"messages": CHAT, "max_tokens": 4, "n": 3,

@@ -221,6 +221,36 @@ def test_completion_logprobs_legacy_shape(worker, greedy_completion) -> None:
     assert [t for p in parts for t in p["token_logprobs"]] == lp["token_logprobs"]
 
 
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first(worker, greedy_completion) -> None:
+    """OpenAI's echo, as vLLM answers it: the prompt before the answer, its tokens' logprobs
+    before the answer's (the first prompt token has none); max_tokens 0 with echo is the
+    prompt alone (scoring a text); streamed, the prompt comes with the first chunk."""
+    url = worker.api_url + "/completions"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1}
+    choice = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    n = httpx.post(worker.base_url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["count"]
+    lp = choice["logprobs"]
+    assert choice["text"] == PROMPT + greedy_completion.choices[0].text
+    assert len(lp["tokens"]) == n + 12 and "".join(lp["tokens"][:n]) == PROMPT
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and lp["text_offset"][n] == len(PROMPT)
+    plain = httpx.post(url, json={**body, "echo": False}, timeout=60).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][n:] == plain["token_logprobs"]  # the answer's own, unchanged
+
+    scored = httpx.post(url, json={**body, "max_tokens": 0}, timeout=60).json()
+    assert scored["choices"][0]["text"] == PROMPT
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
+    assert scored["usage"]["completion_tokens"] == 1  # the engine's one token, as vLLM counts it
+
+    events = _events(url, body)
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert events[0]["choices"][0]["text"].startswith(PROMPT)
+    assert [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    two = httpx.post(url, json={**body, "n": 2, "logprobs": None}, timeout=60).json()
+    assert [c["text"] for c in two["choices"]] == [choice["text"]] * 2
+
+
 def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_completion) -> None:
     """Accepted and applied (they used to be refused): each changes the greedy answer."""
     url = worker.api_url + "/completions"
