@@ -89,6 +89,7 @@ class Generation:
     async def _start(self, engine: AsyncEngineClient) -> RequestOutput:
         self._parallel = ParallelSampling(self.n, self.n) if self.n > 1 else None
         self._outputs = []
+        self._ready.clear()  # a retry under a new id starts afresh
         for index in range(self.n):
             engine_id, params = self._child(index)
             self._outputs.append(engine.generate(engine_id, self.prompt_token_ids, params))
