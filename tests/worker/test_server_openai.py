@@ -357,10 +357,12 @@ def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and '"' not in r.json()["id"]
 
 
-async def test_a_caller_id_reused_while_in_flight_still_serves_both(worker) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_caller_id_reused_while_in_flight_still_serves_both(worker, n) -> None:
     """Two requests with one X-Request-Id at once (a client that reuses its ids): the engine
-    needs unique ids, but neither caller gets an error, and both answers carry the caller's."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24}
+    needs unique ids, but neither caller gets an error, and both answers carry the caller's
+    (also when each has two choices, whose engine ids derive from it)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "n": n}
     async with httpx.AsyncClient(timeout=120) as c:
         rs = await asyncio.gather(*[
             c.post(worker.api_url + "/completions", json={**body, "ignore_eos": True},
@@ -369,7 +371,8 @@ async def test_a_caller_id_reused_while_in_flight_still_serves_both(worker) -> N
         ])
     assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
     assert [r.json()["id"] for r in rs] == ["cmpl-same-id"] * 2
-    assert [r.json()["usage"]["completion_tokens"] for r in rs] == [24, 24]
+    assert [r.json()["usage"]["completion_tokens"] for r in rs] == [24 * n, 24 * n]
+    assert [len(r.json()["choices"]) for r in rs] == [n, n]
 
 
 def test_models_health_ping_and_version(worker, client) -> None:
