@@ -18,6 +18,7 @@ from inference_worker.engine.errors import (
     EngineRequestError,
     PromptTooLongError,
 )
+from inference_worker.engine.logprobs import collect_prompt_logprobs, token_logprobs
 from inference_worker.engine.scheduler import Scheduler, SchedulerOutput, admission_keep_free
 from inference_worker.engine.sequence import Sequence as Seq
 from inference_worker.engine.sequence import SequenceStatus
@@ -33,9 +34,7 @@ from inference_worker.engine.types import (
     FinishReason,
     ModelRunner,
     RequestOutput,
-    SampleLogprobs,
     SamplingParams,
-    ScheduledSequence,
     TokenLogprobs,
     WorkerTokenizer,
 )
@@ -193,7 +192,7 @@ class LLMEngine:
     ) -> None:
         for seq, scheduled, token in zip(sched.scheduled, sched.batch.sequences, tokens, strict=True):
             if scheduled.prompt_logprobs:
-                self._collect_prompt_logprobs(seq, scheduled)
+                collect_prompt_logprobs(self.tokenizer, seq, scheduled)
             seq.num_computed_tokens += scheduled.num_new_tokens
             if token is None:
                 continue  # a non-final prefill chunk
@@ -208,33 +207,11 @@ class LLMEngine:
                 iteration.inter_token_latencies_iter.append(now - seq.last_token_time)
             seq.last_token_time = now
             iteration.num_generation_tokens += 1
-            logprobs = self._logprobs(token, scheduled.sampled_logprobs)
+            logprobs = token_logprobs(self.tokenizer, token, scheduled.sampled_logprobs)
             out = self._after_token(seq, token, now, iteration, logprobs)
             if first and seq.sampling.prompt_logprobs is not None:
                 out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
-
-    def _collect_prompt_logprobs(self, seq: Seq, scheduled: ScheduledSequence) -> None:
-        """Keep the prompt logprobs of tokens not seen yet (a recompute after a preemption
-        computes them again)."""
-        assert scheduled.prompt_logprobs is not None
-        decode = self.tokenizer.decode
-        for i, sampled in enumerate(scheduled.prompt_logprobs):
-            position = scheduled.num_computed_tokens + 1 + i  # the prompt token it is for
-            if position != len(seq.prompt_logprobs) + 1:
-                continue
-            top = tuple((decode([t]), lp) for t, lp in sampled.top)
-            seq.prompt_logprobs.append(
-                TokenLogprobs(decode([seq.token_ids[position]]), sampled.logprob, top)
-            )
-
-    def _logprobs(self, token: int, sampled: SampleLogprobs | None) -> list[TokenLogprobs] | None:
-        """The runner's logprobs of one step, with token texts (only for requests that ask)."""
-        if sampled is None:
-            return None
-        decode = self.tokenizer.decode
-        top = tuple((decode([t]), lp) for t, lp in sampled.top)
-        return [TokenLogprobs(decode([token]), sampled.logprob, top)]
 
     def _after_token(
         self,
