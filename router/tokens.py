@@ -83,7 +83,9 @@ def prefix_hashes(
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
     v = body.get("max_completion_tokens", body.get("max_tokens"))
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        return None
+    return max(v, 1)  # 0 (echo of the prompt alone): the engine still generates one token
 
 
 # OpenAI's limit on n: a larger value is the engine's to refuse, not a load to plan for.

@@ -41,6 +41,7 @@ def test_render_and_estimate_chat_and_completion():
     assert max_tokens_of({"max_tokens": 5}) == 5
     assert max_tokens_of({"max_completion_tokens": 7, "max_tokens": 5}) == 7
     assert max_tokens_of({"max_tokens": "x"}) is None and max_tokens_of({"max_tokens": True}) is None
+    assert max_tokens_of({"max_tokens": 0, "echo": True}) == 1 and max_tokens_of({"max_tokens": -1}) is None
 
 
 def test_prefix_hashes_share_prefix_and_are_stable():
