@@ -136,19 +136,28 @@ class TokenCounter:
         return id_tokens + len(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+def batch_size_of(body: dict[str, Any]) -> int:
+    """How many prompts a completions body holds (a list of strings or of token-id lists)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def schedule_request(
     counter: TokenCounter, model: str, body: dict[str, Any]
 ) -> tuple[dict[str, Any], int, int]:
-    """The scheduler's ScheduleRequest for an API body, with the prompt's token estimate and
-    the number of choices. A request for n choices is n sequences to the engine (vLLM fans
-    it out): n prompts to prefill and n answers' KV, planned for as one lease."""
+    """The scheduler's ScheduleRequest for an API body, with the prompt's token estimate (of
+    every prompt of a batch) and the number of choices per prompt. A request for n choices
+    is n sequences to the engine per prompt (vLLM fans it out): n prompts to prefill and n
+    answers' KV each, planned for as one lease."""
     text, id_tokens = render_prompt(body)
     prompt = counter.count(text, id_tokens)
     choices = choices_of(body)
     sched: dict[str, Any] = {"model": model, "prompt_tokens": prompt * choices}
     max_tokens = max_tokens_of(body)
     if max_tokens is not None:
-        sched["max_tokens"] = max_tokens * choices
+        sched["max_tokens"] = max_tokens * choices * batch_size_of(body)
     hashes = prefix_hashes(text)
     if hashes:
         sched["prefix_hashes"] = hashes

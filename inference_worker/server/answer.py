@@ -23,11 +23,11 @@ def engine_error(out: RequestOutput) -> APIError:
     return APIError(500, f"The engine failed while generating request {out.request_id}.", type="server_error")
 
 
-async def answer_chunks(gen: Generation, first: RequestOutput) -> AsyncIterator[str]:
-    """first: what gen.start() returned."""
+async def answer_chunks(gen: Generation) -> AsyncIterator[str]:
+    """gen: started."""
     chunks = gen.chunks
-    tally = UsageTally(first, gen.n)
-    for index in range(gen.n):
+    tally = gen.usage_tally()
+    for index in range(gen.num_choices):
         opening = chunks.first(index, tally)
         if opening:
             yield opening
@@ -41,7 +41,7 @@ async def answer_chunks(gen: Generation, first: RequestOutput) -> AsyncIterator[
 
 def _chunk(gen: Generation, index: int, out: RequestOutput, tally: UsageTally) -> str | None:
     tally.update(index, out)
-    text, logprobs = _content(gen, out)
+    text, logprobs = _content(gen, index, out)
     if out.finished:
         if out.finish_reason is FinishReason.ERROR:
             raise engine_error(out)
@@ -53,10 +53,12 @@ def _chunk(gen: Generation, index: int, out: RequestOutput, tally: UsageTally) -
     return None
 
 
-def _content(gen: Generation, out: RequestOutput) -> tuple[str, list[TokenLogprobs] | None]:
+def _content(
+    gen: Generation, index: int, out: RequestOutput
+) -> tuple[str, list[TokenLogprobs] | None]:
     """An output's text and logprobs as the answer shows them: with echo, a choice's first
-    output (the one that carries prompt_logprobs, when asked) begins with the prompt."""
-    echo = gen.echo
+    output (the one that carries prompt_logprobs, when asked) begins with its prompt."""
+    echo = gen.prompt_of(index).echo
     if echo is None:
         return out.text, out.logprobs
     text, logprobs = ("", None) if echo.only else (out.text, out.logprobs)
@@ -68,11 +70,14 @@ def _content(gen: Generation, out: RequestOutput) -> tuple[str, list[TokenLogpro
 
 
 async def answer_body(gen: Generation) -> dict[str, Any]:
-    texts: list[list[str]] = [[] for _ in range(gen.n)]
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(gen.n)]
-    lasts: list[RequestOutput | None] = [None] * gen.n
+    count = gen.num_choices
+    texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
+    lasts: list[RequestOutput | None] = [None] * count
+    tally = gen.usage_tally()
     async for index, out in gen.outputs():
-        text, lps = _content(gen, out)
+        tally.update(index, out)
+        text, lps = _content(gen, index, out)
         texts[index].append(text)
         logprobs[index].extend(lps or ())
         lasts[index] = out
@@ -80,5 +85,5 @@ async def answer_body(gen: Generation) -> dict[str, Any]:
     for last in ended:
         if last.finish_reason is FinishReason.ERROR:
             raise engine_error(last)
-    wanted = gen.params.logprobs is not None
-    return gen.chunks.full(["".join(t) for t in texts], ended, logprobs if wanted else None)
+    wanted = gen.prompts[0].params.logprobs is not None
+    return gen.chunks.full(["".join(t) for t in texts], ended, tally, logprobs if wanted else None)

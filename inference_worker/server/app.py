@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server import openai_api
 from inference_worker.server.errors import APIError, error_middleware, json_error
-from inference_worker.server.generation import GenerationFactory
+from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.state import ENGINE, FACTORY, REGISTRY
 from inference_worker.server.websocket import websocket_handler
 

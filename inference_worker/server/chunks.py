@@ -37,22 +37,23 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 class UsageTally:
-    """A request's usage so far: the prompt once, the answer tokens of every choice."""
+    """A request's usage so far: each prompt once, the answer tokens of every choice."""
 
-    __slots__ = ("_done", "cached_tokens", "prompt_tokens")
+    __slots__ = ("_cached", "_done", "n", "prompt_tokens")
 
-    def __init__(self, first: RequestOutput, n: int = 1) -> None:
-        self.prompt_tokens = first.num_prompt_tokens
-        self.cached_tokens = first.num_cached_tokens
-        self._done = [0] * n
+    def __init__(self, prompt_tokens: int, num_choices: int = 1, n: int = 1) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.n = n  # choices per prompt
+        self._done = [0] * num_choices
+        self._cached = [0] * (num_choices // n)
 
     def update(self, index: int, out: RequestOutput) -> None:
         self._done[index] = out.num_output_tokens
-        if index == 0:  # the first choice's prompt, as a request with n = 1 would report it
-            self.cached_tokens = out.num_cached_tokens
+        if index % self.n == 0:  # a prompt's first choice: its cache hits, as with n = 1
+            self._cached[index // self.n] = out.num_cached_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        return usage_dict(self.prompt_tokens, sum(self._done), self.cached_tokens)
+        return usage_dict(self.prompt_tokens, sum(self._done), sum(self._cached))
 
 
 def finish_reason_json(reason: FinishReason | None) -> str:
@@ -110,10 +111,10 @@ class _Chunks(ABC):
         self,
         texts: Sequence[str],
         lasts: Sequence[RequestOutput],
+        tally: UsageTally,
         logprobs: Sequence[list[TokenLogprobs]] | None = None,
     ) -> dict[str, Any]:
         """The non-stream body: one choice per text, each ended by its last output."""
-        tally = UsageTally(lasts[0], len(lasts))
         choices = []
         for index, (text, last) in enumerate(zip(texts, lasts, strict=True)):
             tally.update(index, last)

@@ -1,19 +1,19 @@
-"""From a request body to engine outputs: shared by the HTTP handlers and the WebSocket.
+"""A request on its way through the engine: one engine request per choice, merged back.
 
-`prepare_*` validates a body, checks the model name, tokenizes and builds the engine's
-`SamplingParams`; every problem raises an `APIError`/`ValidationError` before the
-engine sees the request. `Generation.start()` then starts the request in the engine
-(one engine request per choice) and waits for its first output, so errors the engine
-raises on admission (a `ValueError` subclass) still reach the client as a 4xx before
-any byte of a stream was sent. `Generation.outputs()` then yields every choice's outputs.
-`Generation.close()` aborts the request in the engine when the consumer stops early
-(client disconnect, WebSocket cancel); it is a no-op once finished.
+A request has one prompt (chat) or several (a completions batch), and n choices per prompt
+(vLLM fans n > 1 out into n child requests); choice `index` is choice `index % n` of prompt
+`index // n`, as in vLLM's answers. `Generation.start()` starts every choice in the engine
+and waits for a first output, so errors the engine raises on admission (a `ValueError`
+subclass) still reach the client as a 4xx before any byte of a stream was sent.
+`Generation.outputs()` then yields every choice's outputs as they come.
+`Generation.close()` aborts what has not finished when the consumer stops early (client
+disconnect, WebSocket cancel); it is a no-op once finished.
+(server/prepare.py builds Generations from request bodies.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -27,9 +27,7 @@ from inference_worker.engine.types import (
     SamplingParams,
     TokenLogprobs,
 )
-from inference_worker.server.chunks import ChatChunks, CompletionChunks
-from inference_worker.server.errors import invalid_request, model_not_found
-from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTally
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,67 +41,90 @@ class Echo:
     only: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a request, with its params (prompts of a batch differ only in the
+    default max_tokens) and, for completions' echo, what goes before its answers."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    echo: Echo | None = None
+
+
 @dataclass(slots=True)
 class Generation:
-    """One request on its way through the engine: one engine request per choice (n of them,
-    as vLLM fans a request with n > 1 out into n child requests)."""
-
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    prompts: list[Prompt]
     chunks: CompletionChunks | ChatChunks
     stream: bool
     include_usage: bool
-    echo: Echo | None = None
     _outputs: list[AsyncIterator[RequestOutput]] = field(default_factory=list, repr=False)
     _pending: dict[asyncio.Future[RequestOutput], int] = field(default_factory=dict, repr=False)
-    _parallel: ParallelSampling | None = field(default=None, repr=False)
+    _parallel: list[ParallelSampling] = field(default_factory=list, repr=False)
     # Outputs taken from the engine and not yet handed on, as (choice index, output).
     _ready: deque[tuple[int, RequestOutput]] = field(default_factory=deque, repr=False)
 
     @property
     def n(self) -> int:
-        return self.params.n
+        """Choices per prompt."""
+        return self.prompts[0].params.n
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
+
+    def usage_tally(self) -> UsageTally:
+        return UsageTally(self.prompt_tokens, self.num_choices, self.n)
 
     def _child(self, index: int) -> tuple[str, SamplingParams]:
-        """The engine id and params of choice `index`: with n > 1, vLLM's `<index>_<id>` and a
-        seed of its own (seed + index), so that seeded choices differ yet reproduce."""
+        """The engine id and params of choice `index`: vLLM's `<index>_<id>` when there are
+        several, and with n > 1 a seed of its own (seed + choice), so that seeded choices
+        differ yet reproduce."""
+        params = self.prompt_of(index).params
+        if self.num_choices == 1:
+            return self.request_id, params
+        engine_id = f"{index}_{self.request_id}"
         if self.n == 1:
-            return self.request_id, self.params
-        seed = None if self.params.seed is None else self.params.seed + index
-        return f"{index}_{self.request_id}", replace(self.params, seed=seed, parallel=self._parallel)
+            return engine_id, params
+        seed = None if params.seed is None else params.seed + index % self.n
+        return engine_id, replace(params, seed=seed, parallel=self._parallel[index // self.n])
 
-    async def start(self, engine: AsyncEngineClient) -> RequestOutput:
+    async def start(self, engine: AsyncEngineClient) -> None:
         """Submit every choice and wait for the first output of any: the engine's admission
-        errors are raised here (every choice aborted), before an answer's headers go out.
-        Returns that output (it tells the prompt's size)."""
+        errors are raised here (every choice aborted), before an answer's headers go out."""
         try:
-            return await self._start(engine)
+            await self._start(engine)
         except DuplicateRequestError:
             # A caller reused an X-Request-Id still in flight: the engine's id must be unique,
             # the answer keeps the caller's (its chunks were made with it).
             await self.close()
             self.request_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
-            return await self._start(engine)
+            await self._start(engine)
 
-    async def _start(self, engine: AsyncEngineClient) -> RequestOutput:
-        self._parallel = ParallelSampling(self.n, self.n) if self.n > 1 else None
+    async def _start(self, engine: AsyncEngineClient) -> None:
+        n = self.n
+        self._parallel = [ParallelSampling(n, n) for _ in self.prompts] if n > 1 else []
         self._outputs = []
         self._ready.clear()  # a retry under a new id starts afresh
-        for index in range(self.n):
+        for index in range(self.num_choices):
             engine_id, params = self._child(index)
-            self._outputs.append(engine.generate(engine_id, self.prompt_token_ids, params))
+            self._outputs.append(engine.generate(engine_id, self.prompt_of(index).token_ids, params))
         try:
-            if self.n == 1:
-                first = await anext(self._outputs[0])
-                self._ready.append((0, first))
-                return first
+            if self.num_choices == 1:
+                self._ready.append((0, await anext(self._outputs[0])))
+                return
             # Every choice at once: their prompts are prefilled together. Not all of them need
             # to have started: with few free sequence slots the later ones wait their turn.
             self._pending = {asyncio.ensure_future(anext(o)): i for i, o in enumerate(self._outputs)}
             done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
             self._take(done)
-            return self._ready[0][1]
         except BaseException:
             await self.close()
             raise
@@ -120,7 +141,7 @@ class Generation:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every output of every choice, as (choice index, output), in the order they come."""
         assert self._outputs, "start() first"
-        if self.n == 1:
+        if self.num_choices == 1:
             index, out = self._ready.popleft()
             yield index, out
             if not out.finished:
@@ -146,94 +167,3 @@ class Generation:
             aclose = getattr(out, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-# A caller's X-Request-Id becomes the request's id, as in vLLM (`chatcmpl-<id>`), so that a
-# gateway's access log, the answer's `id` and this worker name the same request. Only ids of
-# these characters: the id is written into every chunk's JSON as is.
-_CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def request_id_base(header: str | None) -> str:
-    """The caller's id if it is usable as one, else a fresh one."""
-    if header is not None and _CALLER_ID.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
-
-
-class GenerationFactory:
-    """Validates bodies for one served model and turns them into `Generation`s."""
-
-    def __init__(self, engine: AsyncEngineClient, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
-
-    def completion(self, body: bytes | str, id_base: str | None = None) -> Generation:
-        request = CompletionRequest.model_validate_json(body)
-        return self.completion_from(request, id_base)
-
-    def completion_from(self, request: CompletionRequest, id_base: str | None = None) -> Generation:
-        self.check_model(request.model)
-        prompt = request.prompt_text_or_ids()
-        tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
-        else:
-            prompt_ids = list(prompt)
-            # An id outside the vocabulary would crash the model's embedding lookup.
-            vocab_size = getattr(tokenizer, "vocab_size", None)
-            if vocab_size is not None and max(prompt_ids) >= vocab_size:
-                raise invalid_request(
-                    f"prompt holds token id {max(prompt_ids)}, outside the vocabulary (size {vocab_size})",
-                    param="prompt",
-                )
-        params = self._params(request, len(prompt_ids), "prompt")
-        request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
-        echo = None
-        if request.echo:
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-            first = TokenLogprobs(tokenizer.decode(prompt_ids[:1]), None)
-            echo = Echo(text, first, request.echo_only)
-        return Generation(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage, params.n),
-            stream=request.stream,
-            include_usage=request.include_usage,
-            echo=echo,
-        )
-
-    def _params(
-        self, request: CompletionRequest | ChatCompletionRequest, prompt_len: int, prompt_param: str
-    ) -> SamplingParams:
-        params = request.sampling_params(prompt_len, self.engine.max_model_len, prompt_param)
-        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
-        if vocab_size is not None and any(t >= vocab_size for t, _ in params.logit_bias):
-            raise invalid_request(
-                f"logit_bias names a token id outside the vocabulary (size {vocab_size})",
-                param="logit_bias",
-            )
-        return params
-
-    def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
-        request = ChatCompletionRequest.model_validate_json(body)
-        return self.chat_from(request, id_base)
-
-    def chat_from(self, request: ChatCompletionRequest, id_base: str | None = None) -> Generation:
-        self.check_model(request.model)
-        prompt_ids = self.engine.tokenizer.apply_chat_template(request.template_messages())
-        params = self._params(request, len(prompt_ids), "messages")
-        request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
-        return Generation(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_ids),
-            params=params,
-            chunks=ChatChunks(request_id, self.model_name, request.continuous_usage, params.n),
-            stream=request.stream,
-            include_usage=request.include_usage,
-        )

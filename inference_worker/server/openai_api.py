@@ -17,10 +17,11 @@ import time
 
 from aiohttp import web
 
-from inference_worker.engine.types import AsyncEngineClient, RequestOutput
+from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_body, answer_chunks
 from inference_worker.server.errors import APIError, exception_to_api_error
-from inference_worker.server.generation import Generation, GenerationFactory, request_id_base
+from inference_worker.server.generation import Generation
+from inference_worker.server.prepare import GenerationFactory, request_id_base
 from inference_worker.server.protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.state import ENGINE, FACTORY
 
@@ -46,20 +47,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
     engine: AsyncEngineClient = request.app[ENGINE]
-    first = await gen.start(engine)  # admission errors propagate to the middleware as 4xx
+    await gen.start(engine)  # admission errors propagate to the middleware as 4xx
     try:
         if gen.stream:
-            return await _stream(request, gen, first)
+            return await _stream(request, gen)
         return web.json_response(await answer_body(gen))
     finally:
         await gen.close()  # aborts in the engine unless the request already finished
 
 
-async def _stream(request: web.Request, gen: Generation, first: RequestOutput) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     try:
-        async for chunk in answer_chunks(gen, first):
+        async for chunk in answer_chunks(gen):
             await response.write(f"data: {chunk}\n\n".encode())
         await response.write(_DONE.encode())
     except ConnectionError:

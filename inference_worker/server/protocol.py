@@ -233,26 +233,24 @@ class CompletionRequest(_GenerationRequest):
     def requested_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
-    def prompt_text_or_ids(self) -> str | list[int]:
-        """The one prompt: a string or a list of token ids (batches of one are unwrapped)."""
-        return normalize_prompt(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a batch of them (OpenAI's and vLLM's
+        completions take both; each prompt's answers are choices of the one response)."""
+        return normalize_prompts(self.prompt)
 
 
-def normalize_prompt(prompt: Any) -> str | list[int]:
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        if prompt and all(_is_token_id(t) for t in prompt):
-            return prompt
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return prompt[0]
-        if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0]:
-            if all(_is_token_id(t) for t in prompt[0]):
-                return prompt[0]
-        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise _unsupported("prompt", "A batch of several prompts in one request")
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token_id(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return list(prompt)
     raise invalid_request(
-        "prompt must be a string, a non-empty list of token ids, or a list holding one of those",
+        "prompt must be a string, a non-empty list of token ids, or a non-empty list of either",
         param="prompt",
     )
 

@@ -6,7 +6,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from inference_worker.engine.types import AsyncEngineClient
-from inference_worker.server.generation import GenerationFactory
+from inference_worker.server.prepare import GenerationFactory
 
 ENGINE = web.AppKey("engine", AsyncEngineClient)
 FACTORY = web.AppKey("generation_factory", GenerationFactory)

@@ -38,7 +38,8 @@ from aiohttp import WSMsgType, web
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_chunks
 from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request
-from inference_worker.server.generation import Generation, GenerationFactory
+from inference_worker.server.generation import Generation
+from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from inference_worker.server.state import ENGINE, FACTORY
 
@@ -146,8 +147,8 @@ async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, cu
     try:
         gen = generation_from_message(app[FACTORY], text)
         current.request_id = gen.request_id
-        first = await gen.start(engine)
-        async for chunk in answer_chunks(gen, first):
+        await gen.start(engine)
+        async for chunk in answer_chunks(gen):
             await ws.send_str(chunk)
         await ws.send_str(json.dumps({"type": "done", "id": gen.request_id}))
     except ConnectionError:

@@ -315,6 +315,10 @@ def test_a_request_for_n_choices_is_planned_as_n_sequences():
     for junk in ("4", True, 0, -2, None):
         assert schedule_request(counter, "m", {**body, "n": junk})[2] == 1
     assert schedule_request(counter, "m", {**body, "n": 10**9})[2] == 128
+    # A batch of three prompts: each answer's KV counts (the prompts' sizes add up already).
+    batch = {"prompt": ["x" * 400, "y" * 400, "z" * 400], "max_tokens": 50, "n": 2}
+    sched, prompt, _ = schedule_request(counter, "m", batch)
+    assert prompt >= 300 and sched["prompt_tokens"] == 2 * prompt and sched["max_tokens"] == 300
 
 
 def test_access_log_quotes_and_cuts_client_chosen_fields():

@@ -311,6 +311,36 @@ def test_n_choices_whole_and_streamed(worker, client) -> None:
     assert events[-1]["usage"]["completion_tokens"] == 18
 
 
+def test_a_batch_of_prompts_answers_each_as_if_alone(worker) -> None:
+    """Completions take a batch of prompts (strings or token ids), as OpenAI and vLLM do:
+    choice i x n + j is choice j of prompt i, each the answer that prompt gets alone."""
+    url = worker.api_url + "/completions"
+    prompts = [PROMPT, "Two plus two is"]
+    base = {"model": MODEL, "max_tokens": 5, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+
+    def texts(body: dict) -> list[str]:
+        r = httpx.post(url, json={**base, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    alone = [texts({"prompt": p, "n": 2}) for p in prompts]
+    done = httpx.post(url, json={**base, "prompt": prompts, "n": 2}, timeout=60).json()
+    assert [c["index"] for c in done["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in done["choices"]] == alone[0] + alone[1]
+    tokenize = worker.base_url + "/tokenize"
+    counts = [httpx.post(tokenize, json={"prompt": p}, timeout=60).json() for p in prompts]
+    assert done["usage"]["prompt_tokens"] == sum(c["count"] for c in counts)
+    assert done["usage"]["completion_tokens"] == 4 * 5
+    # Token ids, streamed, with echo: each choice opens with its own prompt.
+    ids = [c["tokens"] for c in counts]
+    events = _events(url, {**base, "prompt": ids, "echo": True})
+    streamed: dict[int, str] = {}
+    for event in events:
+        (choice,) = event["choices"]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    assert streamed == {0: prompts[0] + alone[0][0], 1: prompts[1] + alone[1][0]}
+
+
 def test_n_choices_all_abort_when_the_client_leaves(worker) -> None:
     before = worker.metrics()
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "n": 3, "ignore_eos": True, "stream": True}
@@ -449,7 +479,8 @@ BAD_INPUTS = [
     bad("missing prompt", CMPL, {"max_tokens": 3}, 400, "prompt"),
     bad("empty token list", CMPL, {"prompt": []}, 400, "prompt"),
     bad("mixed prompt list", CMPL, {"prompt": [1, "a"]}, 400, "prompt"),
-    bad("batch of prompts", CMPL, {"prompt": ["a", "b"]}, 400, "prompt"),
+    bad("batch of mixed prompts", CMPL, {"prompt": ["a", [1]]}, 400, "prompt"),
+    bad("batch beyond 1024 answers", CMPL, {"prompt": ["a"] * 9, "n": 128}, 400, "prompt"),
     bad("token id outside vocab", CMPL, {"prompt": [1, 999_999_999]}, 400, "prompt"),
     bad("empty prompt", CMPL, {"prompt": ""}, 400, "prompt"),
     bad("no messages", CHAT, {"messages": []}, 400, "messages"),

@@ -11,7 +11,7 @@ from inference_worker.engine.errors import EngineDeadError, PromptTooLongError
 from inference_worker.engine.types import FinishReason, RequestOutput
 from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTally
 from inference_worker.server.errors import APIError, exception_to_api_error
-from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompt
+from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompts
 from inference_worker.server.websocket import _is_cancel
 
 
@@ -57,16 +57,20 @@ def test_chat_max_completion_tokens_wins_and_options_map() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("text", "text"), ([1, 2, 3], [1, 2, 3]), (["one"], "one"), ([[4, 5]], [4, 5])],
+    [("text", ["text"]), ([1, 2, 3], [[1, 2, 3]]), (["one"], ["one"]), ([[4, 5]], [[4, 5]]),
+     (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
 )
 def test_prompt_forms(prompt, expected) -> None:
-    assert normalize_prompt(prompt) == expected
+    """One prompt or a batch: a string, token ids, or a list of either."""
+    assert normalize_prompts(prompt) == expected
 
 
-@pytest.mark.parametrize("prompt", [[], [1, "a"], ["a", "b"], [[1], [2]], [-1], [True], {"a": 1}, 5])
+@pytest.mark.parametrize(
+    "prompt", [[], [1, "a"], ["a", [1]], [[1], []], [[1], ["a"]], [-1], [True], {"a": 1}, 5]
+)
 def test_bad_prompt_forms(prompt) -> None:
     with pytest.raises(APIError) as err:
-        normalize_prompt(prompt)
+        normalize_prompts(prompt)
     assert err.value.status == 400 and err.value.param == "prompt"
 
 
@@ -109,7 +113,7 @@ def test_chunks_are_valid_json_with_escaping() -> None:
     assert body["choices"][0]["text"] == tricky and body["model"] == 'model "x"'
     assert json.loads(comp.delta("", FinishReason.LENGTH))["choices"][0]["finish_reason"] == "length"
     last = _out("", True, FinishReason.STOP)
-    tally = UsageTally(last)
+    tally = UsageTally(4)
     tally.update(0, last)
     usage = json.loads(comp.usage(tally))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
@@ -118,13 +122,22 @@ def test_chunks_are_valid_json_with_escaping() -> None:
     assert json.loads(chat.first())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert json.loads(chat.delta(tricky, None))["choices"][0]["delta"]["content"] == tricky
     assert json.loads(chat.delta("", FinishReason.STOP))["choices"][0]["delta"] == {}
-    full = chat.full(["hello"], [last])
+    full = chat.full(["hello"], [last], tally)
     assert full["choices"][0]["message"]["content"] == "hello" and full["usage"]["completion_tokens"] == 2
     # n = 2: one choice per text, the prompt counted once, the answers added up.
-    two = chat.full(["a", "b"], [last, last])
+    pair = UsageTally(4, num_choices=2, n=2)
+    for index in (0, 1):
+        pair.update(index, last)
+    two = chat.full(["a", "b"], [last, last], pair)
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert two["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
                             "prompt_tokens_details": {"cached_tokens": 1}}
+    # Two prompts of 4 tokens, n = 1: each prompt counted, each one's cache hits.
+    batch = UsageTally(8, num_choices=2, n=1)
+    for index in (0, 1):
+        batch.update(index, last)
+    summed = batch.as_dict()
+    assert summed["prompt_tokens"] == 8 and summed["prompt_tokens_details"]["cached_tokens"] == 2
     assert json.loads(chat.delta("x", None, None, 1))["choices"][0]["index"] == 1
 
 

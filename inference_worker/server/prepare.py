@@ -1,0 +1,118 @@
+"""From a request body to a Generation: shared by the HTTP handlers and the WebSocket.
+
+`GenerationFactory` validates a body, checks the model name, tokenizes and builds the
+engine's `SamplingParams`; every problem raises an `APIError`/`ValidationError` before
+the engine sees the request.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from inference_worker.engine.types import AsyncEngineClient, SamplingParams, TokenLogprobs
+from inference_worker.server.chunks import ChatChunks, CompletionChunks
+from inference_worker.server.errors import invalid_request, model_not_found
+from inference_worker.server.generation import Echo, Generation, Prompt
+from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+
+# A caller's X-Request-Id becomes the request's id, as in vLLM (`chatcmpl-<id>`), so that a
+# gateway's access log, the answer's `id` and this worker name the same request. Only ids of
+# these characters: the id is written into every chunk's JSON as is.
+_CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+# Engine requests one API request may start (prompts of a batch x n): more is a 400.
+MAX_CHOICES_PER_REQUEST = 1024
+
+
+def request_id_base(header: str | None) -> str:
+    """The caller's id if it is usable as one, else a fresh one."""
+    if header is not None and _CALLER_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+class GenerationFactory:
+    """Validates bodies for one served model and turns them into `Generation`s."""
+
+    def __init__(self, engine: AsyncEngineClient, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def completion(self, body: bytes | str, id_base: str | None = None) -> Generation:
+        request = CompletionRequest.model_validate_json(body)
+        return self.completion_from(request, id_base)
+
+    def completion_from(self, request: CompletionRequest, id_base: str | None = None) -> Generation:
+        self.check_model(request.model)
+        texts_or_ids = request.prompts()
+        if len(texts_or_ids) * request.n > MAX_CHOICES_PER_REQUEST:
+            raise invalid_request(
+                f"{len(texts_or_ids)} prompts x n={request.n} is more than {MAX_CHOICES_PER_REQUEST} "
+                "answers in one request",
+                param="prompt",
+            )
+        prompts = [self._completion_prompt(request, p) for p in texts_or_ids]
+        request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
+        choices = len(prompts) * request.n
+        return Generation(
+            request_id=request_id,
+            prompts=prompts,
+            chunks=CompletionChunks(request_id, self.model_name, request.continuous_usage, choices),
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )
+
+    def _completion_prompt(self, request: CompletionRequest, prompt: str | list[int]) -> Prompt:
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            # An id outside the vocabulary would crash the model's embedding lookup.
+            vocab_size = getattr(tokenizer, "vocab_size", None)
+            if vocab_size is not None and max(prompt_ids) >= vocab_size:
+                raise invalid_request(
+                    f"prompt holds token id {max(prompt_ids)}, outside the vocabulary (size {vocab_size})",
+                    param="prompt",
+                )
+        params = self._params(request, len(prompt_ids), "prompt")
+        echo = None
+        if request.echo:
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+            first = TokenLogprobs(tokenizer.decode(prompt_ids[:1]), None)
+            echo = Echo(text, first, request.echo_only)
+        return Prompt(prompt_ids, params, echo)
+
+    def _params(
+        self, request: CompletionRequest | ChatCompletionRequest, prompt_len: int, prompt_param: str
+    ) -> SamplingParams:
+        params = request.sampling_params(prompt_len, self.engine.max_model_len, prompt_param)
+        vocab_size = getattr(self.engine.tokenizer, "vocab_size", None)
+        if vocab_size is not None and any(t >= vocab_size for t, _ in params.logit_bias):
+            raise invalid_request(
+                f"logit_bias names a token id outside the vocabulary (size {vocab_size})",
+                param="logit_bias",
+            )
+        return params
+
+    def chat(self, body: bytes | str, id_base: str | None = None) -> Generation:
+        request = ChatCompletionRequest.model_validate_json(body)
+        return self.chat_from(request, id_base)
+
+    def chat_from(self, request: ChatCompletionRequest, id_base: str | None = None) -> Generation:
+        self.check_model(request.model)
+        prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
+        params = self._params(request, len(prompt_ids), "messages")
+        request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
+        return Generation(
+            request_id=request_id,
+            prompts=[Prompt(prompt_ids, params)],
+            chunks=ChatChunks(request_id, self.model_name, request.continuous_usage, params.n),
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )
