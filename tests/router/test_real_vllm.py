@@ -13,7 +13,8 @@ vLLM's page; the scheduler then reads vLLM's filtered page (vLLM 0.32 honours `?
 `/metrics/`, see scheduler.scrape.dialects), which carries the live load; streamed answers pass
 through with the gateway's own usage request hidden; vLLM's 4xx answers reach the client as 4xx
 in the OpenAI error shape. And our own worker, beside it on the same weights, answers the
-sampling options (logprobs, echo, penalties, logit_bias, min_tokens, n) as vLLM does.
+sampling options (logprobs, echo, penalties, logit_bias, min_tokens, n, prompt batches) as
+vLLM does.
 """
 
 from __future__ import annotations
@@ -235,6 +236,12 @@ def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
                                                                    abs=1e-3)
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [ours["usage"][k] for k in counts] == [vllm["usage"][k] for k in counts]
+
+    # A batch of prompts: the same greedy answers, in the same choice order.
+    vllm, ours = _both(stack, our_worker, "completions", {"prompt": [PROMPT, "Two plus two is"],
+                                                         "max_tokens": 4, "temperature": 0})
+    assert [c["index"] for c in ours["choices"]] == [c["index"] for c in vllm["choices"]] == [0, 1]
+    assert [c["text"] for c in ours["choices"]] == [c["text"] for c in vllm["choices"]]
 
     # n: the same shape (the draws differ: another random generator).
     vllm, ours = _both(stack, our_worker, "chat/completions", {"messages": CHAT, "max_tokens": 4, "n": 3,
