@@ -53,6 +53,8 @@ class Prompt:
 
 @dataclass(slots=True)
 class Generation:
+    """One API request in the engine: prompts x n engine requests (see the module's text)."""
+
     request_id: str
     prompts: list[Prompt]
     chunks: CompletionChunks | ChatChunks
