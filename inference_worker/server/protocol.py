@@ -3,8 +3,8 @@
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
 (chat echo, tools, best_of, vLLM's guided decoding and other options that would change the
-answer, ...) are rejected with a 400 naming the parameter instead of
-being ignored. Other unknown fields are ignored, as vLLM does.
+answer, ...) are rejected with a 400 naming the parameter instead of being ignored. Other
+unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
 """
 
@@ -104,7 +104,7 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit(), but int("²") fails
                 raise ValueError(f"logit_bias keys are token ids, not {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")

@@ -471,6 +471,8 @@ BAD_INPUTS = [
         "frequency_penalty"),
     bad("repetition_penalty zero", CMPL, {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     bad("logit_bias key not an id", CMPL, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    bad("logit_bias key a superscript", CMPL, {"prompt": "a", "logit_bias": {"\u00b2": 1}}, 400,
+        "logit_bias"),
     bad("logit_bias beyond 100", CMPL, {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     bad("logit_bias id outside vocab", CMPL, {"prompt": "a", "logit_bias": {"999999999": 1}}, 400,
         "logit_bias"),
