@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class FinishReason(enum.StrEnum):
@@ -187,7 +187,13 @@ class WorkerTokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]: ...
 
 
 class AsyncEngineClient(Protocol):

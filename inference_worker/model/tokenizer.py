@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class HFTokenizer:
@@ -23,10 +24,29 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat prompt's token ids. template_kwargs: extra variables for the template
+        (vLLM's chat_template_kwargs); a template that fails on them is a ValueError (a 400)."""
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template failed: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -64,7 +64,7 @@ def _content(
     text, logprobs = ("", None) if echo.only else (out.text, out.logprobs)
     if out.num_output_tokens == 1 and out.token_ids:  # the choice's first token
         text = echo.text + text
-        if out.prompt_logprobs is not None:
+        if out.prompt_logprobs is not None and echo.first_token is not None:
             logprobs = [echo.first_token, *out.prompt_logprobs, *(logprobs or ())]
     return text, logprobs
 

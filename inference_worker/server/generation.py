@@ -32,11 +32,13 @@ from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTa
 
 @dataclass(frozen=True, slots=True)
 class Echo:
-    """Completions' echo: the prompt goes before each choice's answer."""
+    """Echo: text that goes before each choice's answer (completions: the prompt; chat: the
+    last assistant message the answer continues)."""
 
     text: str
-    # The prompt's first token, in the logprobs (nothing predicts it: its logprob is None).
-    first_token: TokenLogprobs
+    # Completions: the prompt's first token, in the logprobs (nothing predicts it: its
+    # logprob is None). Chat echoes no logprobs.
+    first_token: TokenLogprobs | None = None
     # max_tokens 0: the prompt is the whole answer; the engine's one token is dropped.
     only: bool = False
 

@@ -103,7 +103,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = TokenizeRequest.model_validate_json(await request.read())
     factory.check_model(body.model)
     if body.messages is not None:
-        tokens = engine.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
+        messages = [m.as_template_message() for m in body.messages]
+        tokens = engine.tokenizer.apply_chat_template(messages, **body.rendering())
     else:
         tokens = engine.tokenizer.encode(body.prompt or "")
     return web.json_response(

@@ -106,12 +106,15 @@ class GenerationFactory:
 
     def chat_from(self, request: ChatCompletionRequest, id_base: str | None = None) -> Generation:
         self.check_model(request.model)
-        prompt_ids = list(self.engine.tokenizer.apply_chat_template(request.template_messages()))
+        tokenizer = self.engine.tokenizer
+        prompt_ids = list(tokenizer.apply_chat_template(request.template_messages(), **request.rendering()))
         params = self._params(request, len(prompt_ids), "messages")
         request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
+        echoed = request.echoed()
+        echo = Echo(echoed) if echoed is not None else None
         return Generation(
             request_id=request_id,
-            prompts=[Prompt(prompt_ids, params)],
+            prompts=[Prompt(prompt_ids, params, echo)],
             chunks=ChatChunks(request_id, self.model_name, request.continuous_usage, params.n),
             stream=request.stream,
             include_usage=request.include_usage,

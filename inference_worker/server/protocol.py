@@ -2,8 +2,8 @@
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
-(chat echo, tools, best_of, vLLM's guided decoding and other options that would change the
-answer, ...) are rejected with a 400 naming the parameter instead of being ignored. Other
+(a per-request chat_template, tools, best_of, vLLM's guided decoding and other options that
+would change the answer, ...) are rejected with a 400 naming the parameter instead of being ignored. Other
 unknown fields are ignored, as vLLM does.
 Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
 """
@@ -54,10 +54,32 @@ _UNIMPLEMENTED: dict[str, Any] = {
 }
 _UNIMPLEMENTED_CHAT: dict[str, Any] = {
     "chat_template": None,
-    "add_generation_prompt": True,
-    "continue_final_message": False,
-    "echo": False,
 }
+
+
+class _ChatRendering(BaseModel):
+    """vLLM's options for rendering messages with the chat template (chat and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    # Leave the last message open for the answer to go on from it (an assistant "prefill").
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _check_rendering(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid_request(
+                "Cannot set both continue_final_message and add_generation_prompt to true "
+                "(set add_generation_prompt to false)",
+                param="continue_final_message",
+            )
+
+    def rendering(self) -> dict[str, Any]:
+        """The keyword arguments of WorkerTokenizer.apply_chat_template."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
 
 
 def _reject_set(request: BaseModel, options: dict[str, Any]) -> None:
@@ -282,8 +304,10 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's chat echo: an answer that goes on from a last assistant message starts with it.
+    echo: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -299,11 +323,20 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _unsupported("response_format", "response_format other than text")
         _reject_set(self, _UNIMPLEMENTED_CHAT)
+        self._check_rendering()
         self._reject_unsupported()
         return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed(self) -> str | None:
+        """With echo, the last message's text when it is the assistant's (what the answer
+        continues), as vLLM does; else None."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return None
+        return last.as_template_message()["content"]
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -312,8 +345,9 @@ class ChatCompletionRequest(_GenerationRequest):
         return [m.as_template_message() for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize body: a `prompt` or chat `messages`."""
+class TokenizeRequest(_ChatRendering):
+    """vLLM's /tokenize body: a `prompt` or chat `messages` (rendered as a chat request with
+    the same options would be)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -327,6 +361,7 @@ class TokenizeRequest(BaseModel):
             raise invalid_request("give exactly one of prompt or messages", param="prompt")
         if self.messages is not None and not self.messages:
             raise invalid_request("messages must not be empty", param="messages")
+        self._check_rendering()
         return self
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 VOCAB_SIZE = 32000
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -162,10 +163,20 @@ class SimTokenizer:
             parts.append(piece)
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Llama-2 chat format, ending with an open assistant turn.
 
         `<s>[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST] {assistant} </s><s>[INST] ...`
+
+        Llama-2's format has no separate generation prompt (add_generation_prompt changes
+        nothing) and uses no template variables; continue_final_message leaves a last
+        assistant message open (no closing `</s>`), for the answer to go on from it.
         """
         system = "\n\n".join(_text_of(m) for m in messages if m.get("role") == "system")
         ids: list[int] = []
@@ -177,7 +188,10 @@ class SimTokenizer:
             content = _text_of(message)
             if role == "assistant":
                 ids += self._user_turn(pending_user or "", system if not ids else "")
-                ids += [*self.encode(f" {content.strip()} ", add_special_tokens=False), EOS_ID]
+                if continue_final_message and message is messages[-1]:
+                    ids += self.encode(f" {content.strip()}", add_special_tokens=False)
+                else:
+                    ids += [*self.encode(f" {content.strip()} ", add_special_tokens=False), EOS_ID]
                 pending_user = None
             else:  # user, and any other role, speaks in an [INST] block
                 pending_user = content if pending_user is None else f"{pending_user}\n\n{content}"

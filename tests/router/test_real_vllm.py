@@ -13,8 +13,8 @@ vLLM's page; the scheduler then reads vLLM's filtered page (vLLM 0.32 honours `?
 `/metrics/`, see scheduler.scrape.dialects), which carries the live load; streamed answers pass
 through with the gateway's own usage request hidden; vLLM's 4xx answers reach the client as 4xx
 in the OpenAI error shape. And our own worker, beside it on the same weights, answers the
-sampling options (logprobs, echo, penalties, logit_bias, min_tokens, n, prompt batches) as
-vLLM does.
+sampling options (logprobs, echo, penalties, logit_bias, min_tokens, n, prompt batches,
+assistant prefills) as vLLM does.
 """
 
 from __future__ import annotations
@@ -236,6 +236,15 @@ def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
                                                                    abs=1e-3)
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [ours["usage"][k] for k in counts] == [vllm["usage"][k] for k in counts]
+
+    # An assistant prefill continued (continue_final_message), echoed: vLLM's exact text.
+    prefill = [*CHAT, {"role": "assistant", "content": "My favourite fruit is"}]
+    vllm, ours = _both(stack, our_worker, "chat/completions", {
+        "messages": prefill, "max_tokens": 8, "temperature": 0, "add_generation_prompt": False,
+        "continue_final_message": True, "echo": True})
+    assert ours["choices"][0]["message"]["content"] == vllm["choices"][0]["message"]["content"]
+    assert ours["choices"][0]["message"]["content"].startswith("My favourite fruit is")
+    assert ours["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
 
     # A batch of prompts: the same greedy answers, in the same choice order.
     vllm, ours = _both(stack, our_worker, "completions", {"prompt": [PROMPT, "Two plus two is"],

@@ -85,6 +85,10 @@ def test_llama2_chat_template():
         "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] How are you? [/INST]"
     )
     assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "x"}])) == "[INST] x [/INST]"
+    # An assistant prefill left open for the answer to go on from it.
+    prefill = [*messages[:2], {"role": "assistant", "content": "Well,"}]
+    opened = tok.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(opened, skip_special_tokens=False).endswith("Hi [/INST] Well,") and EOS_ID not in opened
 
 
 def _sharegpt_prompts(n: int) -> list[str]:

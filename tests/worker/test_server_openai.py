@@ -251,6 +251,33 @@ def test_completion_echo_puts_the_prompt_and_its_logprobs_first(worker, greedy_c
     assert [c["text"] for c in two["choices"]] == [choice["text"]] * 2
 
 
+def test_an_assistant_prefill_is_continued(worker) -> None:
+    """vLLM's chat rendering options: with add_generation_prompt false and
+    continue_final_message true the answer goes on from a last assistant message (echo puts
+    that message first); /tokenize renders the same prompt; template variables are taken."""
+    prefill = [{"role": "user", "content": "Give me a JSON object with a name."},
+               {"role": "assistant", "content": '{"name": "'}]
+    body = {"model": MODEL, "messages": prefill, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    url = worker.api_url + "/chat/completions"
+    went_on = httpx.post(url, json=body, timeout=60).json()
+    echoed = httpx.post(url, json={**body, "echo": True}, timeout=60).json()
+    text = went_on["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == '{"name": "' + text
+    # A closed assistant turn instead: another prompt, another answer.
+    closed = httpx.post(url, json={**body, "add_generation_prompt": True, "continue_final_message": False},
+                        timeout=60).json()
+    assert closed["usage"]["prompt_tokens"] != went_on["usage"]["prompt_tokens"]
+    rendered = httpx.post(worker.base_url + "/tokenize", timeout=60, json={
+        "messages": prefill, "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert rendered["count"] == went_on["usage"]["prompt_tokens"]
+    streamed = _events(url, {**body, "echo": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in streamed) == '{"name": "' + text
+    kwargs = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                   "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert kwargs.status_code == 200
+
+
 def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_completion) -> None:
     """Accepted and applied (they used to be refused): each changes the greedy answer."""
     url = worker.api_url + "/completions"
@@ -486,6 +513,10 @@ BAD_INPUTS = [
     bad("token id outside vocab", CMPL, {"prompt": [1, 999_999_999]}, 400, "prompt"),
     bad("empty prompt", CMPL, {"prompt": ""}, 400, "prompt"),
     bad("no messages", CHAT, {"messages": []}, 400, "messages"),
+    bad("continue_final_message with a generation prompt", CHAT,
+        {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    bad("chat_template_kwargs not an object", CHAT, {"messages": MESSAGES, "chat_template_kwargs": 3}, 400,
+        "chat_template_kwargs"),
     bad("missing messages", CHAT, {"max_tokens": 3}, 400, "messages"),
     bad("bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     bad("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
