@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ class HFTokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = len(hf_tokenizer)
+        self._own_params = frozenset(inspect.signature(hf_tokenizer.apply_chat_template).parameters)
 
     def encode(self, text: str) -> list[int]:
         # The tokenizer decides about BOS (SmolLM2 adds none), as in vLLM.
@@ -37,13 +39,16 @@ class HFTokenizer:
             raise ValueError("this model's tokenizer has no chat template")
         from jinja2 import TemplateError
 
+        # Template variables only: a name of apply_chat_template's own (tokenize, tools, ...)
+        # would change what it returns or fail the call, so such names are dropped, as vLLM does.
+        variables = {k: v for k, v in (template_kwargs or {}).items() if k not in self._own_params}
         try:
             ids = self.hf.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=True,
-                **(template_kwargs or {}),
+                **variables,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template failed: {exc}") from None

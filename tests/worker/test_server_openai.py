@@ -273,9 +273,12 @@ def test_an_assistant_prefill_is_continued(worker) -> None:
     assert rendered["count"] == went_on["usage"]["prompt_tokens"]
     streamed = _events(url, {**body, "echo": True})
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in streamed) == '{"name": "' + text
-    kwargs = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
-                                   "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
-    assert kwargs.status_code == 200
+    # Template variables are taken; names of the renderer's own arguments are not (they would
+    # turn the prompt into text, or fail the call).
+    for variables in ({"enable_thinking": False}, {"tokenize": False, "add_generation_prompt": False}):
+        r = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0,
+                                  "chat_template_kwargs": variables}, timeout=60)
+        assert r.status_code == 200, r.text
 
 
 def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_completion) -> None:
