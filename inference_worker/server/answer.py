@@ -74,9 +74,7 @@ async def answer_body(gen: Generation) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in range(count)]
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
     lasts: list[RequestOutput | None] = [None] * count
-    tally = gen.usage_tally()
     async for index, out in gen.outputs():
-        tally.update(index, out)
         text, lps = _content(gen, index, out)
         texts[index].append(text)
         logprobs[index].extend(lps or ())
@@ -86,4 +84,5 @@ async def answer_body(gen: Generation) -> dict[str, Any]:
         if last.finish_reason is FinishReason.ERROR:
             raise engine_error(last)
     wanted = gen.prompts[0].params.logprobs is not None
-    return gen.chunks.full(["".join(t) for t in texts], ended, tally, logprobs if wanted else None)
+    texts_joined = ["".join(t) for t in texts]
+    return gen.chunks.full(texts_joined, ended, gen.usage_tally(), logprobs if wanted else None)
