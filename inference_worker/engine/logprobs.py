@@ -9,8 +9,17 @@ worker runs without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+
 from inference_worker.engine.sequence import Sequence as Seq
 from inference_worker.engine.types import SampleLogprobs, ScheduledSequence, TokenLogprobs, WorkerTokenizer
+
+
+def _decoder(tokenizer: WorkerTokenizer) -> Callable[[Sequence[int]], str]:
+    """Token texts for logprobs keep special tokens ("<|im_end|>"), as vLLM shows them: an
+    answer's text leaves them out, its logprobs name every token."""
+    return partial(tokenizer.decode, skip_special_tokens=False)
 
 
 def token_logprobs(
@@ -19,7 +28,7 @@ def token_logprobs(
     """One step's logprobs of a sequence, with token texts (None when it did not ask)."""
     if sampled is None:
         return None
-    decode = tokenizer.decode
+    decode = _decoder(tokenizer)
     top = tuple((decode([t]), lp) for t, lp in sampled.top)
     return [TokenLogprobs(decode([token]), sampled.logprob, top)]
 
@@ -28,10 +37,14 @@ def collect_prompt_logprobs(tokenizer: WorkerTokenizer, seq: Seq, scheduled: Sch
     """Keep the prompt logprobs of a prefill step for the tokens not seen yet (a recompute
     after a preemption computes them again)."""
     assert scheduled.prompt_logprobs is not None
-    decode = tokenizer.decode
+    decode = _decoder(tokenizer)
     for i, sampled in enumerate(scheduled.prompt_logprobs):
         position = scheduled.num_computed_tokens + 1 + i  # the prompt token it is for
         if position != len(seq.prompt_logprobs) + 1:
             continue
         top = tuple((decode([t]), lp) for t, lp in sampled.top)
-        seq.prompt_logprobs.append(TokenLogprobs(decode([seq.token_ids[position]]), sampled.logprob, top))
+        token = seq.token_ids[position]
+        top_ids = tuple(t for t, _ in sampled.top)
+        seq.prompt_logprobs.append(
+            TokenLogprobs(decode([token]), sampled.logprob, top, token, sampled.rank, top_ids)
+        )

@@ -88,15 +88,22 @@ class SampleLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # The token's 1-based rank in the vocabulary, where the runner computed it (prompt
+    # positions, for vLLM's prompt_logprobs); 0: not computed.
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """One output token's log-probabilities as the API shows them: token texts, not ids."""
+    """One token's log-probabilities as the API shows them: token texts (and, for vLLM's
+    prompt_logprobs, the ids and the token's rank)."""
 
     token: str
     logprob: float | None  # None only for an echoed prompt's first token: nothing predicts it
     top: tuple[tuple[str, float], ...] = ()
+    token_id: int = -1
+    rank: int = 0
+    top_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -185,7 +192,7 @@ class WorkerTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
         self,

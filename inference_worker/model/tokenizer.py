@@ -23,8 +23,8 @@ class HFTokenizer:
         # The tokenizer decides about BOS (SmolLM2 adds none), as in vLLM.
         return list(self.hf.encode(text))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,

@@ -127,13 +127,17 @@ class TorchModelRunner:
             for lo in range(0, len(rows), PROMPT_LOGITS_SLICE):
                 part = hidden[at + lo : at + min(lo + PROMPT_LOGITS_SLICE, len(rows))]
                 logp = torch.log_softmax(self.model.logits(part).float(), dim=-1)
-                chosen = logp.gather(1, targets[lo : lo + part.shape[0], None])[:, 0].tolist()
+                chosen_t = logp.gather(1, targets[lo : lo + part.shape[0], None])
+                ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+                chosen = chosen_t[:, 0].tolist()
                 tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
                 if top_n:
                     values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
                     pairs = zip(ids.tolist(), values.tolist(), strict=True)
                     tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
-                found.extend(SampleLogprobs(lp, top) for lp, top in zip(chosen, tops, strict=True))
+                found.extend(
+                    SampleLogprobs(lp, top, rank) for lp, top, rank in zip(chosen, tops, ranks, strict=True)
+                )
             seq.prompt_logprobs = found
             at += len(rows)
 

@@ -74,15 +74,21 @@ async def answer_body(gen: Generation) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in range(count)]
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
     lasts: list[RequestOutput | None] = [None] * count
+    prompt_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
     async for index, out in gen.outputs():
         text, lps = _content(gen, index, out)
         texts[index].append(text)
         logprobs[index].extend(lps or ())
         lasts[index] = out
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[index] = out.prompt_logprobs
     ended = [last for last in lasts if last is not None]  # all of them: outputs() ran to the end
     for last in ended:
         if last.finish_reason is FinishReason.ERROR:
             raise engine_error(last)
     wanted = gen.prompts[0].params.logprobs is not None
     texts_joined = ["".join(t) for t in texts]
-    return gen.chunks.full(texts_joined, ended, gen.usage_tally(), logprobs if wanted else None)
+    body = gen.chunks.full(texts_joined, ended, gen.usage_tally(), logprobs if wanted else None)
+    if gen.prompts[0].params.prompt_logprobs is not None:
+        gen.chunks.add_prompt_logprobs(body, prompt_logprobs)
+    return body

@@ -107,6 +107,10 @@ class _Chunks(ABC):
     def _choice(self, index: int, text: str) -> dict[str, Any]:
         """Choice `index` of the non-stream body, with its whole text."""
 
+    @abstractmethod
+    def add_prompt_logprobs(self, body: dict[str, Any], per_choice: list[list[TokenLogprobs]]) -> None:
+        """Put vLLM's `prompt_logprobs` into a non-stream body (where vLLM puts them)."""
+
     def full(
         self,
         texts: Sequence[str],
@@ -161,6 +165,10 @@ class CompletionChunks(_Chunks):
     def _choice(self, index: int, text: str) -> dict[str, Any]:
         return {"index": index, "text": text}
 
+    def add_prompt_logprobs(self, body: dict[str, Any], per_choice: list[list[TokenLogprobs]]) -> None:
+        for choice, entries in zip(body["choices"], per_choice, strict=True):  # each its prompt's
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(entries)
+
     def logprobs_json(self, logprobs: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
         """The legacy completions shape. Each position's top_logprobs also holds the sampled
         token (OpenAI: "up to logprobs+1 elements"); text_offset counts on from the previous
@@ -202,6 +210,9 @@ class ChatChunks(_Chunks):
     def _choice(self, index: int, text: str) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": text}}
 
+    def add_prompt_logprobs(self, body: dict[str, Any], per_choice: list[list[TokenLogprobs]]) -> None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(per_choice[0])  # one prompt: at the top
+
     def logprobs_json(self, logprobs: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
         return {
             "content": [
@@ -219,6 +230,19 @@ def _top(t: TokenLogprobs) -> dict[str, float] | None:
     if t.logprob is None:
         return None
     return {t.token: _lp(t.logprob), **{tok: _lp(lp) for tok, lp in t.top}}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from
+    token id to its logprob, rank and text, for the token itself and its alternatives."""
+    shaped: list[dict[str, Any] | None] = [None]
+    for t in entries:
+        assert t.logprob is not None
+        position = {str(t.token_id): {"logprob": _lp(t.logprob), "rank": t.rank, "decoded_token": t.token}}
+        for rank, (token_id, (text, lp)) in enumerate(zip(t.top_ids, t.top, strict=True), start=1):
+            position.setdefault(str(token_id), {"logprob": _lp(lp), "rank": rank, "decoded_token": text})
+        shaped.append(position)
+    return shaped
 
 
 def _chat_token(token: str, logprob: float | None) -> dict[str, Any]:

@@ -46,7 +46,6 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "structured_outputs": None,
     "bad_words": None,
     "allowed_token_ids": None,
-    "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "priority": 0,
@@ -117,6 +116,8 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the prompt tokens' log-probabilities and N alternatives, in vLLM's shape.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Accepted only at its neutral value.
     best_of: int | None = Field(None, ge=1)
     # For the WebSocket: which endpoint a message is for (ignored over HTTP).
@@ -165,8 +166,8 @@ class _GenerationRequest(BaseModel):
         return None
 
     def requested_prompt_logprobs(self) -> int | None:
-        """The same for the prompt's tokens (completions' echo)."""
-        return None
+        """The same for the prompt's tokens (vLLM's prompt_logprobs; completions' echo)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
         """Check lengths against the context window (vLLM's wording) and build the engine's params."""
@@ -253,6 +254,8 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:

@@ -141,8 +141,9 @@ class SimModelRunner:
         found = []
         for position in range(start + 1, min(start + seq.num_new_tokens, prompt_len - 1) + 1):
             word, _ = self._next_token(seq.token_ids, position, seq.sampling.seed or 0)
-            logprob = 0.0 if seq.token_ids[position] == word else float("-inf")
-            found.append(SampleLogprobs(logprob, ((word, 0.0),)[:top_n]))
+            certain = seq.token_ids[position] == word
+            found.append(SampleLogprobs(0.0 if certain else float("-inf"), ((word, 0.0),)[:top_n],
+                                        1 if certain else 2))
         return found
 
     def _next_token(self, token_ids, position: int, seed: int) -> tuple[int, bool]:

@@ -246,6 +246,20 @@ def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
     assert ours["choices"][0]["message"]["content"].startswith("My favourite fruit is")
     assert ours["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
 
+    # vLLM's own prompt_logprobs shape: the same ids, ranks and texts, logprobs within 1e-3.
+    for path, body in (("completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1}),
+                       ("chat/completions", {"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0})):
+        vllm, ours = _both(stack, our_worker, path, body)
+        if path == "completions":
+            vllm, ours = vllm["choices"][0], ours["choices"][0]
+        theirs, mine = vllm["prompt_logprobs"], ours["prompt_logprobs"]
+        assert mine[0] is theirs[0] is None and len(mine) == len(theirs)
+        for a, b in zip(mine[1:], theirs[1:], strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert (a[key]["rank"], a[key]["decoded_token"]) == (b[key]["rank"], b[key]["decoded_token"])
+                assert a[key]["logprob"] == pytest.approx(b[key]["logprob"], abs=1e-3)
+
     # A batch of prompts: the same greedy answers, in the same choice order.
     vllm, ours = _both(stack, our_worker, "completions", {"prompt": [PROMPT, "Two plus two is"],
                                                          "max_tokens": 4, "temperature": 0})

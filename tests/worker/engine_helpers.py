@@ -90,7 +90,7 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 60 for c in text]
 
-    def decode(self, token_ids) -> str:
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(t + 60) for t in token_ids if t > 2)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:

@@ -186,6 +186,11 @@ def _reference_greedy(loaded, prompt: list[int], steps: int, adjust) -> list[int
     return ids[len(prompt) :]
 
 
+def _text(tokenizer, token: int) -> str:
+    """A token's text as logprobs name it (special tokens included)."""
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
 def _outputs(engine: LLMEngine) -> dict[str, list]:
     outs: dict[str, list] = {}
     for _ in range(1000):
@@ -213,10 +218,10 @@ def test_logprobs_are_the_models_own_batched_or_not(loaded, runner, tokenizer, p
         theirs = torch.log_softmax(loaded.hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     for i, (token, lp) in enumerate(zip(answer, logprobs, strict=True)):
         row = theirs[len(prompts[1]) - 1 + i]
-        assert lp.token == tokenizer.decode([token])
+        assert lp.token == _text(tokenizer, token)
         assert lp.logprob == pytest.approx(float(row[token]), abs=2e-3)
         values, top_ids = torch.topk(row, 3)
-        assert [t for t, _ in lp.top] == [tokenizer.decode([t]) for t in top_ids.tolist()]
+        assert [t for t, _ in lp.top] == [_text(tokenizer, t) for t in top_ids.tolist()]
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=2e-3)
         assert lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-6)  # greedy: the sampled one is the top
 
@@ -242,10 +247,10 @@ def test_prompt_logprobs_are_the_models_own_in_chunks_despite_a_cached_prefix(
     assert len(got) == len(prompt) - 1
     for position, entry in enumerate(got, start=1):
         row = theirs[position - 1]
-        assert entry.token == tokenizer.decode([prompt[position]])
+        assert entry.token == _text(tokenizer, prompt[position])
         assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=2e-3)
         likeliest = torch.topk(row, 2).indices.tolist()
-        assert [t for t, _ in entry.top] == [tokenizer.decode([t]) for t in likeliest]
+        assert [t for t, _ in entry.top] == [_text(tokenizer, t) for t in likeliest]
 
 
 def test_repetition_penalty_matches_transformers_processor(loaded, runner, tokenizer, prompts):

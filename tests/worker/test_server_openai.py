@@ -281,6 +281,31 @@ def test_an_assistant_prefill_is_continued(worker) -> None:
         assert r.status_code == 200, r.text
 
 
+def test_vllms_prompt_logprobs_shape(worker) -> None:
+    """vLLM's prompt_logprobs: null, then per prompt token {id: {logprob, rank, decoded_token}}
+    for the token and its alternatives: on each completions choice, at the top of a chat answer;
+    the same numbers as echo's."""
+    url = worker.api_url + "/completions"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    done = httpx.post(url, json=body, timeout=60).json()
+    shaped = done["choices"][0]["prompt_logprobs"]
+    echoed = httpx.post(url, json={**body, "prompt_logprobs": None, "echo": True, "logprobs": 2},
+                        timeout=60).json()["choices"][0]["logprobs"]
+    n = done["usage"]["prompt_tokens"]
+    assert shaped[0] is None and len(shaped) == n
+    for position, entry in enumerate(shaped[1:], start=1):
+        token = echoed["tokens"][position]
+        own = next(v for v in entry.values() if v["decoded_token"] == token)
+        assert own["logprob"] == echoed["token_logprobs"][position] and own["rank"] >= 1
+        assert {v["rank"] for v in entry.values() if v is not own} <= {1, 2}  # the two likeliest
+    assert done["choices"][0]["text"]  # the answer itself is unchanged by it
+    chat = httpx.post(worker.api_url + "/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    shaped = chat["prompt_logprobs"]
+    assert shaped[0] is None and len(shaped) == chat["usage"]["prompt_tokens"]
+    assert all(len(p) == 1 for p in shaped[1:])  # the token alone at 0
+
+
 def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_completion) -> None:
     """Accepted and applied (they used to be refused): each changes the greedy answer."""
     url = worker.api_url + "/completions"
@@ -492,6 +517,8 @@ BAD_INPUTS = [
     bad("n beyond 128", CMPL, {"prompt": "a", "n": 129}, 400, "n"),
     bad("n zero", CHAT, {"messages": MESSAGES, "n": 0}, 400, "n"),
     bad("logprobs beyond 20", CMPL, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    bad("prompt_logprobs beyond 20", CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400,
+        "prompt_logprobs"),
     bad("top_logprobs without logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400,
         "top_logprobs"),
     bad("top_logprobs beyond 20", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400,

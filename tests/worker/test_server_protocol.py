@@ -161,7 +161,6 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("structured_outputs", {"choice": ["a"]}),
         ("bad_words", ["no"]),
         ("allowed_token_ids", [1, 2]),
-        ("prompt_logprobs", 1),
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
         ("priority", 3),
