@@ -19,10 +19,10 @@ from aiohttp import web
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_body, answer_chunks
+from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation
 from inference_worker.server.prepare import GenerationFactory, request_id_base
-from inference_worker.server.protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.state import ENGINE, FACTORY
 
 SSE_HEADERS = {

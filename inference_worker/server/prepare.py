@@ -11,10 +11,11 @@ import re
 import uuid
 
 from inference_worker.engine.types import AsyncEngineClient, SamplingParams, TokenLogprobs
+from inference_worker.server.chat_protocol import ChatCompletionRequest
 from inference_worker.server.chunks import ChatChunks, CompletionChunks
 from inference_worker.server.errors import invalid_request, model_not_found
 from inference_worker.server.generation import Echo, Generation, Prompt
-from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from inference_worker.server.protocol import CompletionRequest
 
 # A caller's X-Request-Id becomes the request's id, as in vLLM (`chatcmpl-<id>`), so that a
 # gateway's access log, the answer's `id` and this worker name the same request. Only ids of

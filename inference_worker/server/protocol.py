@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API subset this worker serves (pydantic, vLLM-shaped).
+"""Request bodies of the OpenAI API subset this worker serves (pydantic, vLLM-shaped):
+what completions and chat share, and completions (chat and /tokenize: chat_protocol.py).
 
 Requests are validated once, in strict JSON mode, so a wrong type ("max_tokens": "5")
 is a 400 rather than silently coerced. Options this worker does not implement
@@ -10,7 +11,7 @@ Responses are built by hand in `chunks.py` (no pydantic on the per-token path).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -30,7 +31,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-def _unsupported(param: str, what: str) -> APIError:
+def unsupported(param: str, what: str) -> APIError:
     return invalid_request(f"{what} is not supported by this worker", param=param, code="unsupported")
 
 
@@ -51,46 +52,16 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "priority": 0,
     "skip_special_tokens": True,
 }
-_UNIMPLEMENTED_CHAT: dict[str, Any] = {
-    "chat_template": None,
-}
-
-
-class _ChatRendering(BaseModel):
-    """vLLM's options for rendering messages with the chat template (chat and /tokenize)."""
-
-    add_generation_prompt: bool = True
-    # Leave the last message open for the answer to go on from it (an assistant "prefill").
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def _check_rendering(self) -> None:
-        if self.add_generation_prompt and self.continue_final_message:
-            raise invalid_request(
-                "Cannot set both continue_final_message and add_generation_prompt to true "
-                "(set add_generation_prompt to false)",
-                param="continue_final_message",
-            )
-
-    def rendering(self) -> dict[str, Any]:
-        """The keyword arguments of WorkerTokenizer.apply_chat_template."""
-        return {
-            "add_generation_prompt": self.add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-            "template_kwargs": self.chat_template_kwargs,
-        }
-
-
-def _reject_set(request: BaseModel, options: dict[str, Any]) -> None:
+def reject_set(request: BaseModel, options: dict[str, Any]) -> None:
     extra = request.model_extra or {}
     declared = type(request).model_fields
     for name, neutral in options.items():
         value = getattr(request, name) if name in declared else extra.get(name, neutral)
         if value is not None and value != neutral and value != []:
-            raise _unsupported(name, name)
+            raise unsupported(name, name)
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     # Unknown fields are kept aside (model_extra), not validated: ignored, as vLLM does, but
@@ -140,10 +111,10 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    def _reject_unsupported(self) -> None:
-        _reject_set(self, _UNIMPLEMENTED)
+    def _rejectunsupported(self) -> None:
+        reject_set(self, _UNIMPLEMENTED)
         if self.best_of is not None and self.best_of > 1:
-            raise _unsupported("best_of", "best_of > 1")
+            raise unsupported("best_of", "best_of > 1")
         if self.stream_options is not None and not self.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -220,7 +191,7 @@ class _GenerationRequest(BaseModel):
         )
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: Any = None
     # OpenAI's default for /v1/completions (vLLM keeps it). 0 only with echo: the prompt alone.
     max_tokens: int | None = Field(16, ge=0)
@@ -237,8 +208,8 @@ class CompletionRequest(_GenerationRequest):
                 "max_tokens must be at least 1, got 0 (0 only with echo)", param="max_tokens"
             )
         if self.suffix:
-            raise _unsupported("suffix", "suffix")
-        self._reject_unsupported()
+            raise unsupported("suffix", "suffix")
+        self._rejectunsupported()
         return self
 
     @property
@@ -282,94 +253,3 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def as_template_message(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # The chat templates of small models know "system", not OpenAI's newer "developer".
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
-
-
-class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # vLLM's chat echo: an answer that goes on from a last assistant message starts with it.
-    echo: bool = False
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if self.tools:
-            raise _unsupported("tools", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "response_format other than text")
-        _reject_set(self, _UNIMPLEMENTED_CHAT)
-        self._check_rendering()
-        self._reject_unsupported()
-        return self
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def echoed(self) -> str | None:
-        """With echo, the last message's text when it is the assistant's (what the answer
-        continues), as vLLM does; else None."""
-        last = self.messages[-1]
-        if not self.echo or last.role != "assistant":
-            return None
-        return last.as_template_message()["content"]
-
-    def requested_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.as_template_message() for m in self.messages]
-
-
-class TokenizeRequest(_ChatRendering):
-    """vLLM's /tokenize body: a `prompt` or chat `messages` (rendered as a chat request with
-    the same options would be)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise invalid_request("give exactly one of prompt or messages", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise invalid_request("messages must not be empty", param="messages")
-        self._check_rendering()
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    tokens: list[int]

@@ -37,10 +37,11 @@ from aiohttp import WSMsgType, web
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_chunks
+from inference_worker.server.chat_protocol import ChatCompletionRequest
 from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request
 from inference_worker.server.generation import Generation
 from inference_worker.server.prepare import GenerationFactory
-from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from inference_worker.server.protocol import CompletionRequest
 from inference_worker.server.state import ENGINE, FACTORY
 
 logger = logging.getLogger("inference_worker.server")

@@ -9,9 +9,10 @@ from pydantic import ValidationError
 
 from inference_worker.engine.errors import EngineDeadError, PromptTooLongError
 from inference_worker.engine.types import FinishReason, RequestOutput
+from inference_worker.server.chat_protocol import ChatCompletionRequest
 from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTally
 from inference_worker.server.errors import APIError, exception_to_api_error
-from inference_worker.server.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompts
+from inference_worker.server.protocol import CompletionRequest, normalize_prompts
 from inference_worker.server.websocket import _is_cancel
 
 

@@ -1,0 +1,133 @@
+"""Request bodies of chat completions, and of vLLM's /tokenize and /detokenize, which render
+messages the same way (the shared fields: protocol.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from inference_worker.server.errors import invalid_request
+from inference_worker.server.protocol import MAX_LOGPROBS, GenerationRequest, reject_set, unsupported
+
+# Chat's own options refused unless neutral (see protocol._UNIMPLEMENTED): a template sent
+# with the request runs only where vLLM is started with --trust-request-chat-template.
+_UNIMPLEMENTED_CHAT: dict[str, Any] = {
+    "chat_template": None,
+}
+
+
+class _ChatRendering(BaseModel):
+    """vLLM's options for rendering messages with the chat template (chat and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    # Leave the last message open for the answer to go on from it (an assistant "prefill").
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _check_rendering(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid_request(
+                "Cannot set both continue_final_message and add_generation_prompt to true "
+                "(set add_generation_prompt to false)",
+                param="continue_final_message",
+            )
+
+    def rendering(self) -> dict[str, Any]:
+        """The keyword arguments of WorkerTokenizer.apply_chat_template."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # The chat templates of small models know "system", not OpenAI's newer "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(GenerationRequest, _ChatRendering):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's chat echo: an answer that goes on from a last assistant message starts with it.
+    echo: bool = False
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.tools:
+            raise unsupported("tools", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "response_format other than text")
+        reject_set(self, _UNIMPLEMENTED_CHAT)
+        self._check_rendering()
+        self._rejectunsupported()
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed(self) -> str | None:
+        """With echo, the last message's text when it is the assistant's (what the answer
+        continues), as vLLM does; else None."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return None
+        return last.as_template_message()["content"]
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class TokenizeRequest(_ChatRendering):
+    """vLLM's /tokenize body: a `prompt` or chat `messages` (rendered as a chat request with
+    the same options would be)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid_request("give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise invalid_request("messages must not be empty", param="messages")
+        self._check_rendering()
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
