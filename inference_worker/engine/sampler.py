@@ -102,12 +102,20 @@ def logprobs_of(
     for the rows that ask."""
     out: list[SampleLogprobs | None] = [None] * len(params)
     for i, p in enumerate(params):
-        if p.logprobs is None:
-            continue
-        logp = torch.log_softmax(logits[i].float(), dim=-1)
-        top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs > 0:
-            values, ids = torch.topk(logp, min(p.logprobs, logp.shape[-1]))
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        out[i] = SampleLogprobs(float(logp[tokens[i]]), top)
+        if p.logprobs is not None:
+            (out[i],) = rows_logprobs(logits[i : i + 1], torch.tensor([tokens[i]]), p.logprobs)
     return out
+
+
+def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[SampleLogprobs]:
+    """logits [R, vocab], targets [R]: each row's log-probability of its target token, that
+    token's rank in the vocabulary, and the row's top_n likeliest tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, targets.to(logp.device)[:, None])
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(ranks)
+    if top_n:
+        values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    found = zip(chosen[:, 0].tolist(), tops, ranks, strict=True)
+    return [SampleLogprobs(lp, top, rank) for lp, top, rank in found]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inference_worker.engine.sampler import logprobs_of, sample
+from inference_worker.engine.sampler import logprobs_of, rows_logprobs, sample
 from inference_worker.engine.types import SampleLogprobs, ScheduledSequence, StepBatch
 from inference_worker.model.llama import AttentionGroup, PagedLlama, StepInputs
 
@@ -126,18 +126,7 @@ class TorchModelRunner:
             found: list[SampleLogprobs] = []
             for lo in range(0, len(rows), PROMPT_LOGITS_SLICE):
                 part = hidden[at + lo : at + min(lo + PROMPT_LOGITS_SLICE, len(rows))]
-                logp = torch.log_softmax(self.model.logits(part).float(), dim=-1)
-                chosen_t = logp.gather(1, targets[lo : lo + part.shape[0], None])
-                ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
-                chosen = chosen_t[:, 0].tolist()
-                tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
-                if top_n:
-                    values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
-                    pairs = zip(ids.tolist(), values.tolist(), strict=True)
-                    tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
-                found.extend(
-                    SampleLogprobs(lp, top, rank) for lp, top, rank in zip(chosen, tops, ranks, strict=True)
-                )
+                found += rows_logprobs(self.model.logits(part), targets[lo : lo + part.shape[0]], top_n)
             seq.prompt_logprobs = found
             at += len(rows)
 
