@@ -96,6 +96,21 @@ class _Chunks(ABC):
             return frame + "}"
         return f'{frame},"usage":{_dumps(tally.as_dict())}}}'
 
+    def delta(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None = None,
+        index: int = 0,
+        tally: UsageTally | None = None,
+    ) -> str:
+        """A chunk of choice `index`'s answer: its new text, logprobs and finish reason."""
+        return self._frame(index, self._text_fields(text, finish_reason), finish_reason, logprobs, tally)
+
+    @abstractmethod
+    def _text_fields(self, text: str, finish_reason: FinishReason | None) -> str:
+        """The choice's JSON fields that carry new text (each kind has its own)."""
+
     def usage(self, tally: UsageTally) -> str:
         return f'{self._head}[],"usage":{_dumps(tally.as_dict())}}}'
 
@@ -152,15 +167,8 @@ class CompletionChunks(_Chunks):
         """A chunk to send before any token (none for completions)."""
         return None
 
-    def delta(
-        self,
-        text: str,
-        finish_reason: FinishReason | None,
-        logprobs: list[TokenLogprobs] | None = None,
-        index: int = 0,
-        tally: UsageTally | None = None,
-    ) -> str:
-        return self._frame(index, f'"text":{_dumps(text)}', finish_reason, logprobs, tally)
+    def _text_fields(self, text: str, finish_reason: FinishReason | None) -> str:
+        return f'"text":{_dumps(text)}'
 
     def _choice(self, index: int, text: str) -> dict[str, Any]:
         return {"index": index, "text": text}
@@ -196,16 +204,10 @@ class ChatChunks(_Chunks):
         it precedes every token (the tally's usage then counts none)."""
         return self._frame(index, '"delta":{"role":"assistant","content":""}', None, None, tally)
 
-    def delta(
-        self,
-        text: str,
-        finish_reason: FinishReason | None,
-        logprobs: list[TokenLogprobs] | None = None,
-        index: int = 0,
-        tally: UsageTally | None = None,
-    ) -> str:
+    def _text_fields(self, text: str, finish_reason: FinishReason | None) -> str:
+        # The last chunk of a choice that has no more text carries an empty delta.
         delta = f'{{"content":{_dumps(text)}}}' if text or finish_reason is None else "{}"
-        return self._frame(index, f'"delta":{delta}', finish_reason, logprobs, tally)
+        return f'"delta":{delta}'
 
     def _choice(self, index: int, text: str) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": text}}
