@@ -3,8 +3,10 @@
 Start-up: load `WorkerConfig` (CLI > env > YAML), build the engine
 (`engine.factory.build_engine`), attach the Prometheus and log-line stat loggers,
 start the engine thread, listen, and then (with `--register-with`) register with
-the scheduler. SIGINT/SIGTERM: deregister, stop accepting and close connections
-(in-flight requests are aborted in the engine), stop the engine thread.
+the scheduler. SIGINT/SIGTERM: deregister, stop accepting connections, let the requests in
+flight finish for up to --shutdown-timeout seconds (new ones on open connections get 503
+`shutting_down`, which routers retry elsewhere), end what is left with that 503 (a second
+signal does so at once), close the connections and stop the engine thread.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from inference_worker.config import WorkerConfig, load_worker_config
+from inference_worker.engine.errors import EngineShutdownError
 from inference_worker.metrics.log_line import LoggingStatLogger
 from inference_worker.metrics.prometheus import PrometheusStatLogger
 from inference_worker.registration import Registrar
 from inference_worker.server.app import build_app
+from inference_worker.server.drain import Drain
+from inference_worker.server.state import DRAIN
 
 log = logging.getLogger("inference_worker")
 
@@ -64,9 +69,13 @@ async def _start_registrar(config: WorkerConfig, max_running: int) -> Registrar 
 
 async def run_worker(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     try:
         engine = await _build_engine(config)
@@ -76,9 +85,11 @@ async def run_worker(config: WorkerConfig) -> None:
     attach_stat_loggers(engine, config, registry)
     await engine.start()
     app = build_app(engine, config.model_name, registry)
+    # The drain below waits for the requests; what aiohttp then waits for is their last writes.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     registrar = None
+    site = None
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048)
         try:
@@ -94,13 +105,33 @@ async def run_worker(config: WorkerConfig) -> None:
         )
         registrar = await _start_registrar(config, engine.max_num_seqs)
         await stop.wait()
-        log.info("shutting down")
+        drain = app[DRAIN]
+        drain.begin()
+        log.info("shutting down: %d requests in flight, waiting up to %g s for them",
+                 drain.owed, config.shutdown_timeout)
     finally:
         if registrar is not None:  # deregister first, so no new traffic is routed here
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(registrar.stop(), timeout=5.0)
+        if site is not None and stop.is_set():
+            await _drain(app[DRAIN], site, engine, config.shutdown_timeout, hurry)
         await runner.cleanup()
         await engine.shutdown()
+
+
+async def _drain(drain: Drain, site: web.TCPSite, engine, limit_s: float, hurry: asyncio.Event) -> None:
+    """Refuse new connections (kept-alive ones close after their next answer, see
+    server/app.py, so the scheduler's scrapes soon fail and it routes elsewhere), let the
+    requests taken finish, and past `limit_s` end the rest with a 503 `shutting_down` error:
+    a clean end of each stream, not a cut connection. (aiohttp's own pre-shutdown would also
+    stop reading the WebSockets, whose clients could then neither cancel nor close.)"""
+    await site.stop()
+    if await drain.wait_answered(limit_s, hurry):
+        log.info("every request in flight was answered")
+        return
+    ended = engine.fail_all(EngineShutdownError("The worker shut down before the request finished."))
+    log.warning("ended %d requests still in flight (--shutdown-timeout %g s)", ended, limit_s)
+    await drain.wait_answered(2.0)  # the handlers write those errors
 
 
 def main(argv: list[str] | None = None) -> None:

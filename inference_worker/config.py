@@ -51,6 +51,13 @@ class WorkerConfig(BaseSettings):
     # Server
     host: str = "127.0.0.1"
     port: int = Field(8001, ge=1, le=65535)
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, seconds to let the requests in flight finish (new ones "
+        "get 503) before they are ended with a 503 error; 0: at once (vLLM's default). A second "
+        "signal ends them at once",
+    )
 
     # Registration with a scheduler (see scheduler issue)
     register_with: str | None = Field(None, description="scheduler URL to self-register with")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord
 from router.errors import error_response
@@ -184,9 +184,14 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
     try:
         done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
         if down in done and up not in done and not client.closed:
-            # The worker went away while the client is still connected: say so before closing
-            # (a request it was answering is not replayed elsewhere, like an SSE stream).
-            await client.send_str(_ws_error("the worker closed the connection", "upstream_closed"))
+            if upstream.close_code == WSCloseCode.GOING_AWAY:
+                # A stopping worker answered what the socket had sent and said goodbye: pass
+                # that on, so the client reconnects (and is placed on a live worker).
+                await client.close(code=WSCloseCode.GOING_AWAY, message=b"the worker is shutting down")
+            else:
+                # The worker went away while the client is still connected: say so before
+                # closing (a request it was answering is not replayed elsewhere, like SSE).
+                await client.send_str(_ws_error("the worker closed the connection", "upstream_closed"))
     finally:
         for t in (down, up):
             t.cancel()

@@ -17,7 +17,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 
-from inference_worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
+from inference_worker.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineRequestError,
+    EngineShutdownError,
+)
 from inference_worker.engine.llm_engine import LLMEngine, validate_request
 from inference_worker.engine.stats import CacheConfigInfo, StatLogger
 from inference_worker.engine.types import RequestOutput, SamplingParams, WorkerTokenizer
@@ -128,7 +133,7 @@ class AsyncEngine:
         try:
             while True:
                 out = await queue.get()
-                if isinstance(out, EngineRequestError):
+                if isinstance(out, EngineRequestError | EngineShutdownError):
                     raise out
                 if isinstance(out, BaseException):
                     raise EngineDeadError("the engine loop has died") from out
@@ -143,6 +148,14 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._post_abort(request_id)
+
+    def fail_all(self, exc: EngineShutdownError) -> int:
+        """End every open request with `exc` (its caller's handler answers it) and abort it in
+        the engine; returns how many there were. For a worker whose drain time ran out."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self._fail_one(request_id, exc)
+        return len(request_ids)
 
     # ---- engine thread ----------------------------------------------------------------------
     def _post_abort(self, request_id: str) -> None:

@@ -21,3 +21,7 @@ class DuplicateRequestError(EngineRequestError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop died (e.g. the model raised); the server answers 500/503."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The worker stopped before the request finished (its drain time ran out); 503."""

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from inference_worker.engine.errors import EngineShutdownError
+
 
 class FinishReason(enum.StrEnum):
     """Values of vLLM's `finished_reason` label and of OpenAI's `finish_reason`."""
@@ -227,6 +229,8 @@ class AsyncEngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def fail_all(self, exc: EngineShutdownError) -> int: ...
 
     @property
     def is_healthy(self) -> bool: ...

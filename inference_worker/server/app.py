@@ -15,9 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server import openai_api
-from inference_worker.server.errors import APIError, error_middleware, json_error
+from inference_worker.server.drain import Drain
+from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
-from inference_worker.server.state import ENGINE, FACTORY, REGISTRY
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY, REGISTRY
 from inference_worker.server.websocket import websocket_handler
 
 # Long prompts as JSON token-id lists get large; aiohttp's 1 MiB default is too small.
@@ -25,9 +26,18 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 async def health(request: web.Request) -> web.Response:
+    if request.app[DRAIN].draining:  # a readiness probe: send nothing new here
+        return json_error(shutting_down())
     if request.app[ENGINE].is_healthy:
         return web.Response(status=200)
     return json_error(APIError(503, "The engine is not healthy.", code="engine_unhealthy"))
+
+
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """A stopping worker ends each kept-alive connection after its answer: the next request
+    (a scrape, a router's next call) finds the listener closed and goes elsewhere."""
+    if request.app[DRAIN].draining:
+        response.force_close()
 
 
 async def version(request: web.Request) -> web.Response:
@@ -56,6 +66,8 @@ def build_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[FACTORY] = GenerationFactory(engine, model_name)
+    app[DRAIN] = Drain()
+    app.on_response_prepare.append(_close_when_draining)
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)

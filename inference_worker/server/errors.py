@@ -7,6 +7,7 @@ so a client never sees a traceback or an HTML error page:
 - pydantic `ValidationError` (bad JSON, wrong types, out-of-range values): 400 with `param`;
 - `ValueError` (the engine's `EngineRequestError`s, e.g. a prompt too long): 400;
 - `EngineDeadError`: 503;
+- `EngineShutdownError` (the worker stopped before the request finished): 503 `shutting_down`;
 - aiohttp's own HTTP errors (unknown route 404, wrong method 405, body too large 413): same status;
 - anything else: 500 with the exception's class and message, logged with its traceback here.
 """
@@ -21,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from inference_worker.engine.errors import EngineDeadError
+from inference_worker.engine.errors import EngineDeadError, EngineShutdownError
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -102,10 +103,17 @@ def exception_to_api_error(exc: BaseException) -> APIError:
         return invalid_request(str(exc) or type(exc).__name__)
     if isinstance(exc, web.RequestPayloadError):  # e.g. a Content-Encoding the body does not match
         return invalid_request(f"Unreadable request body: {exc}", code="invalid_body")
+    if isinstance(exc, EngineShutdownError):
+        return shutting_down(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error ({type(exc).__name__}: {exc})", type="server_error")
+
+
+def shutting_down(message: str = "The worker is shutting down; send the request to another one.") -> APIError:
+    """What a stopping worker answers: 503, which routers (ours too) retry on another worker."""
+    return APIError(503, message, code="shutting_down")
 
 
 def json_error(err: APIError) -> web.Response:

@@ -23,7 +23,7 @@ from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeReq
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation
 from inference_worker.server.prepare import GenerationFactory, request_id_base
-from inference_worker.server.state import ENGINE, FACTORY
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -47,13 +47,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
     engine: AsyncEngineClient = request.app[ENGINE]
-    await gen.start(engine)  # admission errors propagate to the middleware as 4xx
-    try:
-        if gen.stream:
-            return await _stream(request, gen)
-        return web.json_response(await answer_body(gen))
-    finally:
-        await gen.close()  # aborts in the engine unless the request already finished
+    with request.app[DRAIN].request():  # a stopping worker refuses it (503) or finishes it
+        await gen.start(engine)  # admission errors propagate to the middleware as 4xx
+        try:
+            if gen.stream:
+                return await _stream(request, gen)
+            return web.json_response(await answer_body(gen))
+        finally:
+            await gen.close()  # aborts in the engine unless the request already finished
 
 
 async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
@@ -63,6 +64,8 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
         async for chunk in answer_chunks(gen):
             await response.write(f"data: {chunk}\n\n".encode())
         await response.write(_DONE.encode())
+        if request.app[DRAIN].draining:
+            response.force_close()  # begun before the drain: no next request on this connection
     except ConnectionError:
         return response  # the client went away; `serve` aborts the request
     except Exception as exc:

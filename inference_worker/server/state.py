@@ -1,4 +1,4 @@
-"""Typed keys of what the aiohttp app holds (engine, request factory, metrics registry)."""
+"""Typed keys of what the aiohttp app holds (engine, request factory, metrics registry, drain)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from inference_worker.engine.types import AsyncEngineClient
+from inference_worker.server.drain import Drain
 from inference_worker.server.prepare import GenerationFactory
 
 ENGINE = web.AppKey("engine", AsyncEngineClient)
 FACTORY = web.AppKey("generation_factory", GenerationFactory)
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
+DRAIN = web.AppKey("drain", Drain)

@@ -13,6 +13,9 @@ Client -> server
 Requests on one socket are answered one after the other, in order; requests sent
 while one is being answered wait their turn (at most 64 queued, more is an error).
 Closing the socket aborts the request being answered.
+A worker that is shutting down answers the requests a socket has already sent, refuses
+new ones (error `shutting_down`), and then closes the socket with code 1001 (going away):
+the client reconnects, through a router to another worker.
 
 Server -> client, for each request, in order
   * the chunk objects of the SSE stream, one per message (`chat.completion.chunk`
@@ -33,16 +36,17 @@ import json
 import logging
 from dataclasses import dataclass
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_chunks
 from inference_worker.server.chat_protocol import ChatCompletionRequest
-from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request
+from inference_worker.server.drain import Drain
+from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request, shutting_down
 from inference_worker.server.generation import Generation
 from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.protocol import CompletionRequest
-from inference_worker.server.state import ENGINE, FACTORY
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -86,6 +90,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     queue: asyncio.Queue[str] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
     current = _Current()
+    drain = request.app[DRAIN]
     worker = asyncio.create_task(_answer_in_order(request.app, ws, queue, current))
     try:
         async for msg in ws:
@@ -97,12 +102,17 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                     current.cancel_requested = True
                     current.task.cancel()
                 continue
+            if drain.draining:
+                await _send_error(ws, shutting_down())
+                continue
             try:
                 queue.put_nowait(msg.data)
             except asyncio.QueueFull:
                 await _send_error(
                     ws, APIError(429, f"more than {MAX_QUEUED_REQUESTS} requests queued on this socket")
                 )
+            else:
+                drain.hold()
     finally:
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -124,22 +134,50 @@ def _is_cancel(text: str) -> bool:
 async def _answer_in_order(
     app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[str], current: _Current
 ) -> None:
+    drain = app[DRAIN]
     try:
         while True:
-            text = await queue.get()
-            current.cancel_requested = False
-            current.request_id = None
-            current.task = asyncio.create_task(_answer(app, ws, text, current))
-            # wait() (not await) so cancelling this worker does not hand the cancel to the request
-            # twice; the finally below cancels it once.
-            await asyncio.wait({current.task})
-            if current.task.cancelled() and current.cancel_requested and not ws.closed:
-                await ws.send_str(json.dumps({"type": "done", "id": current.request_id, "cancelled": True}))
+            text = await _next_request(queue, drain)
+            if text is None:  # the worker is stopping and this socket has nothing left to answer
+                await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the worker is shutting down")
+                return
+            try:
+                current.cancel_requested = False
+                current.request_id = None
+                current.task = asyncio.create_task(_answer(app, ws, text, current))
+                # wait() (not await) so cancelling this worker does not hand the cancel to the
+                # request twice; the finally below cancels it once.
+                await asyncio.wait({current.task})
+                if current.task.cancelled() and current.cancel_requested and not ws.closed:
+                    done = {"type": "done", "id": current.request_id, "cancelled": True}
+                    await ws.send_str(json.dumps(done))
+            finally:
+                drain.release()
     finally:
+        drain.release(queue.qsize())  # the socket closed with these still queued
         if current.task is not None and not current.task.done():
             current.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await current.task
+
+
+async def _next_request(queue: asyncio.Queue[str], drain: Drain) -> str | None:
+    """The socket's next request; None once the worker drains and none is queued."""
+    if not queue.empty():
+        return queue.get_nowait()
+    if drain.draining:
+        return None
+    getter = asyncio.ensure_future(queue.get())
+    begun = asyncio.ensure_future(drain.begun.wait())
+    try:
+        await asyncio.wait({getter, begun}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        begun.cancel()
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    return None if queue.empty() else queue.get_nowait()
 
 
 async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, current: _Current) -> None:

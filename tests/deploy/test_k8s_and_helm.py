@@ -103,6 +103,10 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     # Every discovered worker's running cap is the worker config's max_num_seqs.
     worker = config_of(objs, prefix, "worker")
     assert SchedulerConfig(**sched).default_running_cap == worker["max_num_seqs"]
+    # A rolling update lets a worker finish its requests (plus up to 5 s of deregistration)
+    # before Kubernetes kills it.
+    grace = find(objs, "Deployment", f"{prefix}-worker")["spec"]["template"]["spec"]
+    assert grace["terminationGracePeriodSeconds"] > WorkerConfig(**worker).shutdown_timeout + 5
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")

@@ -1,0 +1,140 @@
+"""Rolling updates: a worker, or the gateway, gets SIGTERM while it streams answers.
+
+Real processes: sim workers (tiny profile at --time-scale 5, ~32 ms per decode step, so a
+200-token answer streams for ~6 s), the scheduler and the gateway. A stopping worker finishes
+the streams it has while the requests sent meanwhile go to the others; a stopping gateway
+finishes its streams too. No client sees an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import httpx
+
+from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
+
+
+def _stream(gw: str) -> dict:
+    body = {"model": "m", "prompt": "a long answer", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=60) as r:
+        worker = r.headers["x-router-worker"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return {"worker": worker, "events": events}
+
+
+def _busy_worker(scheduler: str) -> str:
+    """The URL of a worker that holds a lease now."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for w in httpx.get(scheduler + "/v1/workers").json()["workers"]:
+            if w["in_flight_leases"] > 0:
+                return w["url"]
+        time.sleep(0.02)
+    raise AssertionError("no worker ever had a request in flight")
+
+
+def test_a_worker_stopped_mid_stream_finishes_its_answers_and_new_requests_go_elsewhere():
+    procs = []
+    try:
+        workers = start_sim_workers(3, "m", "--time-scale", "5")
+        procs += [p for p, _ in workers]
+        by_url = {u: p for p, u in workers}
+        s, su = start_scheduler(list(by_url), "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--retry-count", "2")
+        procs.append(g)
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(_stream, gu) for _ in range(6)]
+            stopping = _busy_worker(su)
+            time.sleep(0.3)  # its answers are under way
+            by_url[stopping].p.send_signal(signal.SIGTERM)
+            body = {"model": "m", "prompt": "meanwhile", "max_tokens": 8}
+            meanwhile = []
+            for _ in range(12):  # while the stopping worker drains (its streams last seconds)
+                meanwhile.append(httpx.post(gu + "/v1/completions", json=body, timeout=30))
+                time.sleep(0.1)
+            results = [f.result(timeout=60) for f in streams]
+        assert [r.status_code for r in meanwhile] == [200] * 12
+        served_by = {r.headers["x-router-worker"] for r in meanwhile}
+        assert stopping.removeprefix("http://") not in served_by
+        drained = [r for r in results if r["worker"] == stopping.removeprefix("http://")]
+        assert drained, "the stopped worker had streams in flight"
+        for r in results:
+            assert r["events"][-1] == "[DONE]"
+            assert not any(e.startswith('{"error"') for e in r["events"]), r["events"][-3:]
+            assert len(r["events"]) == 201  # every token, then [DONE]
+        assert by_url[stopping].p.wait(20) == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def _websocket_through_a_stopping_worker(gw: str, scheduler: str, by_url: dict) -> tuple[list, object]:
+    async with aiohttp.ClientSession() as session, session.ws_connect(gw + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}))
+        messages = [json.loads((await ws.receive(timeout=30)).data)]
+        by_url[_busy_worker(scheduler)].p.send_signal(signal.SIGTERM)
+        while True:
+            msg = await ws.receive(timeout=30)
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                return messages, msg
+            messages.append(json.loads(msg.data))
+
+
+def test_a_websocket_on_a_stopping_worker_gets_its_answer_then_going_away():
+    procs = []
+    try:
+        workers = start_sim_workers(2, "m", "--time-scale", "5")
+        procs += [p for p, _ in workers]
+        by_url = {u: p for p, u in workers}
+        s, su = start_scheduler(list(by_url), "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su)
+        procs.append(g)
+        messages, closed = asyncio.run(_websocket_through_a_stopping_worker(gu, su, by_url))
+        assert len([m for m in messages if "choices" in m]) == 150  # the whole answer
+        assert messages[-1]["type"] == "done"
+        assert not [m for m in messages if "error" in m]
+        # The gateway passes the worker's "going away" on: the client reconnects elsewhere.
+        assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1001
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connections():
+    procs = []
+    try:
+        workers = start_sim_workers(2, "m", "--time-scale", "5")
+        procs += [p for p, _ in workers]
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su)
+        procs.append(g)
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_stream, gu) for _ in range(4)]
+            _busy_worker(su)
+            time.sleep(0.5)
+            g.p.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            try:
+                httpx.get(gu + "/health", timeout=5)
+                refused = False
+            except httpx.ConnectError:
+                refused = True
+            results = [f.result(timeout=60) for f in streams]
+        assert refused  # a load balancer's next connection goes to another replica
+        for r in results:
+            assert r["events"][-1] == "[DONE]" and len(r["events"]) == 201
+        assert g.p.wait(20) == 0
+    finally:
+        for p in procs:
+            p.stop()
