@@ -107,6 +107,10 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     # before Kubernetes kills it.
     grace = find(objs, "Deployment", f"{prefix}-worker")["spec"]["template"]["spec"]
     assert grace["terminationGracePeriodSeconds"] > WorkerConfig(**worker).shutdown_timeout + 5
+    # The gateway keeps listening while its Service's endpoints are updated, within its grace.
+    pod = find(objs, "Deployment", f"{prefix}-gateway")["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and 0 < int(pre_stop[1]) < pod["terminationGracePeriodSeconds"] / 2
 
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")
