@@ -224,11 +224,13 @@ class Proxy(StreamForwarding):
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             return error_response(400, "'stream' must be a boolean", param="stream")
-        stream = bool(stream) and path in _STREAMABLE
+        # Any POST that asks for a stream is streamed through (chat, completions, the Responses
+        # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
+        stream = bool(stream) and request.method == "POST"
         rec.stream = stream
 
         strip_usage = False
-        if stream:
+        if stream and path in _STREAMABLE:
             opts = body.get("stream_options")
             if opts is not None and not isinstance(opts, dict):
                 return error_response(400, "'stream_options' must be an object", param="stream_options")
@@ -411,7 +413,7 @@ class Proxy(StreamForwarding):
 
     def schedule_body(self, rec: RequestRecord, model: str, body: dict[str, Any]) -> dict[str, Any]:
         """What the scheduler is told of a request; notes its prompt estimate and choices."""
-        sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body)
+        sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body, rec.path)
         return sched_body
 
     def _release(

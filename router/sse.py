@@ -13,20 +13,29 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat and completions count prompt/completion tokens; the Responses API input/output tokens.
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _MAX_CARRY = 1 << 20
 
 
 class StreamTap:
     __slots__ = (
-        "carry", "completion_tokens", "events", "last", "passthrough", "prompt_tokens", "strip_usage",
+        "awaiting", "carry", "completion_tokens", "events", "last", "on_first_token", "passthrough",
+        "prompt_tokens", "strip_usage",
     )
 
-    def __init__(self, strip_usage: bool) -> None:
+    def __init__(self, strip_usage: bool, first_token: bytes | None = None,
+                 on_first_token: Callable[[], None] | None = None) -> None:
+        """first_token: bytes that only the event of a stream's first generated token holds,
+        for streams that send other events first (the Responses API's `response.created`);
+        on_first_token is called when it passes. None: the first event is the first token."""
         self.strip_usage = strip_usage
+        self.awaiting = first_token
+        self.on_first_token = on_first_token
         self.carry = b""
         self.events = 0
         self.prompt_tokens: int | None = None
@@ -36,6 +45,8 @@ class StreamTap:
 
     def feed(self, piece: bytes) -> bytes:
         """Bytes to send to the client now (possibly empty)."""
+        if self.awaiting is not None:
+            return self._feed_before_first_token(piece)
         if self.passthrough:
             self.events += piece.count(b"data:")
             if _USAGE.search(piece):
@@ -63,6 +74,18 @@ class StreamTap:
             piece = self._take_usage(piece)
         return piece
 
+    def _feed_before_first_token(self, piece: bytes) -> bytes:
+        """feed(), looking for the first token's marker in what it passes on: whole events,
+        so a marker split between two reads is still found (the per-token path skips this)."""
+        marker, self.awaiting = self.awaiting, None
+        out = self.feed(piece)
+        if marker is not None and marker in out:
+            if self.on_first_token is not None:
+                self.on_first_token()
+        else:
+            self.awaiting = marker
+        return out
+
     def flush(self) -> bytes:
         rest, self.carry = self.carry, b""
         if rest:
@@ -87,12 +110,14 @@ class StreamTap:
                     obj = json.loads(payload)
                 except ValueError:
                     obj = None
-                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                    usage = obj["usage"]
-                    if isinstance(usage.get("prompt_tokens"), int):
-                        self.prompt_tokens = usage["prompt_tokens"]
-                    if isinstance(usage.get("completion_tokens"), int):
-                        self.completion_tokens = usage["completion_tokens"]
+                usage = _usage_of_event(obj)
+                if usage is not None:
+                    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+                    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+                    if isinstance(prompt, int):
+                        self.prompt_tokens = prompt
+                    if isinstance(completion, int):
+                        self.completion_tokens = completion
                     if self.strip_usage and not obj.get("choices"):
                         self.events -= 1
                         continue
@@ -106,6 +131,16 @@ class StreamTap:
             self.prompt_tokens = int(p.group(1))
         if c:
             self.completion_tokens = int(c.group(1))
+
+
+def _usage_of_event(obj: object) -> dict | None:
+    """A chunk's usage; the Responses API's is in its `response.completed` event's response."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")
+    return usage if isinstance(usage, dict) else None
 
 
 def usage_of_body(data: bytes) -> tuple[int | None, int | None]:

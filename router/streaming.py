@@ -26,6 +26,13 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 OVERLOADED = 429
 
 
+# Streams whose first events come before any token (the Responses API sends
+# `response.created` and `response.in_progress` at once): their first token is the first event
+# that holds these bytes (`"type": "response.output_text.delta"`, or a reasoning or tool-call
+# argument delta). TTFT and the scheduler's prefill report wait for it.
+FIRST_TOKEN_MARKERS = {"/v1/responses": b'.delta"'}
+
+
 class RetryElsewhere(Exception):
     """The worker failed before any byte reached the client; another may serve.
     `overloaded`: it refused as full (429), which says nothing against its health."""
@@ -61,10 +68,11 @@ class StreamForwarding:
         headers: dict[str, str],
         strip_usage: bool,
     ) -> web.StreamResponse:
+        url = route.url + path
+        if request.query_string:
+            url += "?" + request.query_string
         try:
-            up = await self.session.request(
-                "POST", route.url + path, data=raw, headers=headers, timeout=self.timeout
-            )
+            up = await self.session.request("POST", url, data=raw, headers=headers, timeout=self.timeout)
         except UPSTREAM_ERRORS as exc:
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
         complete = False
@@ -91,9 +99,15 @@ class StreamForwarding:
                 raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
             if not first:
                 raise RetryElsewhere("empty_stream")
-            rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
-            self._prefilled(route)
-            tap = StreamTap(strip_usage)
+
+            def first_token() -> None:
+                rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
+                self._prefilled(route)
+
+            marker = FIRST_TOKEN_MARKERS.get(path)
+            if marker is None:
+                first_token()
+            tap = StreamTap(strip_usage, marker, first_token)
             resp = web.StreamResponse(status=200, headers=self._response_headers(route, rec))
             resp.content_type = "text/event-stream"
             resp.headers["Cache-Control"] = "no-cache"

@@ -21,26 +21,19 @@ PREFIX_CHUNK_CHARS = 256
 MAX_PREFIX_CHUNKS = 64
 
 
-def render_prompt(body: dict[str, Any]) -> tuple[str, int]:
-    """The request's prompt as one string, plus tokens given directly as ids."""
+RESPONSES_PATH = "/v1/responses"
+
+
+def render_prompt(body: dict[str, Any], path: str = "") -> tuple[str, int]:
+    """The request's prompt as one string, plus tokens given directly as ids. Chat messages
+    and the Responses API's instructions and input items render alike (role, then text), so
+    one conversation fingerprints the same through either API."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts: list[str] = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            parts.append(str(m.get("role", "")))
-            parts.append("\x1f")
-            content = m.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                for p in content:
-                    if isinstance(p, dict) and isinstance(p.get("text"), str):
-                        parts.append(p["text"])
-            parts.append("\x1e")
-        return "".join(parts), 0
-    prompt = body.get("prompt")
+        return _render_messages(messages), 0
+    if path == RESPONSES_PATH:
+        return _render_responses(body), 0
+    prompt = body.get("prompt", body.get("input"))  # completions' prompt; embeddings' input
     if isinstance(prompt, str):
         return prompt, 0
     if isinstance(prompt, list) and prompt:
@@ -51,6 +44,45 @@ def render_prompt(body: dict[str, Any]) -> tuple[str, int]:
         if isinstance(prompt[0], list):  # batch of token-id lists
             return "", sum(len(p) for p in prompt if isinstance(p, list))
     return "", 0
+
+
+def _render_messages(messages: list[Any]) -> str:
+    parts: list[str] = []
+    for m in messages:
+        if isinstance(m, dict):
+            _render_turn(parts, str(m.get("role", m.get("type", ""))), m)
+    return "".join(parts)
+
+
+def _render_turn(parts: list[str], role: str, item: dict[str, Any]) -> None:
+    parts.append(role)
+    parts.append("\x1f")
+    content = item.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):  # [{"type": "text" | "input_text" | ..., "text": ...}, ...]
+        for p in content:
+            if isinstance(p, dict) and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+    for key in ("arguments", "output"):  # a Responses function call, or its output
+        if isinstance(item.get(key), str):
+            parts.append(item[key])
+    parts.append("\x1e")
+
+
+def _render_responses(body: dict[str, Any]) -> str:
+    """`instructions` (the system message) then `input`: a string (one user message) or a
+    list of items (messages, function calls and their outputs)."""
+    parts: list[str] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        _render_turn(parts, "system", {"content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        _render_turn(parts, "user", {"content": items})
+    elif isinstance(items, list):
+        parts.append(_render_messages(items))
+    return "".join(parts)
 
 
 def estimate_tokens(text: str, id_tokens: int = 0) -> int:
@@ -82,7 +114,7 @@ def prefix_hashes(
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
-    v = body.get("max_completion_tokens", body.get("max_tokens"))
+    v = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         return None
     return max(v, 1)  # 0 (echo of the prompt alone): the engine still generates one token
@@ -145,13 +177,13 @@ def batch_size_of(body: dict[str, Any]) -> int:
 
 
 def schedule_request(
-    counter: TokenCounter, model: str, body: dict[str, Any]
+    counter: TokenCounter, model: str, body: dict[str, Any], path: str = ""
 ) -> tuple[dict[str, Any], int, int]:
     """The scheduler's ScheduleRequest for an API body, with the prompt's token estimate (of
     every prompt of a batch) and the number of choices per prompt. A request for n choices
     is n sequences to the engine per prompt (vLLM fans it out): n prompts to prefill and n
     answers' KV each, planned for as one lease."""
-    text, id_tokens = render_prompt(body)
+    text, id_tokens = render_prompt(body, path)
     prompt = counter.count(text, id_tokens)
     choices = choices_of(body)
     sched: dict[str, Any] = {"model": model, "prompt_tokens": prompt * choices}

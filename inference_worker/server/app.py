@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from inference_worker.engine.types import AsyncEngineClient
-from inference_worker.server import openai_api
+from inference_worker.server import openai_api, responses_api
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
@@ -71,6 +71,7 @@ def build_app(
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/responses", responses_api.responses)
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_post("/tokenize", openai_api.tokenize)
     app.router.add_post("/detokenize", openai_api.detokenize)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -151,4 +153,30 @@ def scheduler_over_two_echo_workers() -> Iterator[str]:
         yield su
     finally:
         for p in (s, w1, w2):
+            p.stop()
+
+
+@dataclass
+class SimStack:
+    workers: dict[str, Proc]  # by URL
+    scheduler: str
+    gateway: str
+    gateway_proc: Proc
+
+
+@contextlib.contextmanager
+def sim_stack(n: int, *worker_flags: str, gateway_flags: tuple[str, ...] = ()) -> Iterator[SimStack]:
+    """n sim workers serving model "m", a scheduler over them (100 ms scrapes) and a gateway
+    in front; all stopped afterwards."""
+    procs: list[Proc] = []
+    try:
+        workers = start_sim_workers(n, "m", *worker_flags)
+        procs += [p for p, _ in workers]
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, *gateway_flags)
+        procs.append(g)
+        yield SimStack({u: p for p, u in workers}, su, gu, g)
+    finally:
+        for p in procs:
             p.stop()

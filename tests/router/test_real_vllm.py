@@ -176,6 +176,34 @@ def test_one_request_id_through_the_gateway_to_vllm_even_when_a_client_reuses_it
     assert rs[1].json()["id"] == "cmpl-" + rs[1].headers["x-request-id"] != "cmpl-reused-id"
 
 
+def test_a_responses_stream_from_vllm_is_streamed_and_timed_at_its_first_token(stack):
+    """vLLM sends response.created and response.in_progress before it prefills: the gateway
+    streams them through at once, and its TTFT (and prefill report) waits for the first delta.
+    A long input makes the prefill take a while on this CPU, so the two moments lie apart."""
+    from tests.router.procs import series_value
+
+    gateway = stack["gateway"]
+    ttft = f'router_time_to_first_token_seconds_sum{{model="{MODEL}"}}'
+    before = series_value(gateway, ttft, 0.0)
+    body = {"model": MODEL, "input": "Summarize: " + "the cat sat on the mat. " * 180,
+            "max_output_tokens": 16, "temperature": 0, "stream": True}
+    arrivals: dict[str, float] = {}
+    usage = None
+    t0 = time.monotonic()
+    with httpx.stream("POST", gateway + "/v1/responses", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                arrivals.setdefault(line[7:], time.monotonic() - t0)
+            elif '"response.completed"' in line:
+                usage = json.loads(line[6:])["response"]["usage"]
+    created, first_delta = arrivals["response.created"], arrivals["response.output_text.delta"]
+    assert first_delta - created > 0.2, arrivals  # the prefill separates them
+    measured = series_value(gateway, ttft) - before
+    assert created + 0.1 < measured <= first_delta + 0.05
+    assert usage is not None and usage["output_tokens"] == 16
+
+
 @pytest.fixture(scope="module")
 def our_worker():
     port = free_port()
@@ -273,3 +301,15 @@ def test_our_worker_answers_sampling_options_as_vllm_does(stack, our_worker):
         assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
         assert answer["usage"]["completion_tokens"] == 12
     assert ours["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
+
+
+def test_our_worker_answers_the_responses_api_as_vllm_does(stack, our_worker):
+    body = {"instructions": "Answer in one word.", "input": "Name a fruit.", "max_output_tokens": 8,
+            "temperature": 0}
+    theirs, ours = _both(stack, our_worker, "responses", body)
+    assert ours["output"][0]["content"][0]["text"] == theirs["output"][0]["content"][0]["text"]
+    assert ours["usage"]["input_tokens"] == theirs["usage"]["input_tokens"]
+    assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
+    assert (ours["status"], ours["incomplete_details"]) == (theirs["status"], theirs["incomplete_details"])
+    shared = set(ours) & set(theirs)
+    assert {"id", "object", "output", "usage", "status", "model", "created_at"} <= shared

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import httpx
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
+from tests.router.procs import SimStack, sim_stack
+
+SLOW = ("--time-scale", "5")  # tiny profile: ~32 ms per decode step
 
 
 def _stream(gw: str) -> dict:
@@ -42,24 +44,17 @@ def _busy_worker(scheduler: str) -> str:
 
 
 def test_a_worker_stopped_mid_stream_finishes_its_answers_and_new_requests_go_elsewhere():
-    procs = []
-    try:
-        workers = start_sim_workers(3, "m", "--time-scale", "5")
-        procs += [p for p, _ in workers]
-        by_url = {u: p for p, u in workers}
-        s, su = start_scheduler(list(by_url), "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = start_gateway("--scheduler", su, "--retry-count", "2")
-        procs.append(g)
+    with sim_stack(3, *SLOW, gateway_flags=("--retry-count", "2")) as stack:
+        gw, by_url = stack.gateway, stack.workers
         with ThreadPoolExecutor(6) as pool:
-            streams = [pool.submit(_stream, gu) for _ in range(6)]
-            stopping = _busy_worker(su)
+            streams = [pool.submit(_stream, gw) for _ in range(6)]
+            stopping = _busy_worker(stack.scheduler)
             time.sleep(0.3)  # its answers are under way
             by_url[stopping].p.send_signal(signal.SIGTERM)
             body = {"model": "m", "prompt": "meanwhile", "max_tokens": 8}
             meanwhile = []
             for _ in range(12):  # while the stopping worker drains (its streams last seconds)
-                meanwhile.append(httpx.post(gu + "/v1/completions", json=body, timeout=30))
+                meanwhile.append(httpx.post(gw + "/v1/completions", json=body, timeout=30))
                 time.sleep(0.1)
             results = [f.result(timeout=60) for f in streams]
         assert [r.status_code for r in meanwhile] == [200] * 12
@@ -72,16 +67,13 @@ def test_a_worker_stopped_mid_stream_finishes_its_answers_and_new_requests_go_el
             assert not any(e.startswith('{"error"') for e in r["events"]), r["events"][-3:]
             assert len(r["events"]) == 201  # every token, then [DONE]
         assert by_url[stopping].p.wait(20) == 0
-    finally:
-        for p in procs:
-            p.stop()
 
 
-async def _websocket_through_a_stopping_worker(gw: str, scheduler: str, by_url: dict) -> tuple[list, object]:
-    async with aiohttp.ClientSession() as session, session.ws_connect(gw + "/v1/ws") as ws:
+async def _websocket_through_a_stopping_worker(stack: SimStack) -> tuple[list, aiohttp.WSMessage]:
+    async with aiohttp.ClientSession() as session, session.ws_connect(stack.gateway + "/v1/ws") as ws:
         await ws.send_str(json.dumps({"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}))
         messages = [json.loads((await ws.receive(timeout=30)).data)]
-        by_url[_busy_worker(scheduler)].p.send_signal(signal.SIGTERM)
+        stack.workers[_busy_worker(stack.scheduler)].p.send_signal(signal.SIGTERM)
         while True:
             msg = await ws.receive(timeout=30)
             if msg.type != aiohttp.WSMsgType.TEXT:
@@ -90,43 +82,26 @@ async def _websocket_through_a_stopping_worker(gw: str, scheduler: str, by_url: 
 
 
 def test_a_websocket_on_a_stopping_worker_gets_its_answer_then_going_away():
-    procs = []
-    try:
-        workers = start_sim_workers(2, "m", "--time-scale", "5")
-        procs += [p for p, _ in workers]
-        by_url = {u: p for p, u in workers}
-        s, su = start_scheduler(list(by_url), "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = start_gateway("--scheduler", su)
-        procs.append(g)
-        messages, closed = asyncio.run(_websocket_through_a_stopping_worker(gu, su, by_url))
+    with sim_stack(2, *SLOW) as stack:
+        messages, closed = asyncio.run(_websocket_through_a_stopping_worker(stack))
         assert len([m for m in messages if "choices" in m]) == 150  # the whole answer
         assert messages[-1]["type"] == "done"
         assert not [m for m in messages if "error" in m]
         # The gateway passes the worker's "going away" on: the client reconnects elsewhere.
         assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1001
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connections():
-    procs = []
-    try:
-        workers = start_sim_workers(2, "m", "--time-scale", "5")
-        procs += [p for p, _ in workers]
-        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = start_gateway("--scheduler", su)
-        procs.append(g)
+    with sim_stack(2, *SLOW) as stack:
+        gw = stack.gateway
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(_stream, gu) for _ in range(4)]
-            _busy_worker(su)
+            streams = [pool.submit(_stream, gw) for _ in range(4)]
+            _busy_worker(stack.scheduler)
             time.sleep(0.5)
-            g.p.send_signal(signal.SIGTERM)
+            stack.gateway_proc.p.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             try:
-                httpx.get(gu + "/health", timeout=5)
+                httpx.get(gw + "/health", timeout=5)
                 refused = False
             except httpx.ConnectError:
                 refused = True
@@ -134,7 +109,4 @@ def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connections():
         assert refused  # a load balancer's next connection goes to another replica
         for r in results:
             assert r["events"][-1] == "[DONE]" and len(r["events"]) == 201
-        assert g.p.wait(20) == 0
-    finally:
-        for p in procs:
-            p.stop()
+        assert stack.gateway_proc.p.wait(20) == 0

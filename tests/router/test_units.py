@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,63 @@ def test_usage_of_body():
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 4}}).encode()
     assert usage_of_body(body) == (11, 4)
     assert usage_of_body(b'{"choices": []}') == (None, None)
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_usage_of_a_responses_api_body_from_vllm():
+    """Captured from vLLM 0.32 (SmolLM2): usage is input/output tokens, with *_details objects."""
+    body = (FIXTURES / "vllm-0.32-responses.json").read_bytes()
+    assert usage_of_body(body) == (32, 8)
+
+
+@pytest.mark.parametrize("split", [1, 7, 64, 100_000])
+def test_stream_tap_on_a_vllm_responses_stream_finds_usage_and_the_first_token(split):
+    """vLLM's Responses stream sends response.created and response.in_progress before any token:
+    the first-token callback (TTFT, the scheduler's prefill report) waits for the first delta,
+    and the usage comes from the response.completed event. The bytes pass unchanged."""
+    from router.streaming import FIRST_TOKEN_MARKERS
+
+    whole = (FIXTURES / "vllm-0.32-responses-stream.txt").read_bytes()
+    first_delta = whole.index(b"event: response.output_text.delta")
+    seen: list[int] = []
+    passed = b""
+    tap = StreamTap(False, FIRST_TOKEN_MARKERS["/v1/responses"], lambda: seen.append(len(passed)))
+    for i in range(0, len(whole), split):
+        passed += tap.feed(whole[i : i + split])
+    passed += tap.flush()
+    assert passed == whole
+    assert len(seen) == 1 and seen[0] <= first_delta  # called once, as that event passed
+    assert b"response.output_text.delta" not in passed[: seen[0]]
+    assert (tap.prompt_tokens, tap.completion_tokens) == (32, 4)
+
+
+def test_responses_bodies_render_as_their_chat_conversation():
+    chat = {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "hi"}]}
+    as_string = {"instructions": "Be brief", "input": "hi"}
+    parts = [{"type": "input_text", "text": "hi"}]
+    as_items = {"instructions": "Be brief", "input": [{"type": "message", "role": "user", "content": parts}]}
+    assert render_prompt(as_string, "/v1/responses") == render_prompt(chat)
+    assert render_prompt(as_items, "/v1/responses") == render_prompt(chat)
+    # A long conversation shares its prefix fingerprints with the same one sent as chat.
+    history = [{"role": "user", "content": "x" * 2000}, {"role": "assistant", "content": "y" * 900}]
+    sched, prompt, _ = schedule_request(TokenCounter(), "m", {"input": history, "max_output_tokens": 9},
+                                        "/v1/responses")
+    chat_sched, chat_prompt, _ = schedule_request(TokenCounter(), "m", {"messages": history, "max_tokens": 9})
+    assert sched == chat_sched and prompt == chat_prompt > 700
+    assert max_tokens_of({"max_output_tokens": 9}) == 9
+    # Function calls and their outputs count toward the prompt too.
+    call = [{"type": "function_call", "name": "f", "arguments": "a" * 40},
+            {"type": "function_call_output", "call_id": "c", "output": "b" * 40}]
+    assert estimate_tokens(*render_prompt({"input": call}, "/v1/responses")) > 20
+
+
+def test_embeddings_inputs_are_estimated_like_prompts():
+    assert render_prompt({"input": "hello"}) == ("hello", 0)
+    assert render_prompt({"input": ["a", "b"]}) == ("a\x1eb", 0)
+    assert render_prompt({"input": [1, 2, 3]}) == ("", 3)
+    assert render_prompt({"input": [[1, 2], [3]]}) == ("", 3)
 
 
 async def test_queue_is_fifo_bounded_and_cancellation_frees_the_place():

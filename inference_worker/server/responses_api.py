@@ -1,0 +1,156 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat engine path, in vLLM's shapes.
+
+Non-stream: one `response` object whose output is one assistant message. Stream: SSE with an
+`event:` line per event, in vLLM's order: `response.created`, `response.in_progress`,
+`response.output_item.added`, `response.content_part.added`, one
+`response.output_text.delta` per engine output that carries text, `response.output_text.done`,
+`response.content_part.done`, `response.output_item.done`, `response.completed` (whose
+response holds the usage). As in vLLM, an answer cut by `max_output_tokens` is
+`"status": "incomplete"` with `incomplete_details.reason` and still ends with
+`response.completed`. An error after the stream started is an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from inference_worker.engine.types import AsyncEngineClient, FinishReason, RequestOutput
+from inference_worker.server.answer import engine_error
+from inference_worker.server.errors import exception_to_api_error
+from inference_worker.server.generation import Generation
+from inference_worker.server.openai_api import SSE_HEADERS
+from inference_worker.server.prepare import request_id_base
+from inference_worker.server.responses_protocol import ResponsesRequest
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    body = ResponsesRequest.model_validate_json(await request.read())
+    id_base = request_id_base(request.headers.get("X-Request-Id"))
+    factory = request.app[FACTORY]
+    gen = factory.chat_from(body.to_chat(), id_base)
+    answer = ResponseAnswer(f"resp_{id_base}", factory.model_name, body)
+    engine: AsyncEngineClient = request.app[ENGINE]
+    with request.app[DRAIN].request():
+        await gen.start(engine)  # admission errors are still a clean 4xx
+        try:
+            if body.stream:
+                return await _stream(request, gen, answer)
+            return web.json_response(await answer.whole(gen))
+        finally:
+            await gen.close()
+
+
+async def _stream(request: web.Request, gen: Generation, answer: ResponseAnswer) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        async for event in answer.events(gen):
+            await response.write(event.encode())
+        if request.app[DRAIN].draining:
+            response.force_close()
+    except ConnectionError:
+        return response  # the client went away; the caller aborts the request
+    except Exception as exc:
+        error = {"type": "error", **exception_to_api_error(exc).body()["error"]}
+        try:
+            await response.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
+        except ConnectionError:
+            pass
+    return response
+
+
+class ResponseAnswer:
+    """Builds one request's response object and stream events."""
+
+    def __init__(self, response_id: str, model: str, request: ResponsesRequest) -> None:
+        self.response_id = response_id
+        self.item_id = f"msg_{uuid.uuid4().hex[:16]}"
+        self.model = model
+        self.request = request
+        self.created_at = int(time.time())
+        self._sequence = 0
+
+    def response(self, status: str, text: str | None = None, last: RequestOutput | None = None,
+                 prompt_tokens: int = 0) -> dict[str, Any]:
+        """The response object: in progress (no output yet), or ended by `last`."""
+        incomplete = last is not None and last.finish_reason is FinishReason.LENGTH
+        output = [] if text is None else [self.message(text, "completed")]
+        usage = None
+        if last is not None:
+            usage = {
+                "input_tokens": prompt_tokens,
+                "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+                "output_tokens": last.num_output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_tokens + last.num_output_tokens,
+            }
+        return {
+            "id": self.response_id,
+            "created_at": self.created_at,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "object": "response",
+            "output": output,
+            **self.request.echoed_fields(),
+            "status": "incomplete" if incomplete else status,
+            "usage": usage,
+        }
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [self.text_part(text)]
+        return {"id": self.item_id, "content": content, "role": "assistant", "status": status,
+                "type": "message"}
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, Any]:
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+
+    async def whole(self, gen: Generation) -> dict[str, Any]:
+        texts: list[str] = []
+        last: RequestOutput | None = None
+        async for _, out in gen.outputs():
+            texts.append(out.text)
+            last = out
+        assert last is not None  # a started generation ends with a finished output
+        _check(last)
+        return self.response("completed", "".join(texts), last, gen.prompt_tokens)
+
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self.response("in_progress"))
+        yield self._event("response.in_progress", response=self.response("in_progress"))
+        where = {"item_id": self.item_id, "output_index": 0}
+        yield self._event("response.output_item.added", item=self.message("", "in_progress"), output_index=0)
+        yield self._event("response.content_part.added", content_index=0, **where, part=self.text_part(""))
+        texts: list[str] = []
+        last: RequestOutput | None = None
+        async for _, out in gen.outputs():
+            last = out
+            _check(out)
+            if out.text:
+                texts.append(out.text)
+                yield self._event("response.output_text.delta", content_index=0, delta=out.text,
+                                  **where, logprobs=[])
+        assert last is not None
+        text = "".join(texts)
+        yield self._event("response.output_text.done", content_index=0, **where, logprobs=[], text=text)
+        yield self._event("response.content_part.done", content_index=0, **where, part=self.text_part(text))
+        yield self._event("response.output_item.done", item=self.message(text, "completed"), output_index=0)
+        final = self.response("completed", text, last, gen.prompt_tokens)
+        yield self._event("response.completed", response=final)
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {**fields, "sequence_number": self._sequence, "type": kind}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _check(out: RequestOutput) -> None:
+    if out.finished and out.finish_reason is FinishReason.ERROR:
+        raise engine_error(out)

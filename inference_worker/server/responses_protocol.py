@@ -1,0 +1,161 @@
+"""The request body of OpenAI's Responses API (`POST /v1/responses`), the subset a text model
+without tools serves: `instructions` and `input` (a string, or message items with text
+parts), sampling options and `stream`. It is answered as a chat completion of the same
+messages (`to_chat`), as vLLM does for models without a Harmony format.
+
+Nothing is stored (`store` is accepted and has no effect, as in vLLM unless its response
+store is switched on), so `previous_response_id` and `background` are refused; so are tools,
+structured output (`text.format` other than text), `include` and image or file inputs: a
+400 naming them, as for the other endpoints' options this worker does not implement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from inference_worker.server.chat_protocol import ChatCompletionRequest
+from inference_worker.server.errors import invalid_request
+from inference_worker.server.protocol import reject_set, unsupported
+
+_TEXT_PARTS = {"input_text", "output_text"}
+
+# Options refused unless at their neutral value (an empty list counts as neutral).
+_UNIMPLEMENTED_RESPONSES: dict[str, Any] = {
+    "previous_response_id": None,
+    "conversation": None,
+    "background": False,
+    "tools": None,
+    "include": None,
+    "prompt": None,
+    "max_tool_calls": None,
+    "top_logprobs": 0,  # logprobs are not offered on this endpoint
+}
+
+
+class TextInput(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextInput]
+
+    def as_chat(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str = "auto"
+    parallel_tool_calls: bool = True
+    tool_choice: Literal["none", "auto"] = "none"
+    truncation: Literal["disabled", "auto"] = "disabled"
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # a model that does not reason: nothing to set
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_items(cls, data: Any) -> Any:
+        """Name what is not a text message (a function call, an image, ...), where pydantic
+        would list every branch of the union it tried."""
+        items = data.get("input") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            return data
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type", "message")
+            if kind != "message":
+                raise unsupported(f"input.{i}.type", f"input items of type {kind!r}")
+            for j, part in enumerate(item["content"] if isinstance(item.get("content"), list) else ()):
+                if isinstance(part, dict) and part.get("type") not in _TEXT_PARTS:
+                    raise unsupported(f"input.{i}.content.{j}.type", f"content of type {part.get('type')!r}")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        reject_set(self, _UNIMPLEMENTED_RESPONSES)
+        text_format = (self.text or {}).get("format")
+        if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
+            raise unsupported("text.format", f"text.format of type {text_format.get('type')!r}")
+        if isinstance(self.input, list) and not self.input:
+            raise invalid_request("input must not be empty", param="input")
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation: the instructions as the system message, then the input."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages.extend(item.as_chat() for item in self.input)
+        return messages
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion: vLLM's extra sampling options (top_k, seed,
+        penalties, stop, ...) come along and are checked there."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if k not in _NOT_FOR_CHAT}
+        return ChatCompletionRequest.model_validate(
+            {
+                **extra,
+                "model": self.model,
+                "messages": self.messages(),
+                "max_tokens": self.max_output_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "stream": self.stream,
+            }
+        )
+
+    def echoed_fields(self) -> dict[str, Any]:
+        """The request's settings as the response object repeats them."""
+        return {
+            "instructions": self.instructions,
+            "metadata": self.metadata,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "tool_choice": self.tool_choice,
+            "tools": [],
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "background": False,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": None,
+            "previous_response_id": None,
+            "prompt": None,
+            "reasoning": self.reasoning,
+            "service_tier": self.service_tier,
+            "text": self.text,
+            "top_logprobs": None,
+            "truncation": self.truncation,
+            "user": self.user,
+        }
+
+
+# Responses fields (or chat-only ones a Responses body has no business setting) that must not
+# reach the chat request built from it.
+_NOT_FOR_CHAT = frozenset(
+    {"messages", "n", "max_tokens", "max_completion_tokens", "logprobs", "echo", "stream_options",
+     "add_generation_prompt", "continue_final_message", "tools", "response_format", "top_logprobs"}
+)
