@@ -25,6 +25,21 @@ class _ChatRendering(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_content_parts(cls, data: Any) -> Any:
+        """Name a content part this text model cannot take (an image, audio, a file), where
+        pydantic would report every branch of the content union it tried."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise unsupported(f"messages.{i}.content.{j}.type",
+                                      f"content of type {kind!r} (this model takes text)")
+        return data
+
     def _check_rendering(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid_request(

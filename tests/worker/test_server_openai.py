@@ -564,6 +564,13 @@ BAD_INPUTS = [
     bad("missing messages", CHAT, {"max_tokens": 3}, 400, "messages"),
     bad("bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     bad("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    bad("image content for a text model", CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                   {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+        400, "messages.0.content.1.type"),
+    bad("tokenize audio content", "/tokenize",
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+        "messages.0.content.0.type"),
     bad(
         "stream_options without stream",
         CMPL,
