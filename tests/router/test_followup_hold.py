@@ -77,8 +77,10 @@ def test_follow_up_turn_passes_the_queue_into_its_own_freed_room():
         reason = json.loads(follow_up.headers["x-router-reason"])
         assert reason["followup"] is True and reason["prefix_match"] >= 1
         assert float(follow_up.headers["x-router-queue-ms"]) < 200
-        # ...and the stranger waited for the other request to end, not for the follow-up's room.
-        assert float(late.headers["x-router-queue-ms"]) > 500
+        # ...and the stranger, queued before the follow-up was sent, was not given the room held
+        # for it (it went wherever room freed otherwise). Not a duration: on a loaded machine
+        # the other request can end soon after the stranger queued.
+        assert not json.loads(late.headers["x-router-reason"]).get("followup")
         metrics = httpx.get(su + "/metrics").text
         assert 'scheduler_followup_reservations_total{outcome="claimed"} 1.0' in metrics
     finally:
