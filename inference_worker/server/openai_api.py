@@ -8,12 +8,15 @@ started is sent as a `data: {"error": ...}` event followed by `data: [DONE]`
 (vLLM does the same). A client that disconnects cancels the handler (the app runs
 with `handler_cancellation=True`) or fails the next write; either way the engine
 request is aborted and its KV blocks are freed at the next step.
+`serve` also answers the Responses API (responses_api.py), which frames its events its own way.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -45,33 +48,68 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await serve(request, factory.chat(await request.read(), id_base))
 
 
-async def serve(request: web.Request, gen: Generation) -> web.StreamResponse:
+class ChunkedAnswer:
+    """How chat and completions answer: answer.py's body, or its chunks as `data:` events
+    ended by `data: [DONE]`. The Responses API has its own (responses_api.ResponseAnswer)."""
+
+    done = _DONE.encode()
+    whole = staticmethod(answer_body)
+    events = staticmethod(answer_chunks)
+
+    @staticmethod
+    def frame(chunk: str) -> bytes:
+        return f"data: {chunk}\n\n".encode()
+
+    @staticmethod
+    def error_event(err: APIError) -> bytes:
+        return f"data: {json.dumps(err.body())}\n\n{_DONE}".encode()
+
+
+class StreamedAnswer(Protocol):
+    done: bytes
+
+    async def whole(self, gen: Generation) -> dict[str, Any]: ...
+
+    def events(self, gen: Generation) -> AsyncIterator[str]: ...
+
+    def frame(self, event: str) -> bytes: ...
+
+    def error_event(self, err: APIError) -> bytes: ...
+
+
+CHUNKED = ChunkedAnswer()
+
+
+async def serve(
+    request: web.Request, gen: Generation, answer: StreamedAnswer = CHUNKED
+) -> web.StreamResponse:
     engine: AsyncEngineClient = request.app[ENGINE]
     with request.app[DRAIN].request():  # a stopping worker refuses it (503) or finishes it
         await gen.start(engine)  # admission errors propagate to the middleware as 4xx
         try:
             if gen.stream:
-                return await _stream(request, gen)
-            return web.json_response(await answer_body(gen))
+                return await _stream(request, gen, answer)
+            return web.json_response(await answer.whole(gen))
         finally:
             await gen.close()  # aborts in the engine unless the request already finished
 
 
-async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, answer: StreamedAnswer) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
+    frame = answer.frame
     try:
-        async for chunk in answer_chunks(gen):
-            await response.write(f"data: {chunk}\n\n".encode())
-        await response.write(_DONE.encode())
+        async for event in answer.events(gen):
+            await response.write(frame(event))
+        if answer.done:
+            await response.write(answer.done)
         if request.app[DRAIN].draining:
             response.force_close()  # begun before the drain: no next request on this connection
     except ConnectionError:
         return response  # the client went away; `serve` aborts the request
     except Exception as exc:
-        err = exception_to_api_error(exc)
         try:
-            await response.write(f"data: {json.dumps(err.body())}\n\n{_DONE}".encode())
+            await response.write(answer.error_event(exception_to_api_error(exc)))
         except ConnectionError:
             pass
     return response

@@ -20,54 +20,28 @@ from typing import Any
 
 from aiohttp import web
 
-from inference_worker.engine.types import AsyncEngineClient, FinishReason, RequestOutput
+from inference_worker.engine.types import FinishReason, RequestOutput
 from inference_worker.server.answer import engine_error
-from inference_worker.server.errors import exception_to_api_error
+from inference_worker.server.errors import APIError
 from inference_worker.server.generation import Generation
-from inference_worker.server.openai_api import SSE_HEADERS
+from inference_worker.server.openai_api import serve
 from inference_worker.server.prepare import request_id_base
 from inference_worker.server.responses_protocol import ResponsesRequest
-from inference_worker.server.state import DRAIN, ENGINE, FACTORY
+from inference_worker.server.state import FACTORY
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate_json(await request.read())
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
-    gen = factory.chat_from(body.to_chat(), id_base)
-    answer = ResponseAnswer(f"resp_{id_base}", factory.model_name, body)
-    engine: AsyncEngineClient = request.app[ENGINE]
-    with request.app[DRAIN].request():
-        await gen.start(engine)  # admission errors are still a clean 4xx
-        try:
-            if body.stream:
-                return await _stream(request, gen, answer)
-            return web.json_response(await answer.whole(gen))
-        finally:
-            await gen.close()
-
-
-async def _stream(request: web.Request, gen: Generation, answer: ResponseAnswer) -> web.StreamResponse:
-    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    await response.prepare(request)
-    try:
-        async for event in answer.events(gen):
-            await response.write(event.encode())
-        if request.app[DRAIN].draining:
-            response.force_close()
-    except ConnectionError:
-        return response  # the client went away; the caller aborts the request
-    except Exception as exc:
-        error = {"type": "error", **exception_to_api_error(exc).body()["error"]}
-        try:
-            await response.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
-        except ConnectionError:
-            pass
-    return response
+    gen = factory.chat_from(body.to_chat(), id_base)  # streams when the body asks to
+    return await serve(request, gen, ResponseAnswer(f"resp_{id_base}", factory.model_name, body))
 
 
 class ResponseAnswer:
-    """Builds one request's response object and stream events."""
+    """Builds one request's response object and stream events (openai_api.StreamedAnswer)."""
+
+    done = b""  # the Responses stream ends with response.completed, no [DONE]
 
     def __init__(self, response_id: str, model: str, request: ResponsesRequest) -> None:
         self.response_id = response_id
@@ -144,6 +118,15 @@ class ResponseAnswer:
         yield self._event("response.output_item.done", item=self.message(text, "completed"), output_index=0)
         final = self.response("completed", text, last, gen.prompt_tokens)
         yield self._event("response.completed", response=final)
+
+    @staticmethod
+    def frame(event: str) -> bytes:
+        return event.encode()  # events() writes whole SSE events
+
+    @staticmethod
+    def error_event(err: APIError) -> bytes:
+        error = {"type": "error", **err.body()["error"]}
+        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {**fields, "sequence_number": self._sequence, "type": kind}
