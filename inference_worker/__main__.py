@@ -84,7 +84,7 @@ async def run_worker(config: WorkerConfig) -> None:
     registry = CollectorRegistry()
     attach_stat_loggers(engine, config, registry)
     await engine.start()
-    app = build_app(engine, config.model_name, registry)
+    app = build_app(engine, config.model_name, registry, config.responses_store_size)
     # The drain below waits for the requests; what aiohttp then waits for is their last writes.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()

@@ -59,6 +59,14 @@ class WorkerConfig(BaseSettings):
         "signal ends them at once",
     )
 
+    responses_store_size: int = Field(
+        1024,
+        ge=0,
+        description="Responses API answers kept for previous_response_id and GET "
+        "/v1/responses/{id}, least recently used out first; 0: none (vLLM keeps none unless "
+        "VLLM_ENABLE_RESPONSES_API_STORE=1, and then every one)",
+    )
+
     # Registration with a scheduler (see scheduler issue)
     register_with: str | None = Field(None, description="scheduler URL to self-register with")
     registration_token: str | None = None

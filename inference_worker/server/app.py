@@ -1,6 +1,6 @@
 """The worker's aiohttp application: OpenAI API, WebSocket, health, metrics, tokenize, version.
 
-`build_app(engine, model_name, registry)` wires the routes; the caller owns the
+`build_app(engine, model_name, registry, responses_store_size)` wires the routes; the caller owns the
 engine's lifetime (see `inference_worker.__main__`). Run it with
 `handler_cancellation=True` (as `serve()` does) so that a client disconnect cancels
 its handler and the engine aborts the request at once.
@@ -18,7 +18,8 @@ from inference_worker.server import openai_api, responses_api
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
-from inference_worker.server.state import DRAIN, ENGINE, FACTORY, REGISTRY
+from inference_worker.server.response_store import ResponseStore
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY, REGISTRY, RESPONSES
 from inference_worker.server.websocket import websocket_handler
 
 # Long prompts as JSON token-id lists get large; aiohttp's 1 MiB default is too small.
@@ -61,17 +62,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(
-    engine: AsyncEngineClient, model_name: str, registry: CollectorRegistry | None = None
+    engine: AsyncEngineClient,
+    model_name: str,
+    registry: CollectorRegistry | None = None,
+    responses_store_size: int = 0,
 ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[FACTORY] = GenerationFactory(engine, model_name)
     app[DRAIN] = Drain()
+    app[RESPONSES] = ResponseStore(responses_store_size)
     app.on_response_prepare.append(_close_when_draining)
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/responses", responses_api.responses)
+    app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel)
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_post("/tokenize", openai_api.tokenize)
     app.router.add_post("/detokenize", openai_api.detokenize)

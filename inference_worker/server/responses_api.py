@@ -8,6 +8,11 @@ Non-stream: one `response` object whose output is one assistant message. Stream:
 response holds the usage). As in vLLM, an answer cut by `max_output_tokens` is
 `"status": "incomplete"` with `incomplete_details.reason` and still ends with
 `response.completed`. An error after the stream started is an `error` event.
+
+A finished response is stored when the request says `store` (the default) and the worker
+keeps a store: `previous_response_id` continues it, `GET /v1/responses/{id}` returns it.
+`POST /v1/responses/{id}/cancel` is vLLM's: every response here is synchronous (no
+`background`), so a stored one cannot be cancelled (400) and an unknown one is a 404.
 """
 
 from __future__ import annotations
@@ -26,16 +31,40 @@ from inference_worker.server.errors import APIError
 from inference_worker.server.generation import Generation
 from inference_worker.server.openai_api import serve
 from inference_worker.server.prepare import request_id_base
+from inference_worker.server.response_store import ResponseStore, StoredResponse
 from inference_worker.server.responses_protocol import ResponsesRequest
-from inference_worker.server.state import FACTORY
+from inference_worker.server.state import FACTORY, RESPONSES
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate_json(await request.read())
+    store = request.app[RESPONSES]
+    history = []
+    if body.previous_response_id is not None:
+        history = store.get(body.previous_response_id, "previous_response_id").conversation()
+    chat = body.to_chat(history)
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
-    gen = factory.chat_from(body.to_chat(), id_base)  # streams when the body asks to
-    return await serve(request, gen, ResponseAnswer(f"resp_{id_base}", factory.model_name, body))
+    gen = factory.chat_from(chat, id_base)  # streams when the body asks to
+    answer = ResponseAnswer(f"resp_{id_base}", factory.model_name, body)
+    if body.store:
+        answer.keep_in(store, body.messages(history))
+    return await serve(request, gen, answer)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}. `stream=true` replays a background response in vLLM; there are
+    none here."""
+    if request.query.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, "stream=true replays background responses, which this worker does not run.",
+                       param="stream")
+    entry = request.app[RESPONSES].get(request.match_info["response_id"])
+    return web.json_response(entry.response)
+
+
+async def cancel(request: web.Request) -> web.Response:
+    request.app[RESPONSES].get(request.match_info["response_id"])  # a 404 when unknown
+    raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
 
 
 class ResponseAnswer:
@@ -50,6 +79,18 @@ class ResponseAnswer:
         self.request = request
         self.created_at = int(time.time())
         self._sequence = 0
+        self._store: ResponseStore | None = None
+        self._messages: list[dict[str, Any]] = []
+
+    def keep_in(self, store: ResponseStore, messages: list[dict[str, Any]]) -> None:
+        """Store the finished response, with the conversation it answered."""
+        self._store = store
+        self._messages = messages
+
+    def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self._store is not None:
+            self._store.put(StoredResponse(response, self._messages))
+        return response
 
     def response(self, status: str, text: str | None = None, last: RequestOutput | None = None,
                  prompt_tokens: int = 0) -> dict[str, Any]:
@@ -94,7 +135,7 @@ class ResponseAnswer:
             last = out
         assert last is not None  # a started generation ends with a finished output
         _check(last)
-        return self.response("completed", "".join(texts), last, gen.prompt_tokens)
+        return self._finished(self.response("completed", "".join(texts), last, gen.prompt_tokens))
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         yield self._event("response.created", response=self.response("in_progress"))
@@ -116,7 +157,7 @@ class ResponseAnswer:
         yield self._event("response.output_text.done", content_index=0, **where, logprobs=[], text=text)
         yield self._event("response.content_part.done", content_index=0, **where, part=self.text_part(text))
         yield self._event("response.output_item.done", item=self.message(text, "completed"), output_index=0)
-        final = self.response("completed", text, last, gen.prompt_tokens)
+        final = self._finished(self.response("completed", text, last, gen.prompt_tokens))
         yield self._event("response.completed", response=final)
 
     @staticmethod

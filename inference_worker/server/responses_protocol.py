@@ -3,14 +3,16 @@ without tools serves: `instructions` and `input` (a string, or message items wit
 parts), sampling options and `stream`. It is answered as a chat completion of the same
 messages (`to_chat`), as vLLM does for models without a Harmony format.
 
-Nothing is stored (`store` is accepted and has no effect, as in vLLM unless its response
-store is switched on), so `previous_response_id` and `background` are refused; so are tools,
-structured output (`text.format` other than text), `include` and image or file inputs: a
-400 naming them, as for the other endpoints' options this worker does not implement.
+With `store` (the default) the answer is kept (server/response_store.py), and a later
+request's `previous_response_id` continues its conversation. `background` is refused; so
+are tools, structured output (`text.format` other than text), `include` and image or file
+inputs: a 400 naming them, as for the other endpoints' options this worker does not
+implement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,7 +25,6 @@ _TEXT_PARTS = {"input_text", "output_text"}
 
 # Options refused unless at their neutral value (an empty list counts as neutral).
 _UNIMPLEMENTED_RESPONSES: dict[str, Any] = {
-    "previous_response_id": None,
     "conversation": None,
     "background": False,
     "tools": None,
@@ -66,6 +67,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool = True
+    previous_response_id: str | None = Field(None, min_length=1)
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str = "auto"
@@ -104,16 +106,18 @@ class ResponsesRequest(BaseModel):
             raise invalid_request("input must not be empty", param="input")
         return self
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The conversation: the instructions as the system message, then the input."""
+    def messages(self, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The conversation: the instructions as the system message, the earlier turns (those
+        of `previous_response_id`), then the input."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages.extend(history)
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
             messages.extend(item.as_chat() for item in self.input)
         return messages
 
-    def to_chat(self) -> ChatCompletionRequest:
+    def to_chat(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The same request as a chat completion: vLLM's extra sampling options (top_k, seed,
         penalties, stop, ...) come along and are checked there."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in _NOT_FOR_CHAT}
@@ -121,7 +125,7 @@ class ResponsesRequest(BaseModel):
             {
                 **extra,
                 "model": self.model,
-                "messages": self.messages(),
+                "messages": self.messages(history),
                 "max_tokens": self.max_output_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
@@ -142,7 +146,7 @@ class ResponsesRequest(BaseModel):
             "background": False,
             "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": None,
-            "previous_response_id": None,
+            "previous_response_id": self.previous_response_id,
             "prompt": None,
             "reasoning": self.reasoning,
             "service_tier": self.service_tier,

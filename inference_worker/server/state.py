@@ -1,4 +1,5 @@
-"""Typed keys of what the aiohttp app holds (engine, request factory, metrics registry, drain)."""
+"""Typed keys of what the aiohttp app holds (engine, request factory, metrics registry, drain,
+stored responses)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from prometheus_client import CollectorRegistry
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.drain import Drain
 from inference_worker.server.prepare import GenerationFactory
+from inference_worker.server.response_store import ResponseStore
 
 ENGINE = web.AppKey("engine", AsyncEngineClient)
 FACTORY = web.AppKey("generation_factory", GenerationFactory)
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 DRAIN = web.AppKey("drain", Drain)
+RESPONSES = web.AppKey("response_store", ResponseStore)

@@ -1,6 +1,7 @@
 """The Responses API (`POST /v1/responses`) of a real `python -m inference_worker` (real model,
 127.0.0.1), driven by the official `openai` client: the answer is the chat answer of the same
-conversation, streamed in vLLM's event order, with its usage; what it does not serve is a 400."""
+conversation, streamed in vLLM's event order, with its usage; a stored answer is continued by
+`previous_response_id` and returned by GET; what it does not serve is a 400."""
 
 from __future__ import annotations
 
@@ -65,7 +66,6 @@ def test_a_streamed_response_has_vllms_events_and_the_same_text(client, chat_ans
     ("fields", "param"),
     [
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
@@ -84,3 +84,44 @@ def test_what_the_worker_does_not_serve_is_a_400_naming_it(shared_torch_worker, 
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
+
+
+def test_previous_response_id_continues_the_stored_conversation(client) -> None:
+    first = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=QUESTION,
+                                    max_output_tokens=10, temperature=0)
+    follow_up = "And a vegetable?"
+    second = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=follow_up,
+                                     previous_response_id=first.id, max_output_tokens=10, temperature=0)
+    assert second.previous_response_id == first.id
+    # The same as the chat of the whole conversation: instructions, first turn, its answer, input.
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": follow_up}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # Both are kept, as they were answered.
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_a_streamed_response_is_stored_too(client) -> None:
+    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5,
+                                          temperature=0, stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_what_is_not_stored_is_a_404_and_a_stored_response_cannot_be_cancelled(client) -> None:
+    unstored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, store=False)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve(unstored.id)
+    assert caught.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=MODEL, input="more", previous_response_id=unstored.id)
+    assert caught.value.body["message"] == f"Response with id '{unstored.id}' not found."
+    assert caught.value.body["param"] == "previous_response_id"
+    stored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")

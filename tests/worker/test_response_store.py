@@ -1,0 +1,39 @@
+"""The worker's store of Responses API answers: bounded, least recently used out first, and
+a next turn continues the conversation without the earlier instructions."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_worker.server.errors import APIError
+from inference_worker.server.response_store import ResponseStore, StoredResponse
+
+
+def _entry(response_id: str, answer: str = "ok") -> StoredResponse:
+    output = [{"type": "message", "content": [{"type": "output_text", "text": answer}]}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    return StoredResponse({"id": response_id, "output": output}, messages)
+
+
+def test_the_least_recently_used_response_leaves_first() -> None:
+    store = ResponseStore(2)
+    store.put(_entry("a"))
+    store.put(_entry("b"))
+    store.get("a")  # a conversation in use stays
+    store.put(_entry("c"))
+    assert len(store) == 2
+    assert store.get("a") and store.get("c")
+    with pytest.raises(APIError) as caught:
+        store.get("b", "previous_response_id")
+    assert caught.value.status == 404 and caught.value.param == "previous_response_id"
+
+
+def test_a_store_of_size_zero_keeps_nothing() -> None:
+    store = ResponseStore(0)
+    store.put(_entry("a"))
+    assert len(store) == 0
+
+
+def test_a_next_turn_continues_without_the_earlier_instructions() -> None:
+    assert _entry("a", "hello").conversation() == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
