@@ -41,6 +41,11 @@ class ScheduleRequest(BaseModel):
     # Only take room the scheduler holds for this prompt's prefix (a follow-up reservation);
     # else answer wait. The gateway sets it for arrivals while its queue is not empty.
     reserved_only: bool = False
+    # Only this worker: it holds state the request continues (a stored response its
+    # `previous_response_id` names). Its saturation is waited out like any other; the wait's
+    # reason says "pinned_worker_unavailable" while it is down and "pinned_worker_gone" once it
+    # left the pool (the state went with it).
+    worker_id: str | None = Field(None, min_length=1)
 
 
 class ScheduleDecision(BaseModel):

@@ -137,10 +137,16 @@ class SchedulerService:
         excl = req.exclude
         if excl:
             cands = [w for w in cands if w.worker_id not in excl]
+        if req.pin is not None:
+            cands = [w for w in cands if w.worker_id == req.pin]
+            if not cands:
+                gone = req.pin not in self.registry.workers  # and its state with it
+                return Wait(self._retry_after_ms,
+                            "pinned_worker_gone" if gone else "pinned_worker_unavailable")
         if not cands:
             return Wait(self._retry_after_ms, "no_routable_worker")
         pick = None
-        if self.reservations.by_key and req.prefix_hashes:
+        if self.reservations.by_key and req.prefix_hashes and req.pin is None:
             pick = self._claim(req, cands, now)
         if pick is None and req.reserved_only:
             # "holds_off" tells the gateway that asking again is pointless (it stops passing).

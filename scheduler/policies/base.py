@@ -20,12 +20,13 @@ from scheduler.registry import WorkerState
 class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
-    __slots__ = ("exclude", "lora", "max_tokens", "model", "prefix_hashes", "prompt_tokens",
+    __slots__ = ("exclude", "lora", "max_tokens", "model", "pin", "prefix_hashes", "prompt_tokens",
                  "reserved_only")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
-                 exclude: frozenset[str] | None = None, reserved_only: bool = False) -> None:
+                 exclude: frozenset[str] | None = None, reserved_only: bool = False,
+                 pin: str | None = None) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -35,6 +36,8 @@ class Request:
         # Place only into room reserved for this prompt's prefix, else wait (the gateway asks
         # so for an arrival while others queue: a follow-up may pass them, nothing else).
         self.reserved_only = reserved_only
+        # The one worker this request may go to (ScheduleRequest.worker_id).
+        self.pin = pin
 
 
 class Pick(NamedTuple):

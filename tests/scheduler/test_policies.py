@@ -146,6 +146,27 @@ def test_exclude_is_respected():
     assert seen == {"w0", "w2"}
 
 
+@pytest.mark.parametrize("policy", ["llm_aware", "round_robin"])
+def test_a_pinned_request_goes_to_its_worker_only_and_waits_out_its_saturation(policy):
+    """A follow-up of a response one worker stores (previous_response_id) goes there even when
+    another worker is the better pick, waits while its worker is full, and is told when that
+    worker is down or gone (its stored state with it)."""
+    svc = make_service(policy)
+    feed(svc, worker(svc, "w0"), running=20)
+    assert {decide(svc, pin="w0")["worker_id"] for _ in range(6)} == {"w0"}
+    if policy == "llm_aware":
+        feed(svc, worker(svc, "w0"), running=1, waiting=3)  # queueing: saturated
+        out = decide(svc, pin="w0")
+        assert isinstance(out, Wait) and out.reason == "saturated"
+        assert decide(svc)["worker_id"] != "w0"  # the others are free for the rest
+    svc.report_failure("w0", "connect")
+    out = decide(svc, pin="w0")
+    assert isinstance(out, Wait) and out.reason == "pinned_worker_unavailable"
+    svc.remove_worker("w0")
+    out = decide(svc, pin="w0")
+    assert isinstance(out, Wait) and out.reason == "pinned_worker_gone"
+
+
 def test_round_robin_cycles():
     svc = make_service("round_robin")
     assert [decide(svc)["worker_id"] for _ in range(6)] == ["w0", "w1", "w2"] * 2
