@@ -27,8 +27,16 @@ from router.errors import error_response, no_route
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
-from router.scheduling import Route, Scheduling
+from router.scheduling import PinnedWorkerGone, Route, Scheduling
 from router.sse import usage_of_body
+from router.stored_calls import StoredResponseCalls
+from router.stored_responses import (
+    STORED_RESPONSE_PATH,
+    Owner,
+    ResponseOwners,
+    not_found_message,
+    response_id_in,
+)
 from router.streaming import (
     OVERLOADED,
     UPSTREAM_ERRORS,
@@ -36,7 +44,7 @@ from router.streaming import (
     StreamForwarding,
     failure_kind,
 )
-from router.tokens import TokenCounter, schedule_request
+from router.tokens import RESPONSES_PATH, TokenCounter, schedule_request
 from scheduler.client import SchedulerRequestError, UnknownModelError
 
 log = logging.getLogger("router.proxy")
@@ -87,7 +95,7 @@ _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-class Proxy(StreamForwarding):
+class Proxy(StreamForwarding, StoredResponseCalls):
     def __init__(
         self,
         cfg: RouterConfig,
@@ -120,6 +128,7 @@ class Proxy(StreamForwarding):
         self.tokens = TokenCounter(cfg.tokenizer)
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
+        self.owners = ResponseOwners()
 
     # ---- entry points ------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -179,6 +188,9 @@ class Proxy(StreamForwarding):
             return error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
+        stored = STORED_RESPONSE_PATH.fullmatch(path)
+        if stored is not None:
+            return await self.stored_response_call(request, rec, path, stored.group(1))
         if path in _POST_ONLY and request.method != "POST":
             return error_response(
                 405, f"{request.method} is not allowed on {path}: use POST",
@@ -239,6 +251,17 @@ class Proxy(StreamForwarding):
                 raw = self._with_usage(raw, body)
 
         sched_body = self.schedule_body(rec, model, body)
+        previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
+        pinned: Owner | None = None
+        if previous is not None:
+            # It continues a response one worker stores: that worker, or a 404 as it would say.
+            if not isinstance(previous, str) or not previous:
+                return error_response(400, "'previous_response_id' must be a non-empty string",
+                                      param="previous_response_id")
+            pinned = await self.owner_of(previous, request)
+            if pinned is None:
+                return error_response(404, not_found_message(previous), param="previous_response_id")
+            sched_body["worker_id"] = pinned.worker_id
 
         headers = self._upstream_headers(request, rec.id, path)
         deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
@@ -247,7 +270,15 @@ class Proxy(StreamForwarding):
         overloaded = False
         for attempt in range(self.cfg.retry_count + 1):
             try:
-                route = await self._acquire(rec, sched_body, exclude, deadline)
+                route = await self._acquire(rec, sched_body, exclude, deadline,
+                                            pinned.url if pinned is not None else None)
+            except PinnedWorkerGone:
+                assert previous is not None
+                self.owners.forget(previous)
+                return error_response(
+                    404, f"{not_found_message(previous)} The worker that stored it left the pool.",
+                    param="previous_response_id",
+                )
             except QueueFull:
                 self.metrics.rejected.labels("queue_full").inc()
                 return error_response(
@@ -330,7 +361,8 @@ class Proxy(StreamForwarding):
         )
 
     async def _acquire(
-        self, rec: RequestRecord, body: dict[str, Any], exclude: list[str], deadline: float
+        self, rec: RequestRecord, body: dict[str, Any], exclude: list[str], deadline: float,
+        pinned_url: str | None = None,
     ) -> Route:
         """sched.acquire, timed into the record and the queue-wait histogram however the wait
         ends: placed, timed out, or abandoned by its client (the longest waits end that way,
@@ -339,7 +371,7 @@ class Proxy(StreamForwarding):
         t0 = time.perf_counter()
         refused = False
         try:
-            return await self.sched.acquire(body, exclude, deadline)
+            return await self.sched.acquire(body, exclude, deadline, pinned_url)
         except QueueFull:
             refused = True
             raise
@@ -462,6 +494,8 @@ class Proxy(StreamForwarding):
             raise RetryElsewhere(
                 f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
             )
+        if status == 200 and path == RESPONSES_PATH:
+            self.owners.learn(response_id_in(data), route.worker_id, route.url)
         p, c = usage_of_body(data) if status == 200 else (None, None)
         if p is not None:
             rec.prompt_tokens = p

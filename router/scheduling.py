@@ -42,6 +42,10 @@ class Route:
     released: bool = False
 
 
+class PinnedWorkerGone(Exception):
+    """The one worker a request may go to (it stores what the request continues) left the pool."""
+
+
 class Scheduling:
     def __init__(
         self,
@@ -120,20 +124,26 @@ class Scheduling:
                     pass
 
     # ---- the per-request path --------------------------------------------------------
-    async def acquire(self, body: dict[str, Any], exclude: list[str], deadline: float) -> Route:
-        """Place a request. body: the ScheduleRequest fields (model, prompt_tokens, ...).
-        Raises QueueFull, QueueTimeout, UnknownModelError, NoWorkerError."""
+    async def acquire(self, body: dict[str, Any], exclude: list[str], deadline: float,
+                      pinned_url: str | None = None) -> Route:
+        """Place a request. body: the ScheduleRequest fields (model, prompt_tokens, ...; with
+        `worker_id`, that worker only, whose URL is pinned_url). Raises QueueFull, QueueTimeout,
+        UnknownModelError, NoWorkerError, PinnedWorkerGone."""
         model = body["model"]
+        pin = body.get("worker_id")
+        # A pinned request queues in its worker's own line: at the head of the model's line,
+        # waiting for that one worker, it would hold back requests any worker could take.
+        line = model if pin is None else f"{model}\0{pin}"
         if exclude:
             body["exclude"] = exclude
         if not self.fallback_active:
-            if not self.queue.has_waiters(model):
+            if not self.queue.has_waiters(line):
                 route = await self._try_schedule(body, 0)
             elif (
                 self.followup_pass_s
                 and body.get("prefix_hashes")
                 and time.monotonic() >= self._passing_paused_until
-                and self.queue.oldest_asker_wait_s(model) < self.followup_pass_s
+                and self.queue.oldest_asker_wait_s(line) < self.followup_pass_s
             ):
                 # Others queue: this one passes them only into room the scheduler holds for
                 # its prefix (a conversation's next turn; scheduler/reservations.py), and only
@@ -149,11 +159,11 @@ class Scheduling:
             if route is not None:
                 return route
         if self.fallback_active:
-            return self._fallback_pick(model, exclude)
-        async with self.queue.place(model, body.get("prompt_tokens") or 0):
+            return self._fallback_pick(model, exclude, pin, pinned_url)
+        async with self.queue.place(line, body.get("prompt_tokens") or 0):
             while True:
                 if self.fallback_active:
-                    return self._fallback_pick(model, exclude)
+                    return self._fallback_pick(model, exclude, pin, pinned_url)
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     raise QueueTimeout
@@ -191,11 +201,17 @@ class Scheduling:
                 payload.get("policy", ""),
                 payload.get("reason") or {},
             )
-        if payload.get("reason") == "no_routable_worker":
+        reason = payload.get("reason")
+        if reason == "no_routable_worker":
             # Nobody to wait for (every worker of the model is down or already failed this
             # request): answer now rather than hold the client until the queue timeout.
             raise NoWorkerError(f"no healthy worker serves model {body['model']!r} right now")
-        if payload.get("reason") == "holds_off":
+        if reason == "pinned_worker_unavailable":
+            raise NoWorkerError(f"worker {body['worker_id']!r}, which holds what this request "
+                                "continues, is not available right now")
+        if reason == "pinned_worker_gone":
+            raise PinnedWorkerGone(body["worker_id"])
+        if reason == "holds_off":
             self._passing_paused_until = time.monotonic() + _PASSING_PAUSE_S
             log.warning("--followup-pass-ms is set but the scheduler holds no room for follow-ups "
                         "(its --followup-hold-ms is 0); not passing for %.0f s", _PASSING_PAUSE_S)
@@ -227,7 +243,13 @@ class Scheduling:
                 {"lease_id": payload["lease_id"], "ok": True, "prompt_tokens": 0, "output_tokens": 0}
             )
 
-    def _fallback_pick(self, model: str, exclude: list[str]) -> Route:
+    def _fallback_pick(self, model: str, exclude: list[str], pin: str | None = None,
+                       pinned_url: str | None = None) -> Route:
+        if pin is not None and pinned_url is not None:
+            if pin in exclude:
+                raise NoWorkerError(f"worker {pin!r}, which holds what this request continues, failed it")
+            self.metrics.fallback_requests.inc()
+            return Route(pin, pinned_url, None, "fallback_pinned", {}, fallback=True)
         w = self.fallback.pick(model, exclude)
         self.metrics.fallback_requests.inc()
         return Route(w.worker_id, w.url, None, "fallback_round_robin", {}, fallback=True)
@@ -351,4 +373,4 @@ class Scheduling:
         return sorted(self.fallback.models())
 
 
-__all__ = ["NoWorkerError", "Route", "Scheduling"]
+__all__ = ["NoWorkerError", "PinnedWorkerGone", "Route", "Scheduling"]

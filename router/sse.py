@@ -24,8 +24,8 @@ _MAX_CARRY = 1 << 20
 
 class StreamTap:
     __slots__ = (
-        "awaiting", "carry", "completion_tokens", "events", "last", "on_first_token", "passthrough",
-        "prompt_tokens", "strip_usage",
+        "awaiting", "carry", "completion_tokens", "events", "last", "on_first_token", "opening",
+        "passthrough", "prompt_tokens", "strip_usage",
     )
 
     def __init__(self, strip_usage: bool, first_token: bytes | None = None,
@@ -42,6 +42,9 @@ class StreamTap:
         self.completion_tokens: int | None = None
         self.passthrough = False
         self.last = b""  # the last piece passed on: a stream that ended ends it with [DONE]
+        # What passed before the first token, when it is watched for (the Responses API's
+        # response.created: the response's id, which tells where it is stored).
+        self.opening = b""
 
     def feed(self, piece: bytes) -> bytes:
         """Bytes to send to the client now (possibly empty)."""
@@ -79,6 +82,7 @@ class StreamTap:
         so a marker split between two reads is still found (the per-token path skips this)."""
         marker, self.awaiting = self.awaiting, None
         out = self.feed(piece)
+        self.opening += out
         if marker is not None and marker in out:
             if self.on_first_token is not None:
                 self.on_first_token()

@@ -17,6 +17,7 @@ from router.access_log import RequestRecord
 from router.errors import sse_error_event
 from router.scheduling import Route
 from router.sse import StreamTap
+from router.stored_responses import ResponseOwners, response_id_in
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
@@ -56,6 +57,7 @@ class StreamForwarding:
     session: aiohttp.ClientSession
     timeout: aiohttp.ClientTimeout
     idle_s: float
+    owners: ResponseOwners
 
     # ---- stream ---------------------------------------------------------------------------
     async def _forward_stream(
@@ -103,6 +105,8 @@ class StreamForwarding:
             def first_token() -> None:
                 rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
                 self._prefilled(route)
+                if tap is not None and tap.opening:  # a response's stream: it named itself
+                    self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url)
 
             marker = FIRST_TOKEN_MARKERS.get(path)
             if marker is None:

@@ -165,14 +165,15 @@ class SimStack:
 
 
 @contextlib.contextmanager
-def sim_stack(n: int, *worker_flags: str, gateway_flags: tuple[str, ...] = ()) -> Iterator[SimStack]:
+def sim_stack(n: int, *worker_flags: str, gateway_flags: tuple[str, ...] = (),
+              scheduler_flags: tuple[str, ...] = ()) -> Iterator[SimStack]:
     """n sim workers serving model "m", a scheduler over them (100 ms scrapes) and a gateway
     in front; all stopped afterwards."""
     procs: list[Proc] = []
     try:
         workers = start_sim_workers(n, "m", *worker_flags)
         procs += [p for p, _ in workers]
-        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100")
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100", *scheduler_flags)
         procs.append(s)
         g, gu = start_gateway("--scheduler", su, *gateway_flags)
         procs.append(g)

@@ -1,0 +1,63 @@
+"""Calls on a stored response (`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`,
+...) go to the worker that stores it, and nowhere else (router/stored_responses.py).
+
+`StoredResponseCalls` is a part of `router.proxy.Proxy` (kept apart to keep each module
+small); it uses the proxy's session, headers and owner map. Such a call generates nothing,
+so it takes no lease and is not queued; it is not retried elsewhere either, since no other
+worker holds the response.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from router.access_log import RequestRecord
+from router.errors import error_response
+from router.scheduling import Scheduling
+from router.stored_responses import Owner, ResponseOwners, not_found_message
+from router.streaming import UPSTREAM_ERRORS
+
+
+class StoredResponseCalls:
+    session: aiohttp.ClientSession
+    timeout: aiohttp.ClientTimeout
+    owners: ResponseOwners
+    sched: Scheduling
+
+    async def owner_of(self, response_id: str, request: web.Request) -> Owner | None:
+        """The worker that stores the response, asking every known worker when the gateway
+        has not seen it (another replica answered it, or this one restarted since)."""
+        probe_headers = {k: v for k, v in self._upstream_headers(request, "", "").items()
+                         if k == "Authorization"}
+        # The healthy workers the scheduler last listed, and the static --workers.
+        workers = [(w.worker_id, w.url) for w in self.sched.fallback.workers]
+        return await self.owners.find(response_id, workers, self.session, probe_headers)
+
+    async def stored_response_call(self, request: web.Request, rec: RequestRecord, path: str,
+                                   response_id: str) -> web.Response:
+        owner = await self.owner_of(response_id, request)
+        if owner is None:
+            return error_response(404, not_found_message(response_id), param="response_id")
+        rec.worker = owner.worker_id
+        url = owner.url + path
+        if request.query_string:
+            url += "?" + request.query_string
+        raw = await request.read()
+        try:
+            async with self.session.request(
+                request.method, url, data=raw or None, timeout=self.timeout,
+                headers=self._upstream_headers(request, rec.id, path),
+            ) as up:
+                data = await up.read()
+                status = up.status
+                ctype = up.headers.get("Content-Type", "application/json")
+        except UPSTREAM_ERRORS as exc:
+            return error_response(
+                502, f"worker {owner.worker_id!r}, which stores response {response_id!r}, failed: "
+                f"{exc!r}", "upstream_error", code="upstream_failed",
+            )
+        if status == 404:
+            self.owners.forget(response_id)  # evicted there, or the worker restarted
+        return web.Response(status=status, body=data, headers={
+            "Content-Type": ctype, "x-router-worker": owner.worker_id, "x-request-id": rec.id})

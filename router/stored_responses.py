@@ -1,0 +1,111 @@
+"""Which worker stores which response: the Responses API's state lives in one worker.
+
+A worker that stores responses (vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1`, ours by
+default) keeps them in its own process. So a request that continues one
+(`previous_response_id`) must reach that worker, and so must `GET /v1/responses/{id}` and
+`POST /v1/responses/{id}/cancel`: any other worker answers 404.
+
+The gateway learns an answer's worker from the answer itself (the id of a whole response, or
+of a stream's `response.created` event) into a bounded map, least recently used out first.
+An id it has not seen (another gateway replica served that turn, or this one restarted) is
+looked for on every known worker at once with `GET /v1/responses/{id}`; the first that has
+it is its owner. A follow-up is then placed by the scheduler on that worker only
+(ScheduleRequest.worker_id): it waits while the worker is full, like any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import aiohttp
+
+from router.tokens import RESPONSES_PATH
+
+# /v1/responses/{id} and what hangs under it (/cancel, /input_items): calls on a stored response.
+STORED_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/[^/]+)?")
+# The first id in a response object (whole, or in a stream's response.created event) is the
+# response's own: both vLLM and our worker write it first, and item ids are not `resp_`.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,256})"')
+# How many response owners are remembered: an entry is ~200 bytes.
+DEFAULT_MAX_OWNERS = 100_000
+PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    worker_id: str
+    url: str
+
+
+def response_id_in(data: bytes) -> str | None:
+    found = _RESPONSE_ID.search(data)
+    return found.group(1).decode() if found else None
+
+
+def not_found_message(response_id: str) -> str:
+    """vLLM's words for a response it does not hold."""
+    return f"Response with id '{response_id}' not found."
+
+
+class ResponseOwners:
+    def __init__(self, max_size: int = DEFAULT_MAX_OWNERS) -> None:
+        self.max_size = max_size
+        self._owners: OrderedDict[str, Owner] = OrderedDict()
+        self.probes = 0  # lookups that had to ask the workers
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def learn(self, response_id: str | None, worker_id: str, url: str) -> None:
+        if response_id is None:
+            return
+        self._owners[response_id] = Owner(worker_id, url)
+        self._owners.move_to_end(response_id)
+        if len(self._owners) > self.max_size:
+            self._owners.popitem(last=False)
+
+    def forget(self, response_id: str) -> None:
+        self._owners.pop(response_id, None)
+
+    async def find(
+        self,
+        response_id: str,
+        workers: Iterable[tuple[str, str]],
+        session: aiohttp.ClientSession,
+        headers: dict[str, str],
+    ) -> Owner | None:
+        """The worker that stores the response: remembered, else the first of `workers`
+        ((worker_id, url) pairs) whose GET /v1/responses/{id} answers 200. None: nobody has it."""
+        owner = self._owners.get(response_id)
+        if owner is not None:
+            self._owners.move_to_end(response_id)
+            return owner
+        self.probes += 1
+        probes = [asyncio.ensure_future(self._holds(session, url, response_id, headers, (wid, url)))
+                  for wid, url in workers]
+        try:
+            for next_done in asyncio.as_completed(probes):
+                found = await next_done
+                if found is not None:
+                    self.learn(response_id, *found)
+                    return Owner(*found)
+        finally:
+            for probe in probes:
+                probe.cancel()
+        return None
+
+    @staticmethod
+    async def _holds(session: aiohttp.ClientSession, url: str, response_id: str,
+                     headers: dict[str, str], found: tuple[str, str]) -> tuple[str, str] | None:
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        try:
+            async with session.get(f"{url}{RESPONSES_PATH}/{quote(response_id, safe='')}", headers=headers,
+                                   timeout=timeout) as r:
+                return found if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None  # a worker down holds nothing it could serve now

@@ -1,0 +1,103 @@
+"""Stored responses behind the gateway, with real processes: three sim workers that store
+Responses API answers, a round-robin scheduler (so that only the pin keeps a conversation on
+one worker) and the gateway. A request that continues a response (`previous_response_id`), and
+GET or cancel on one, reach the worker that stores it; another gateway finds that worker by
+asking; with the scheduler away (static --workers) the pin still holds; an owner that is down
+is an error, not an answer from a worker that lacks the conversation."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.router.procs import sim_stack, start_gateway
+
+INSTRUCTIONS = "be brief"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with sim_stack(3, scheduler_flags=("--policy", "round_robin")) as s:
+        yield s
+
+
+def _respond(gw: str, text: str, previous: str | None = None, stream: bool = False) -> tuple[dict, str]:
+    """(the response object, the worker that answered)."""
+    body = {"model": "m", "input": text, "instructions": INSTRUCTIONS, "max_output_tokens": 4,
+            "stream": stream}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    if not stream:
+        r = httpx.post(gw + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json(), r.headers["x-router-worker"]
+    with httpx.stream("POST", gw + "/v1/responses", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        return events[-1]["response"], r.headers["x-router-worker"]
+
+
+def test_a_conversation_stays_on_the_worker_that_stores_it(stack):
+    first, home = _respond(stack.gateway, "hello")
+    # Round robin spreads whatever is not pinned.
+    assert len({_respond(stack.gateway, "hi")[1] for _ in range(3)}) == 3
+    last = first
+    for turn in range(4):
+        answer, where = _respond(stack.gateway, f"and then {turn}?", last["id"], stream=turn % 2 == 1)
+        assert where == home
+        assert answer["previous_response_id"] == last["id"]
+        # The worker answered the whole conversation: its prompt grew by the last turn.
+        assert answer["usage"]["input_tokens"] > last["usage"]["input_tokens"]
+        last = answer
+
+
+def test_get_and_cancel_reach_the_owner_and_unknown_ids_are_404(stack):
+    first, home = _respond(stack.gateway, "hello", stream=True)
+    for _ in range(3):  # from any gateway call, never from a worker that does not hold it
+        r = httpx.get(f"{stack.gateway}/v1/responses/{first['id']}", timeout=10)
+        assert r.status_code == 200 and r.headers["x-router-worker"] == home
+        assert r.json()["id"] == first["id"] and r.json()["output"] == first["output"]
+    r = httpx.post(f"{stack.gateway}/v1/responses/{first['id']}/cancel", timeout=10)
+    assert r.status_code == 400 and "synchronous" in r.json()["error"]["message"]
+    r = httpx.get(f"{stack.gateway}/v1/responses/resp_nobody", timeout=10)
+    assert r.status_code == 404
+    assert r.json()["error"] == {"message": "Response with id 'resp_nobody' not found.",
+                                 "type": "invalid_request_error", "param": "response_id", "code": 404}
+    r = httpx.post(stack.gateway + "/v1/responses", timeout=10,
+                   json={"model": "m", "input": "more", "previous_response_id": "resp_nobody"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_another_gateway_finds_the_owner_by_asking_the_workers(stack):
+    first, home = _respond(stack.gateway, "hello")
+    proc, other = start_gateway("--scheduler", stack.scheduler)
+    try:
+        r = httpx.get(f"{other}/v1/responses/{first['id']}", timeout=10)
+        assert r.status_code == 200 and r.headers["x-router-worker"] == home
+        for _ in range(3):
+            assert _respond(other, "more", first["id"])[1] == home
+    finally:
+        proc.stop()
+
+
+def test_without_the_scheduler_the_pin_holds(stack):
+    proc, static = start_gateway("--workers", ",".join(stack.workers))
+    try:
+        first, home = _respond(static, "hello")
+        answers = [_respond(static, "more", first["id"]) for _ in range(3)]
+        assert {where for _, where in answers} == {home}
+        assert all(a["previous_response_id"] == first["id"] for a, _ in answers)
+    finally:
+        proc.stop()
+
+
+def test_a_follow_up_whose_worker_is_down_fails_instead_of_going_elsewhere(stack):
+    first, home = _respond(stack.gateway, "hello")
+    stack.workers[f"http://{home}"].kill()  # worker ids are host:port here
+    r = httpx.post(stack.gateway + "/v1/responses", timeout=30,
+                   json={"model": "m", "input": "more", "previous_response_id": first["id"]})
+    # 503 once the scheduler saw it down; 502 when the gateway's own try failed first.
+    assert r.status_code in (502, 503), r.text
+    assert "x-router-worker" not in r.headers or r.headers["x-router-worker"] == home
