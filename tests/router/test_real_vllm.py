@@ -48,7 +48,9 @@ def stack():
     vllm = Proc(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                  "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
                  "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
-                f"vllm-{port}", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, python=VLLM_PYTHON)
+                f"vllm-{port}", python=VLLM_PYTHON,
+                # Its Responses API store on: previous_response_id and GET /v1/responses/{id}.
+                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     procs = [vllm]
     try:
         url = f"http://127.0.0.1:{port}"
@@ -313,3 +315,33 @@ def test_our_worker_answers_the_responses_api_as_vllm_does(stack, our_worker):
     assert (ours["status"], ours["incomplete_details"]) == (theirs["status"], theirs["incomplete_details"])
     shared = set(ours) & set(theirs)
     assert {"id", "object", "output", "usage", "status", "model", "created_at"} <= shared
+
+
+def test_a_stored_conversation_through_the_gateway_continues_as_on_our_worker(stack, our_worker):
+    """previous_response_id through the gateway to vLLM's store, and directly to our worker:
+    the same second answer (the history renders alike); GET through the gateway returns vLLM's
+    stored response, and a gateway that never saw it finds it by asking."""
+    first_turn = {"instructions": "Answer in one word.", "input": "Name a fruit.",
+                  "max_output_tokens": 8, "temperature": 0}
+    firsts = _both(stack, our_worker, "responses", first_turn)
+    seconds = []
+    for base, first in zip((stack["gateway"], our_worker), firsts, strict=True):
+        body = {"model": MODEL, "input": "And a vegetable?", "previous_response_id": first["id"],
+                "max_output_tokens": 8, "temperature": 0, "instructions": "Answer in one word."}
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        seconds.append(r.json())
+    theirs, ours = seconds
+    assert ours["output"][0]["content"][0]["text"] == theirs["output"][0]["content"][0]["text"]
+    assert ours["usage"]["input_tokens"] == theirs["usage"]["input_tokens"]
+    assert theirs["previous_response_id"] == firsts[0]["id"]
+    r = httpx.get(f"{stack['gateway']}/v1/responses/{theirs['id']}", timeout=30)
+    assert r.status_code == 200 and r.json()["output"] == theirs["output"]
+    gateway, other = start_gateway("--scheduler", stack["scheduler"])
+    try:
+        r = httpx.get(f"{other}/v1/responses/{firsts[0]['id']}", timeout=30)
+        assert r.status_code == 200 and r.json()["id"] == firsts[0]["id"]
+        r = httpx.get(f"{other}/v1/responses/resp_nobody", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+    finally:
+        gateway.stop()
