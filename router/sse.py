@@ -83,7 +83,12 @@ class StreamTap:
         marker, self.awaiting = self.awaiting, None
         out = self.feed(piece)
         self.opening += out
-        if marker is not None and marker in out:
+        at = out.find(marker) if marker is not None else -1
+        # Events before the first token are no tokens: a stream cut short without usage is
+        # counted by its events (content_events), and the Responses API sends four first.
+        # The first token's own `data:` comes before its marker.
+        self.events -= out.count(b"data:", 0, at) - 1 if at >= 0 else out.count(b"data:")
+        if at >= 0:
             if self.on_first_token is not None:
                 self.on_first_token()
         else:

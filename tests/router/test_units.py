@@ -151,6 +151,24 @@ def test_stream_tap_on_a_vllm_responses_stream_finds_usage_and_the_first_token(s
     assert (tap.prompt_tokens, tap.completion_tokens) == (32, 4)
 
 
+@pytest.mark.parametrize("split", [1, 7, 100_000])
+def test_a_responses_stream_cut_short_counts_its_deltas_as_tokens(split):
+    """No usage comes when the client leaves mid-stream: the tokens are counted as events, and
+    the Responses API's opening events (created, in_progress, item and part added) are none."""
+    from router.streaming import FIRST_TOKEN_MARKERS
+
+    whole = (FIXTURES / "vllm-0.32-responses-stream.txt").read_bytes()
+    cut = whole[: whole.index(b"event: response.output_text.done")]  # after the 4 deltas
+    tap = StreamTap(False, FIRST_TOKEN_MARKERS["/v1/responses"], lambda: None)
+    for i in range(0, len(cut), split):
+        tap.feed(cut[i : i + split])
+    tap.flush()
+    assert tap.completion_tokens is None and tap.content_events == 4
+    opening = StreamTap(False, FIRST_TOKEN_MARKERS["/v1/responses"], lambda: None)
+    opening.feed(whole[: whole.index(b"event: response.output_text.delta")])
+    assert opening.content_events == 0
+
+
 def test_responses_bodies_render_as_their_chat_conversation():
     chat = {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "hi"}]}
     as_string = {"instructions": "Be brief", "input": "hi"}
