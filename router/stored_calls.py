@@ -14,6 +14,7 @@ from aiohttp import web
 
 from router.access_log import RequestRecord
 from router.errors import error_response
+from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
 from router.stored_responses import Owner, ResponseOwners, not_found_message
 from router.streaming import UPSTREAM_ERRORS
@@ -24,15 +25,22 @@ class StoredResponseCalls:
     timeout: aiohttp.ClientTimeout
     owners: ResponseOwners
     sched: Scheduling
+    metrics: RouterMetrics
 
     async def owner_of(self, response_id: str, request: web.Request) -> Owner | None:
         """The worker that stores the response, asking every known worker when the gateway
         has not seen it (another replica answered it, or this one restarted since)."""
+        owner = self.owners.get(response_id)
+        if owner is not None:
+            self.metrics.stored_response_lookups.labels("remembered").inc()
+            return owner
         probe_headers = {k: v for k, v in self._upstream_headers(request, "", "").items()
                          if k == "Authorization"}
         # The healthy workers the scheduler last listed, and the static --workers.
         workers = [(w.worker_id, w.url) for w in self.sched.fallback.workers]
-        return await self.owners.find(response_id, workers, self.session, probe_headers)
+        owner = await self.owners.locate(response_id, workers, self.session, probe_headers)
+        self.metrics.stored_response_lookups.labels("found" if owner is not None else "missing").inc()
+        return owner
 
     async def stored_response_call(self, request: web.Request, rec: RequestRecord, path: str,
                                    response_id: str) -> web.Response:

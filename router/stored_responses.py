@@ -56,7 +56,6 @@ class ResponseOwners:
     def __init__(self, max_size: int = DEFAULT_MAX_OWNERS) -> None:
         self.max_size = max_size
         self._owners: OrderedDict[str, Owner] = OrderedDict()
-        self.probes = 0  # lookups that had to ask the workers
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -72,20 +71,22 @@ class ResponseOwners:
     def forget(self, response_id: str) -> None:
         self._owners.pop(response_id, None)
 
-    async def find(
+    def get(self, response_id: str) -> Owner | None:
+        """The worker remembered as storing the response."""
+        owner = self._owners.get(response_id)
+        if owner is not None:
+            self._owners.move_to_end(response_id)
+        return owner
+
+    async def locate(
         self,
         response_id: str,
         workers: Iterable[tuple[str, str]],
         session: aiohttp.ClientSession,
         headers: dict[str, str],
     ) -> Owner | None:
-        """The worker that stores the response: remembered, else the first of `workers`
-        ((worker_id, url) pairs) whose GET /v1/responses/{id} answers 200. None: nobody has it."""
-        owner = self._owners.get(response_id)
-        if owner is not None:
-            self._owners.move_to_end(response_id)
-            return owner
-        self.probes += 1
+        """The first of `workers` ((worker_id, url) pairs) whose GET /v1/responses/{id}
+        answers 200, remembered from then on. None: nobody has it."""
         probes = [asyncio.ensure_future(self._holds(session, url, response_id, headers, (wid, url)))
                   for wid, url in workers]
         try:

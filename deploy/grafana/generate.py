@@ -175,6 +175,12 @@ def router_dashboard() -> dict:
         panel(ts, "Fallback mode and fallback requests", [
             ("max by (instance) (router_fallback_mode)", "fallback {{instance}}"),
             (f"sum(rate(router_fallback_requests_total[{RATE}]))", "fallback req/s")], width=8),
+        panel(ts, "Stored-response lookups", [
+            (f"sum by (result) (rate(router_stored_response_lookups_total[{RATE}]))", "{{result}}")],
+            "reqps", width=8,
+            description="Requests on a stored response (previous_response_id, GET, cancel): its worker "
+            "remembered, found by asking every worker (another gateway served it, or a restart), "
+            "or missing (404)"),
         row("Scheduler"),
         panel(ts, "Gateway → scheduler call latency", [
             *[(f"histogram_quantile({q}, sum by (le, call) "

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.router.procs import sim_stack, start_gateway
+from tests.router.procs import series_value, sim_stack, start_gateway
 
 INSTRUCTIONS = "be brief"
 
@@ -78,6 +78,11 @@ def test_another_gateway_finds_the_owner_by_asking_the_workers(stack):
         assert r.status_code == 200 and r.headers["x-router-worker"] == home
         for _ in range(3):
             assert _respond(other, "more", first["id"])[1] == home
+        # Asked once, remembered since.
+        lookups = 'router_stored_response_lookups_total{result="%s"}'
+        assert series_value(other, lookups % "found") == 1
+        assert series_value(other, lookups % "remembered") == 3
+        assert series_value(other, lookups % "missing", 0.0) == 0
     finally:
         proc.stop()
 
