@@ -43,6 +43,11 @@ class WorkerConfig(BaseSettings):
         "prefill-only steps with whole prompts, as vLLM V0 (--max-num-batched-tokens then "
         "defaults to max(--max-model-len, 2048))",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="order of the waiting queue (vLLM's flag): fcfs, or priority (a request's "
+        "`priority` field, lower first, then arrival; preemption takes the worst priority)",
+    )
 
     # Observability
     log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")

@@ -240,6 +240,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
         stream = bool(stream) and request.method == "POST"
         rec.stream = stream
+        priority = body.get("priority")
+        if priority is None:
+            priority = 0
+        elif not isinstance(priority, int) or isinstance(priority, bool):
+            return error_response(400, "'priority' must be an integer (lower is served first)",
+                                  param="priority")
 
         strip_usage = False
         if stream and path in _STREAMABLE:
@@ -271,7 +277,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         for attempt in range(self.cfg.retry_count + 1):
             try:
                 route = await self._acquire(rec, sched_body, exclude, deadline,
-                                            pinned.url if pinned is not None else None)
+                                            pinned.url if pinned is not None else None, priority)
             except PinnedWorkerGone:
                 assert previous is not None
                 self.owners.forget(previous)
@@ -362,7 +368,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
 
     async def _acquire(
         self, rec: RequestRecord, body: dict[str, Any], exclude: list[str], deadline: float,
-        pinned_url: str | None = None,
+        pinned_url: str | None = None, priority: int = 0,
     ) -> Route:
         """sched.acquire, timed into the record and the queue-wait histogram however the wait
         ends: placed, timed out, or abandoned by its client (the longest waits end that way,
@@ -371,7 +377,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         t0 = time.perf_counter()
         refused = False
         try:
-            return await self.sched.acquire(body, exclude, deadline, pinned_url)
+            return await self.sched.acquire(body, exclude, deadline, pinned_url, priority)
         except QueueFull:
             refused = True
             raise

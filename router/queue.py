@@ -12,11 +12,14 @@ The bound is global: past `max_size` waiting requests, a newcomer is refused (42
 A request cancelled while waiting (its client went away) leaves the line and wakes
 its successor.
 
-Order: with `ms_per_prompt_token` 0 the line is FIFO. Above 0, a request's place is
-its arrival time plus its prompt length times that many milliseconds: after a burst,
-short prompts go first (shortest-job-first is what minimises the mean time to first
-token when the workers drain a backlog), and the delay a long prompt can suffer from
-later, shorter ones is bounded by its own length times the factor (no starvation).
+Order: a request's `priority` first (vLLM's field: lower is served first, 0 by default),
+so that under saturation the gateway's queue does not undo what engines running priority
+scheduling do. Within a priority, with `ms_per_prompt_token` 0 the line is FIFO. Above 0,
+a request's place is its arrival time plus its prompt length times that many
+milliseconds: after a burst, short prompts go first (shortest-job-first is what minimises
+the mean time to first token when the workers drain a backlog), and the delay a long
+prompt can suffer from later, shorter ones of its priority is bounded by its own length
+times the factor. Priorities are strict: a lower one waits while higher ones keep coming.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ class QueueTimeout(Exception):
 
 
 class _Line:
-    """One model's waiters: a heap of (place, ticket, arrival, future) plus those asking now."""
+    """One model's waiters: a heap of (priority, place, ticket, arrival, future) plus those
+    asking now."""
 
     __slots__ = ("askers", "heap")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[float, int, float, asyncio.Future[None]]] = []
+        self.heap: list[tuple[int, float, int, float, asyncio.Future[None]]] = []
         self.askers: dict[asyncio.Future[None], float] = {}  # asking future -> arrival time
 
     def __bool__(self) -> bool:
@@ -52,7 +56,7 @@ class _Line:
     def promote(self, max_askers: int) -> None:
         """The best waiters still waiting ask, up to max_askers, and are woken."""
         while self.heap and len(self.askers) < max_askers:
-            _, _, arrival, fut = heapq.heappop(self.heap)
+            _, _, _, arrival, fut = heapq.heappop(self.heap)
             if not fut.done():  # a cancelled waiter's future is done: skip it
                 self.askers[fut] = arrival
                 fut.set_result(None)
@@ -78,7 +82,7 @@ class AdmissionQueue:
         return time.monotonic() - min(line.askers.values())
 
     @asynccontextmanager
-    async def place(self, model: str, prompt_tokens: int = 0) -> AsyncIterator[None]:
+    async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0) -> AsyncIterator[None]:
         """Join `model`'s line and return once it is among those asking; leave the line on exit."""
         if self.size >= self.max_size:
             raise QueueFull
@@ -93,7 +97,7 @@ class AdmissionQueue:
                 line.askers[me] = arrival
             else:
                 place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
-                heapq.heappush(line.heap, (place, next(self._tickets), arrival, me))
+                heapq.heappush(line.heap, (priority, place, next(self._tickets), arrival, me))
                 await me  # resolved by promote() when it is this waiter's turn
             yield
         finally:

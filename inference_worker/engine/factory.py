@@ -98,6 +98,7 @@ def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
         max_model_len=max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        scheduling_policy=config.scheduling_policy,
     )
     log.info(
         "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -135,6 +136,7 @@ def build_sim_engine(config: WorkerConfig) -> AsyncEngine:
         max_model_len=setup.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        scheduling_policy=config.scheduling_policy,
         clock=setup.clock,  # monotonic / time_scale: metrics report simulated seconds
         num_kv_blocks=setup.num_kv_blocks,
     )

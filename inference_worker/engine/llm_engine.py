@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import count
+from typing import Literal
 
 from inference_worker.engine.block_manager import BlockManager
 from inference_worker.engine.detokenizer import IncrementalDetokenizer
@@ -69,6 +70,7 @@ class LLMEngine:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
         clock: Callable[[], float] = time.monotonic,
         num_kv_blocks: int | None = None,
     ) -> None:
@@ -97,7 +99,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, clock,
-            chunked_prefill=enable_chunked_prefill,
+            chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
         )
         self.cache_info = CacheConfigInfo(
             block_size=self.block_size,

@@ -7,6 +7,11 @@ When a running sequence cannot get a block, the newest running sequence is preem
 by recompute: its blocks are freed, it goes back to the front of the waiting queue and
 later recomputes prompt + output as a prefill (prefix-cached blocks make that cheap).
 
+With policy "priority" (vLLM's `--scheduling-policy priority`) the waiting queue is ordered
+by each request's `priority` (lower first), then arrival; a preempted sequence goes back in
+that order, and the victim is the running sequence of the worst (priority, arrival). As in
+vLLM, a running sequence keeps its seat: a better priority waits for a free one.
+
 With chunked prefill off (vLLM's `--no-enable-chunked-prefill`, the vLLM V0 default) a step
 is either all prefills or all decodes, as in the V0 scheduler: waiting sequences are
 admitted first, each with its whole prompt in one step (the prompt must fit the budget);
@@ -19,9 +24,11 @@ preempted again.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from inference_worker.engine.block_manager import BlockManager
 from inference_worker.engine.sequence import Sequence, SequenceStatus
@@ -57,12 +64,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         clock: Callable[[], float],
         chunked_prefill: bool = True,
+        policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
         self.chunked_prefill = chunked_prefill
+        self.by_priority = policy == "priority"
         # V1 admits into any free block; V0 keeps a watermark (see the module docstring).
         self.admission_keep_free = admission_keep_free(block_manager.num_blocks, chunked_prefill)
         self.waiting: deque[Sequence] = deque()
@@ -74,7 +83,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.record(EngineEventType.QUEUED, self.clock())
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort_right(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.append(seq)
 
     # ---- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -97,13 +109,16 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             got_blocks = True
             while not bm.allocate(seq, num_new):
-                victim = running.pop()  # the newest running sequence
+                at = self._victim_index()
+                victim = running.pop(at)
+                if at < i:  # it ran earlier in this step: the rest moved up by one
+                    i -= 1
                 self._preempt(victim, now, out)
                 if victim is seq:
                     got_blocks = False
                     break
             if not got_blocks:
-                break  # seq preempted itself: it was the newest, nothing is left to try
+                break  # seq preempted itself: it was the last choice, nothing is left to try
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
             i += 1
@@ -150,13 +165,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         seq.record(EngineEventType.PREEMPTED, now)
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
         # It may already sit in this step's batch (scheduled before a later sequence ran out).
         if seq in out.scheduled:
             idx = out.scheduled.index(seq)
             del out.scheduled[idx]
             del out.batch.sequences[idx]
+
+    def _victim_index(self) -> int:
+        """The running sequence to preempt: the newest (FCFS), or the worst priority."""
+        running = self.running
+        if not self.by_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda k: _rank(running[k]))
 
     @staticmethod
     def _add_to_batch(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
@@ -184,3 +209,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    return seq.sampling.priority, seq.arrival_time

@@ -77,6 +77,9 @@ class SamplingParams:
     # The request's own max_tokens (None when the client left it unset), for
     # vllm:request_params_max_tokens, which is observed only when set.
     max_tokens_param: int | None = None
+    # Not sampling: the request's scheduling priority (vLLM's field; lower goes first under
+    # --scheduling-policy priority), carried with its other per-request settings.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

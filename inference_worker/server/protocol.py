@@ -49,7 +49,6 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "allowed_token_ids": None,
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
-    "priority": 0,
     "skip_special_tokens": True,
 }
 def reject_set(request: BaseModel, options: dict[str, Any]) -> None:
@@ -86,6 +85,9 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
+    # vLLM's: lower is scheduled first under --scheduling-policy priority; ignored under fcfs
+    # (the default), as vLLM does.
+    priority: int = 0
     logit_bias: dict[str, float] | None = None
     # vLLM's: the prompt tokens' log-probabilities and N alternatives, in vLLM's shape.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -188,6 +190,7 @@ class GenerationRequest(BaseModel):
             prompt_logprobs=self.requested_prompt_logprobs(),
             n=self.n,
             max_tokens_param=requested,
+            priority=self.priority,
         )
 
 

@@ -182,3 +182,36 @@ def test_queue_timeout_gets_429(cluster):
             assert [f.result().status_code for f in running] == [200, 200]
     finally:
         g.stop()
+
+
+def _wait_queued(gw: str, n: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(gw + "/admin/state").json()["queued"] < n:
+        assert time.monotonic() < deadline, f"never saw {n} queued"
+        time.sleep(0.01)
+
+
+def test_a_request_of_a_better_priority_overtakes_those_waiting(cluster):
+    """vLLM's `priority` (lower first) orders the gateway's queue: an engine's priority
+    scheduling would otherwise only see requests in the order the queue let them through."""
+    _wait_queue_empty(cluster)
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    finished: dict[str, float] = {}
+
+    def post(name: str, priority: int) -> int:
+        status = _post(cluster, {**SLOW, "priority": priority}).status_code
+        finished[name] = time.monotonic()
+        return status
+
+    with ThreadPoolExecutor(5) as ex:
+        running = [ex.submit(post, f"running{i}", 0) for i in range(2)]
+        _wait_leases(scheduler, 2)
+        queued = [ex.submit(post, "head", 0)]  # asks the scheduler first, whatever comes later
+        _wait_queued(cluster, 1)
+        queued.append(ex.submit(post, "batch", 5))
+        _wait_queued(cluster, 2)
+        queued.append(ex.submit(post, "urgent", -1))
+        assert [f.result() for f in running + queued] == [200] * 5
+    assert finished["urgent"] < finished["batch"]
+    r = _post(cluster, {**SLOW, "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

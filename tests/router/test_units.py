@@ -247,6 +247,27 @@ async def test_queue_can_put_short_prompts_first_without_starving_long_ones():
     assert await drain(AdmissionQueue(10, ms_per_prompt_token=0.01), [5, 2000, 5], gap_s=0.03) == [0, 1, 2]
 
 
+async def test_queue_serves_lower_priority_values_first_then_by_arrival():
+    """vLLM's `priority`: lower first. Behind the head (already asking), a priority -1 arrival
+    overtakes the 0s, which overtake the 5, each class in arrival (or shortest-prompt) order."""
+    q = AdmissionQueue(10)
+    order: list[int] = []
+    release = asyncio.Event()
+
+    async def waiter(i: int, priority: int) -> None:
+        async with q.place("m", 100, priority):
+            order.append(i)
+            await release.wait()
+
+    tasks = []
+    for i, priority in enumerate([0, 5, 0, -1, 0, -1]):
+        tasks.append(asyncio.create_task(waiter(i, priority)))
+        await asyncio.sleep(0.001)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == [0, 3, 5, 2, 4, 1]
+
+
 async def test_queue_lets_the_best_k_ask_at_once_and_reports_their_wait():
     q = AdmissionQueue(max_size=10, ms_per_prompt_token=1.0, askers=2)
     asking: list[int] = []

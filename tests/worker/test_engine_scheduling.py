@@ -20,7 +20,8 @@ BS = 4
 
 
 def make_engine(
-    num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256, caching=True, clock=None, chunked=True
+    num_blocks=64, max_num_seqs=8, max_batched=64, max_model_len=256, caching=True, clock=None, chunked=True,
+    policy="fcfs",
 ):
     runner = ArithmeticRunner(BS, num_blocks)
     engine = LLMEngine(
@@ -31,6 +32,7 @@ def make_engine(
         max_model_len=max_model_len,
         enable_prefix_caching=caching,
         enable_chunked_prefill=chunked,
+        scheduling_policy=policy,
         clock=clock or ManualClock(tick=0.001),
     )
     logger = RecordingLogger()
@@ -265,6 +267,42 @@ def test_preemption_picks_the_newest_running_request():
         engine.step()
     assert EngineEventType.PREEMPTED in events["new"]
     assert EngineEventType.PREEMPTED not in events["old"]
+
+
+def _finish_order(engine: LLMEngine) -> list[str]:
+    order = []
+    for _ in range(2000):
+        if not engine.has_unfinished:
+            return order
+        order += [o.request_id for o in engine.step() if o.finished]
+    raise AssertionError("engine did not finish in time")
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("fcfs", ["a", "b", "c", "d"]),
+                                                   ("priority", ["a", "d", "c", "b"])])
+def test_the_priority_policy_admits_lower_priority_values_first(policy, expected):
+    """One seat: "a" runs; of those waiting, priority -1 goes before 0 before 5 (fcfs: arrival
+    order, priority ignored, as vLLM does)."""
+    engine, _, _ = make_engine(max_num_seqs=1, policy=policy)
+    engine.add_request("a", [3] * 5, greedy(4, priority=9))
+    engine.step()  # "a" holds the seat; a better priority waits for it, as in vLLM
+    for rid, priority in (("b", 5), ("c", 0), ("d", -1)):
+        engine.add_request(rid, [3] * 5, greedy(4, priority=priority))
+    assert _finish_order(engine) == expected
+
+
+def test_the_priority_policy_preempts_the_worst_priority_not_the_newest():
+    engine, _, _ = make_engine(num_blocks=6, caching=False, max_num_seqs=2, policy="priority")
+    engine.add_request("batch", [3] * 7, greedy(12, priority=5))  # 2 blocks, grows to 5
+    engine.add_request("urgent", [4] * 7, greedy(12, priority=0))
+    preempted = set()
+    while engine.has_unfinished:
+        for rid in ("batch", "urgent"):
+            seq = engine.sequence(rid)
+            if seq is not None and EngineEventType.PREEMPTED in [e.type for e in seq.events]:
+                preempted.add(rid)
+        engine.step()
+    assert preempted == {"batch"}
 
 
 def test_abort_frees_blocks_at_next_step_and_counts_as_abort():

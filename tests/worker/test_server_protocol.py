@@ -164,7 +164,6 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("allowed_token_ids", [1, 2]),
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
-        ("priority", 3),
         ("skip_special_tokens", False),
     ],
 )
@@ -175,7 +174,7 @@ def test_options_that_would_change_the_answer_are_refused_not_ignored(option, va
             req_cls.model_validate({**body, option: value})
         assert err.value.status == 400 and err.value.param == option and err.value.code == "unsupported"
         # At its neutral value (what a client library may send by default) it is fine.
-        neutral = {"use_beam_search": False, "priority": 0, "skip_special_tokens": True}.get(option)
+        neutral = {"use_beam_search": False, "skip_special_tokens": True}.get(option)
         req_cls.model_validate({**body, option: neutral})
 
 
