@@ -188,9 +188,6 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             return error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
-        stored = STORED_RESPONSE_PATH.fullmatch(path)
-        if stored is not None:
-            return await self.stored_response_call(request, rec, path, stored.group(1))
         if path in _POST_ONLY and request.method != "POST":
             return error_response(
                 405, f"{request.method} is not allowed on {path}: use POST",
@@ -214,6 +211,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             answer = error_response(400, f"unreadable request body: {exc}", code="invalid_body")
             answer.force_close()
             return answer
+
+        stored = STORED_RESPONSE_PATH.fullmatch(path)
+        if stored is not None:  # GET or cancel on a stored response: to its worker, no model
+            return await self.stored_response_call(request, rec, path, stored.group(1), raw)
 
         body: dict[str, Any] = {}
         if raw:

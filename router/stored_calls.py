@@ -43,7 +43,7 @@ class StoredResponseCalls:
         return owner
 
     async def stored_response_call(self, request: web.Request, rec: RequestRecord, path: str,
-                                   response_id: str) -> web.Response:
+                                   response_id: str, raw: bytes) -> web.Response:
         owner = await self.owner_of(response_id, request)
         if owner is None:
             return error_response(404, not_found_message(response_id), param="response_id")
@@ -51,7 +51,6 @@ class StoredResponseCalls:
         url = owner.url + path
         if request.query_string:
             url += "?" + request.query_string
-        raw = await request.read()
         try:
             async with self.session.request(
                 request.method, url, data=raw or None, timeout=self.timeout,
