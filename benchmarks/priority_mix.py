@@ -70,10 +70,12 @@ def table(results: dict[str, dict[str, dict]]) -> str:
     lines = [head]
     for name in CLASSES:
         for label, key in ROWS:
+            values = [results[m][name].get(key) for m in modes]
             base = results["fcfs"][name].get(key)
+            if base is None or None in values:
+                continue  # not measured (no request of the class finished)
             line = f"{name:<12} {label:<26} {base:>10.1f}"
-            for m in modes:
-                value = results[m][name].get(key)
+            for value in values:
                 change = f"{(value - base) / base * 100:+.0f}%" if base else ""
                 line += f" {value:>10.1f} {change:>7}"
             lines.append(line)
