@@ -46,7 +46,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
     gen = factory.chat_from(chat, id_base)  # streams when the body asks to
-    answer = ResponseAnswer(f"resp_{id_base}", factory.model_name, body)
+    # Unique whatever the caller's X-Request-Id (which names the engine request, for tracing):
+    # a stored response's id must not be reused, and vLLM's ignores the header too.
+    answer = ResponseAnswer(f"resp_{uuid.uuid4().hex}", factory.model_name, body)
     if body.store:
         answer.keep_in(store, body.messages(history))
     return await serve(request, gen, answer)

@@ -125,3 +125,15 @@ def test_what_is_not_stored_is_a_404_and_a_stored_response_cannot_be_cancelled(c
         client.responses.cancel(stored.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_unknown")
+
+
+def test_response_ids_are_unique_whatever_the_callers_request_id(shared_torch_worker) -> None:
+    """A client that sends one X-Request-Id for a whole session must not have its stored
+    responses overwrite each other."""
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 2}
+    ids = [httpx.post(shared_torch_worker.api_url + "/responses", json=body, timeout=60,
+                      headers={"X-Request-Id": "session-7"}).json()["id"] for _ in range(2)]
+    assert ids[0] != ids[1]
+    for response_id in ids:
+        stored = httpx.get(f"{shared_torch_worker.api_url}/responses/{response_id}", timeout=10)
+        assert stored.status_code == 200
