@@ -92,11 +92,14 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             return client
         rec.model = model
         sched_body = proxy.schedule_body(rec, model, body)
+        priority = body.get("priority")  # the first request's, as the connection is placed once
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            priority = 0  # the worker answers a malformed one itself
         exclude: list[str] = []
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):
             try:
-                route = await proxy._acquire(rec, sched_body, exclude, deadline)
+                route = await proxy._acquire(rec, sched_body, exclude, deadline, priority=priority)
             except (QueueFull, QueueTimeout):
                 await client.send_str(_ws_error("no worker available, retry later", 429))
                 rec.status = 429

@@ -3,10 +3,13 @@ worker (policy param max_running=1), two workers, and a gateway with a queue of 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import httpx
 import pytest
 
@@ -213,5 +216,28 @@ def test_a_request_of_a_better_priority_overtakes_those_waiting(cluster):
         queued.append(ex.submit(post, "urgent", -1))
         assert [f.result() for f in running + queued] == [200] * 5
     assert finished["urgent"] < finished["batch"]
+    # A WebSocket is placed once, by its first request's priority.
+    finished.clear()
+
+    def over_ws(name: str, priority: int) -> None:
+        async def one() -> None:
+            async with aiohttp.ClientSession() as session, session.ws_connect(cluster + "/v1/ws") as ws:
+                await ws.send_str(json.dumps({**SLOW, "priority": priority}))
+                while json.loads((await ws.receive(timeout=60)).data).get("type") != "done":
+                    pass
+        asyncio.run(one())
+        finished[name] = time.monotonic()
+
+    with ThreadPoolExecutor(5) as ex:
+        running = [ex.submit(post, f"running{i}", 0) for i in range(2)]
+        _wait_leases(scheduler, 2)
+        queued = [ex.submit(post, "head", 0)]
+        _wait_queued(cluster, 1)
+        queued.append(ex.submit(post, "plain", 0))  # the default: a socket without priority ties
+        _wait_queued(cluster, 2)
+        queued.append(ex.submit(over_ws, "urgent", -1))
+        for f in running + queued:
+            f.result()
+    assert finished["urgent"] < finished["plain"]
     r = _post(cluster, {**SLOW, "priority": "high"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
