@@ -269,6 +269,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             if pinned is None:
                 return error_response(404, not_found_message(previous), param="previous_response_id")
             sched_body["worker_id"] = pinned.worker_id
+            if pinned.tokens:  # the conversation so far: KV on that worker, already prefilled
+                sched_body["prompt_tokens"] = sched_body.get("prompt_tokens", 0) + pinned.tokens
+                sched_body["cached_tokens"] = pinned.tokens
 
         headers = self._upstream_headers(request, rec.id, path)
         deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
@@ -501,9 +504,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             raise RetryElsewhere(
                 f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
             )
-        if status == 200 and path == RESPONSES_PATH:
-            self.owners.learn(response_id_in(data), route.worker_id, route.url)
         p, c = usage_of_body(data) if status == 200 else (None, None)
+        if status == 200 and path == RESPONSES_PATH:
+            self.owners.learn(response_id_in(data), route.worker_id, route.url, (p or 0) + (c or 0))
         if p is not None:
             rec.prompt_tokens = p
         rec.output_tokens = c or 0

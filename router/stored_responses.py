@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from router.sse import usage_of_body
 from router.tokens import RESPONSES_PATH
 
 # /v1/responses/{id} and what hangs under it (/cancel, /input_items): calls on a stored response.
@@ -40,6 +41,9 @@ PROBE_TIMEOUT_S = 2.0
 class Owner:
     worker_id: str
     url: str
+    # The stored conversation's length (the response's input plus output tokens; 0: not known
+    # yet): its next turn holds that much KV on the worker again without prefilling it.
+    tokens: int = 0
 
 
 def response_id_in(data: bytes) -> str | None:
@@ -60,10 +64,10 @@ class ResponseOwners:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def learn(self, response_id: str | None, worker_id: str, url: str) -> None:
+    def learn(self, response_id: str | None, worker_id: str, url: str, tokens: int = 0) -> None:
         if response_id is None:
             return
-        self._owners[response_id] = Owner(worker_id, url)
+        self._owners[response_id] = Owner(worker_id, url, tokens)
         self._owners.move_to_end(response_id)
         if len(self._owners) > self.max_size:
             self._owners.popitem(last=False)
@@ -87,26 +91,30 @@ class ResponseOwners:
     ) -> Owner | None:
         """The first of `workers` ((worker_id, url) pairs) whose GET /v1/responses/{id}
         answers 200, remembered from then on. None: nobody has it."""
-        probes = [asyncio.ensure_future(self._holds(session, url, response_id, headers, (wid, url)))
+        probes = [asyncio.ensure_future(self._holds(session, Owner(wid, url), response_id, headers))
                   for wid, url in workers]
         try:
             for next_done in asyncio.as_completed(probes):
                 found = await next_done
                 if found is not None:
-                    self.learn(response_id, *found)
-                    return Owner(*found)
+                    self.learn(response_id, found.worker_id, found.url, found.tokens)
+                    return found
         finally:
             for probe in probes:
                 probe.cancel()
         return None
 
     @staticmethod
-    async def _holds(session: aiohttp.ClientSession, url: str, response_id: str,
-                     headers: dict[str, str], found: tuple[str, str]) -> tuple[str, str] | None:
+    async def _holds(session: aiohttp.ClientSession, worker: Owner, response_id: str,
+                     headers: dict[str, str]) -> Owner | None:
+        """The worker, with the response's length from its usage, if it stores the response."""
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        url = f"{worker.url}{RESPONSES_PATH}/{quote(response_id, safe='')}"
         try:
-            async with session.get(f"{url}{RESPONSES_PATH}/{quote(response_id, safe='')}", headers=headers,
-                                   timeout=timeout) as r:
-                return found if r.status == 200 else None
+            async with session.get(url, headers=headers, timeout=timeout) as r:
+                if r.status != 200:
+                    return None
+                prompt, output = usage_of_body(await r.read())
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None  # a worker down holds nothing it could serve now
+        return Owner(worker.worker_id, worker.url, (prompt or 0) + (output or 0))

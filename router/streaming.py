@@ -131,6 +131,9 @@ class StreamForwarding:
             rec.output_tokens = (
                 tap.completion_tokens if tap.completion_tokens is not None else tap.content_events
             )
+            if tap.opening and upstream_error is None:  # a stored response's length, now known
+                self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url,
+                                  rec.prompt_tokens + rec.output_tokens)
             if upstream_error is not None:
                 self._failed(route, upstream_error, rec)
             else:

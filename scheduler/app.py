@@ -90,7 +90,7 @@ def parse_schedule(raw: bytes) -> tuple[Request, int]:
         raise BadRequest("model is required", "model")
     exclude = frozenset(r.exclude) if r.exclude else None
     return Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora, exclude,
-                   r.reserved_only, r.worker_id), r.wait_ms
+                   r.reserved_only, r.worker_id, r.cached_tokens), r.wait_ms
 
 
 async def schedule(request: web.Request) -> web.Response:

@@ -62,7 +62,8 @@ def _schedule(svc: SchedulerService, op: dict) -> list:
     if r.wait_ms:
         return _error(400, "wait_ms is not supported in a batch: use POST /v1/schedule", "wait_ms")
     req = Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora,
-                  frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id)
+                  frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id,
+                  r.cached_tokens)
     out = svc.schedule_now(req, time.monotonic())
     if isinstance(out, dict):
         return [200, out]

@@ -46,6 +46,9 @@ class ScheduleRequest(BaseModel):
     # reason says "pinned_worker_unavailable" while it is down and "pinned_worker_gone" once it
     # left the pool (the state went with it).
     worker_id: str | None = Field(None, min_length=1)
+    # Of prompt_tokens, those the worker already holds (a stored conversation's history on the
+    # worker it is pinned to): KV the request takes, but no prefill work.
+    cached_tokens: int = Field(0, ge=0)
 
 
 class ScheduleDecision(BaseModel):

@@ -161,8 +161,9 @@ class SchedulerService:
             return Wait(self._retry_after_ms, "saturated")
         w = pick.worker
         trial = w.health.state == HALF_OPEN
-        # Prefill work: the prompt less the chunks the worker likely holds in its prefix cache.
-        prompt = req.prompt_tokens
+        # Prefill work: the prompt less what the worker holds: the part the gateway knows it
+        # holds, and the chunks it likely holds in its prefix cache.
+        prompt = max(0, req.prompt_tokens - req.cached_tokens)
         matched = pick.detail.get("prefix_match")
         if matched and req.prefix_hashes:
             prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import httpx
 import pytest
 
+from router.stored_responses import ResponseOwners
 from tests.router.procs import series_value, sim_stack, start_gateway
 
 INSTRUCTIONS = "be brief"
@@ -98,6 +100,20 @@ def test_without_the_scheduler_the_pin_holds(stack):
         proc.stop()
 
 
+async def test_asking_the_workers_finds_the_owner_and_the_conversations_length(stack):
+    """What a gateway that never saw the response learns from the workers: which one stores
+    it, and its input plus output tokens (KV the next turn takes there again)."""
+    first, home = _respond(stack.gateway, "hello")
+    owners = ResponseOwners()
+    workers = [(url.removeprefix("http://"), url) for url in stack.workers]
+    async with aiohttp.ClientSession() as session:
+        owner = await owners.locate(first["id"], workers, session, {})
+        assert owner is not None and owner.worker_id == home
+        assert owner.tokens == first["usage"]["input_tokens"] + first["usage"]["output_tokens"] > 0
+        assert owners.get(first["id"]) == owner
+        assert await owners.locate("resp_nobody", workers, session, {}) is None
+
+
 def test_a_follow_up_whose_worker_is_down_fails_instead_of_going_elsewhere(stack):
     first, home = _respond(stack.gateway, "hello")
     stack.workers[f"http://{home}"].kill()  # worker ids are host:port here
@@ -106,3 +122,4 @@ def test_a_follow_up_whose_worker_is_down_fails_instead_of_going_elsewhere(stack
     # 503 once the scheduler saw it down; 502 when the gateway's own try failed first.
     assert r.status_code in (502, 503), r.text
     assert "x-router-worker" not in r.headers or r.headers["x-router-worker"] == home
+

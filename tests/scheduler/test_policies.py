@@ -167,6 +167,18 @@ def test_a_pinned_request_goes_to_its_worker_only_and_waits_out_its_saturation(p
     assert isinstance(out, Wait) and out.reason == "pinned_worker_gone"
 
 
+def test_a_pinned_follow_up_counts_its_history_as_kv_but_not_as_prefill_work():
+    """The stored conversation's history (cached_tokens) takes KV on its worker again, so a
+    follow-up that does not fit the free KV waits; what it prefills is its new input only."""
+    svc = make_service(n=2)
+    feed(svc, worker(svc, "w0"), running=4, kv=0.9)  # 16,000-token pool: 1,600 free
+    out = decide(svc, pin="w0", prompt_tokens=3000, cached_tokens=2900)
+    assert isinstance(out, Wait) and out.reason == "saturated"
+    out = decide(svc, pin="w0", prompt_tokens=1000, cached_tokens=900)
+    assert out["worker_id"] == "w0"
+    assert worker(svc, "w0").open_prompt_tokens == 100
+
+
 def test_round_robin_cycles():
     svc = make_service("round_robin")
     assert [decide(svc)["worker_id"] for _ in range(6)] == ["w0", "w1", "w2"] * 2
