@@ -22,7 +22,7 @@ from router.proxy import Proxy
 from router.queue import AdmissionQueue
 from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
-from router.ws_proxy import handle_ws
+from router.ws_proxy import WsSessions, handle_ws
 from scheduler.client import SchedulerClient
 
 log = logging.getLogger("router")
@@ -56,6 +56,7 @@ class Gateway:
         self.client: SchedulerClient | None = None
         self.sched: Scheduling | None = None
         self.proxy: Proxy | None = None
+        self.ws_sessions = WsSessions()
         self._tasks: list[asyncio.Task] = []
         self._models_cache: tuple[float, bytes] | None = None
 
@@ -118,7 +119,7 @@ class Gateway:
         return await self.proxy.handle(request)
 
     async def handle_ws(self, request: web.Request) -> web.StreamResponse:
-        return await handle_ws(self.proxy, request)
+        return await handle_ws(self.proxy, request, self.ws_sessions)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if not self.keys.allows(request.headers.get("Authorization")):
@@ -198,6 +199,11 @@ class Gateway:
         )
 
 
+# How long a stopping gateway waits for its WebSockets' answers: aiohttp's own wait for the
+# HTTP requests in flight.
+WS_DRAIN_TIMEOUT_S = 60.0
+
+
 def build_app(gw: Gateway) -> web.Application:
     cfg = gw.cfg
     app = web.Application(client_max_size=cfg.max_body_bytes + 1)
@@ -254,5 +260,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     try:
         await asyncio.Event().wait()
     finally:
+        # Stopping: no new connections, WebSockets sent away once their answers are out, then
+        # aiohttp's shutdown, which finishes the HTTP requests in flight.
+        await site.stop()
+        left = await gw.ws_sessions.drain(WS_DRAIN_TIMEOUT_S)
+        if left:
+            log.warning("%d WebSocket(s) still busy after %.0f s: cut", left, WS_DRAIN_TIMEOUT_S)
         for r in reversed(runners):
             await r.cleanup()

@@ -6,11 +6,18 @@ connection when the first message arrives (it names the model), connects to that
 worker, and from then on copies messages both ways untouched. The connection holds
 one lease until it closes. A worker that cannot be connected to is excluded and
 the placement retried, like an HTTP request before its first byte.
+
+A stopping gateway (SIGTERM) does with its sockets what a stopping worker does: a socket
+with nothing owed is closed at once with 1001 (going away), one with requests in flight
+gets their answers first; a request sent meanwhile is refused (`shutting_down`). The client
+reconnects, through the load balancer, to another gateway replica. Without this an idle
+socket held the gateway's exit for aiohttp's shutdown timeout and was then cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -28,6 +35,60 @@ from router.tokens import render_prompt
 from scheduler.client import SchedulerError
 
 log = logging.getLogger("router.ws")
+
+
+_GOING_AWAY_MESSAGE = b"the gateway is shutting down"
+# The worker's messages that end a request's answer (websocket.py in the worker): `done`, or
+# an error object. Its chunks start with '{"id"'.
+_TERMINAL_PREFIXES = ('{"type": "done"', '{"error"')
+
+
+class WsSessions:
+    """The gateway's open client sockets, for a graceful stop (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.open: set[WsSession] = set()
+        self.closing = False
+        self._none_open = asyncio.Event()
+
+    def add(self, session: WsSession) -> None:
+        self.open.add(session)
+
+    def remove(self, session: WsSession) -> None:
+        self.open.discard(session)
+        if not self.open:
+            self._none_open.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """The gateway stops: idle sockets go now, busy ones after their answers. Waits up to
+        timeout_s for the last to go; returns how many were still open then. Run before
+        aiohttp's own shutdown, which stops reading every connection (so cancels and close
+        replies would go unread)."""
+        self.closing = True
+        if not self.open:
+            return 0
+        self._none_open.clear()
+        await asyncio.gather(*(s.going_away_if_idle() for s in list(self.open)))
+        if self.open:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._none_open.wait(), timeout_s)
+        return len(self.open)
+
+
+class WsSession:
+    """One client socket: the requests forwarded and not yet answered."""
+
+    __slots__ = ("client", "owed")
+
+    def __init__(self, client: web.WebSocketResponse) -> None:
+        self.client = client
+        self.owed = 0
+
+    async def going_away_if_idle(self) -> bool:
+        if self.owed > 0 or self.client.closed:
+            return False
+        await self.client.close(code=WSCloseCode.GOING_AWAY, message=_GOING_AWAY_MESSAGE)
+        return True
 
 
 def _ws_error(message: str, code: int | str) -> str:
@@ -56,7 +117,7 @@ def _authorization(request: web.Request, offered: list[str]) -> str | None:
     return None
 
 
-async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) -> web.StreamResponse:
     offered = _offered_protocols(request)
     if not proxy.keys.allows(_authorization(request, offered)):
         return error_response(
@@ -73,7 +134,12 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     proxy.metrics.in_flight.inc()
     upstream: aiohttp.ClientWebSocketResponse | None = None
     route = None
+    session = WsSession(client)
+    sessions.add(session)
     try:
+        if sessions.closing:
+            await session.going_away_if_idle()
+            return client
         first = await client.receive()
         if first.type == aiohttp.WSMsgType.BINARY:
             await client.send_str(_ws_error("first message must be a JSON text message with a 'model'", 400))
@@ -128,10 +194,12 @@ async def handle_ws(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         rec.worker = route.worker_id
         rec.status = 101
         await upstream.send_str(first.data)
-        await _pump_both(client, upstream, lambda: proxy._prefilled(route), rec,
+        session.owed = 1
+        await _pump_both(session, sessions, upstream, lambda: proxy._prefilled(route), rec,
                          lambda data: _prompt_tokens(proxy, data))
         return client
     finally:
+        sessions.remove(session)
         if upstream is not None:
             await upstream.close()
         if route is not None and upstream is not None:
@@ -161,9 +229,23 @@ def _prompt_tokens(proxy: Proxy, data: str) -> int:
     return proxy.tokens.count(text, ids) if text or ids else 0
 
 
-async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
+def _is_cancel(text: str) -> bool:
+    """The worker's cancel message (`{"type": "cancel"}`): answered by the request it ends."""
+    if len(text) > 64 or '"cancel"' not in text:
+        return False
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("type") == "cancel"
+
+
+async def _pump_both(session: WsSession, sessions: WsSessions,
+                     upstream: aiohttp.ClientWebSocketResponse,
                      on_first_answer: Callable[[], None], rec: RequestRecord,
                      count_prompt: Callable[[str], int]) -> None:
+    client = session.client
+
     async def copy(src, dst) -> None:
         first = down = src is upstream
         async for msg in src:
@@ -174,10 +256,23 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
                 if down:
                     if _CHOICE_CHUNK in msg.data:
                         rec.output_tokens += 1
+                    elif msg.data.startswith(_TERMINAL_PREFIXES):
+                        session.owed -= 1
+                elif _is_cancel(msg.data):
+                    pass  # the request it ends answers for it
+                elif sessions.closing:
+                    await client.send_str(_ws_error("the gateway is shutting down: reconnect",
+                                                    "shutting_down"))
+                    continue
                 else:  # the client's next request on this socket
+                    session.owed += 1
                     rec.prompt_tokens += count_prompt(msg.data)
                 await dst.send_str(msg.data)
+                if down and sessions.closing and await session.going_away_if_idle():
+                    break  # the last answer owed is out: the client reconnects elsewhere
             elif msg.type == aiohttp.WSMsgType.BINARY:
+                if not down:
+                    session.owed += 1  # the worker answers it with an error
                 await dst.send_bytes(msg.data)
             else:
                 break

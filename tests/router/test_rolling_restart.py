@@ -110,3 +110,46 @@ def test_a_stopped_gateway_finishes_its_streams_and_takes_no_new_connections():
         for r in results:
             assert r["events"][-1] == "[DONE]" and len(r["events"]) == 201
         assert stack.gateway_proc.p.wait(20) == 0
+
+
+async def _two_sockets_through_a_stopping_gateway(stack: SimStack) -> dict:
+    """An idle socket and a busy one (a 150-token answer, ~5 s) when the gateway gets SIGTERM;
+    the busy one sends another request after the signal."""
+    long_request = {"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(stack.gateway + "/v1/ws") as idle, \
+            session.ws_connect(stack.gateway + "/v1/ws") as busy:
+        await idle.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}))
+        while json.loads((await idle.receive(timeout=30)).data).get("type") != "done":
+            pass
+        await busy.send_str(json.dumps(long_request))
+        messages = [json.loads((await busy.receive(timeout=30)).data)]
+        t0 = time.monotonic()
+        stack.gateway_proc.p.send_signal(signal.SIGTERM)
+        idle_closed = await idle.receive(timeout=30)
+        idle_closed_after = time.monotonic() - t0
+        await busy.send_str(json.dumps(long_request))
+        while True:
+            msg = await busy.receive(timeout=30)
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                break
+            messages.append(json.loads(msg.data))
+        exit_code = await asyncio.to_thread(stack.gateway_proc.p.wait, 20)
+        return {"idle": idle_closed, "idle_after": idle_closed_after, "busy": msg,
+                "messages": messages, "exit_code": exit_code}
+
+
+def test_a_stopped_gateway_sends_its_websockets_away_once_their_answers_are_out():
+    with sim_stack(1, *SLOW) as stack:
+        out = asyncio.run(_two_sockets_through_a_stopping_gateway(stack))
+    # The idle socket goes at once (it held the gateway's exit for 45 s before), with 1001:
+    # the client reconnects to another replica.
+    assert out["idle"].type == aiohttp.WSMsgType.CLOSE and out["idle"].data == 1001
+    assert out["idle_after"] < 3.0
+    # The busy one gets its whole answer; the request sent after the signal is refused.
+    messages = out["messages"]
+    assert len([m for m in messages if "choices" in m]) == 150
+    assert messages[-1]["type"] == "done"
+    assert [m["error"]["code"] for m in messages if "error" in m] == ["shutting_down"]
+    assert out["busy"].type == aiohttp.WSMsgType.CLOSE and out["busy"].data == 1001
+    assert out["exit_code"] == 0
