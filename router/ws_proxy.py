@@ -97,6 +97,9 @@ def _ws_error(message: str, code: int | str) -> str:
     )
 
 
+_SHUTTING_DOWN = _ws_error("the gateway is shutting down: reconnect", "shutting_down")
+
+
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
 # the subprotocol `openai-insecure-api-key.<key>` (OpenAI's convention for its Realtime API).
 KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
@@ -157,6 +160,11 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             rec.status = 400
             return client
         rec.model = model
+        if sessions.closing:  # the gateway began to stop while this socket said nothing
+            await client.send_str(_SHUTTING_DOWN)
+            await client.close(code=WSCloseCode.GOING_AWAY, message=_GOING_AWAY_MESSAGE)
+            return client
+        session.owed = 1  # from here the socket is busy: placing it, then its first answer
         sched_body = proxy.schedule_body(rec, model, body)
         priority = body.get("priority")  # the first request's, as the connection is placed once
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -194,7 +202,6 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         rec.worker = route.worker_id
         rec.status = 101
         await upstream.send_str(first.data)
-        session.owed = 1
         await _pump_both(session, sessions, upstream, lambda: proxy._prefilled(route), rec,
                          lambda data: _prompt_tokens(proxy, data))
         return client
@@ -261,8 +268,7 @@ async def _pump_both(session: WsSession, sessions: WsSessions,
                 elif _is_cancel(msg.data):
                     pass  # the request it ends answers for it
                 elif sessions.closing:
-                    await client.send_str(_ws_error("the gateway is shutting down: reconnect",
-                                                    "shutting_down"))
+                    await client.send_str(_SHUTTING_DOWN)
                     continue
                 else:  # the client's next request on this socket
                     session.owed += 1
