@@ -22,7 +22,8 @@ from router.proxy import Proxy
 from router.queue import AdmissionQueue
 from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
-from router.ws_proxy import WsSessions, handle_ws
+from router.ws_proxy import handle_ws
+from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
 
 log = logging.getLogger("router")

@@ -1,0 +1,239 @@
+"""One client WebSocket relayed to a worker's /v1/ws, and moved to another worker when its
+worker stops.
+
+Messages are copied both ways untouched. The relay keeps, in order, the requests it sent that
+have no answer's end yet (a `done` message or an error). A stopping worker answers the
+requests it has taken, refuses the ones that come after (error `shutting_down`) and closes with
+1001. The relay does not pass those refusals on: it holds every request from the first
+refusal on, and when the worker says 1001 it places the socket again (scheduler, another
+worker), sends the requests still unanswered there, in order, and goes on. The client sees
+its answers, not the rolling update. Refusals come as the worker reads the requests (an
+earlier answer may still stream), so they are for the newest requests: the answers before
+them end in order, and what is still unanswered at the 1001 is what was refused. An answer
+cut at the worker's drain limit ends with its error, which goes to the client, as over SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import WSCloseCode, web
+
+from router.access_log import RequestRecord
+from router.proxy import Proxy
+from router.queue import QueueFull, QueueTimeout
+from router.scheduling import NoWorkerError, Route
+from router.tokens import render_prompt
+from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
+from scheduler.client import SchedulerError
+
+log = logging.getLogger("router.ws")
+
+# A chunk with a choice in it (not a usage chunk, a terminal message or an error): the
+# worker's chunks are compact JSON. Counted as one output token each, the stand-in the SSE
+# path uses when a stream ends without usage (the socket's usage chunks are the client's).
+_CHOICE_CHUNK = '"choices":[{'
+# The worker's messages that end a request's answer (its websocket.py): `done`, or an error.
+_TERMINAL_PREFIXES = ('{"type": "done"', '{"error"')
+# How a stopping worker refuses a request it did not take (the worker's errors.shutting_down:
+# "send the request to another one"). An answer cut at its drain limit ends with another
+# shutting_down message, which goes to the client.
+_REFUSAL = "send the request to another one"
+_UPSTREAM_SEND_ERRORS = (ConnectionError, aiohttp.ClientError)
+
+
+class WsRelay:
+    def __init__(self, proxy: Proxy, request: web.Request, rec: RequestRecord, session: WsSession,
+                 sessions: WsSessions, sched_body: dict[str, Any], priority: int) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.rec = rec
+        self.session = session
+        self.client = session.client
+        self.sessions = sessions
+        self.sched_body = sched_body
+        self.priority = priority
+        self.route: Route | None = None
+        self.upstream: aiohttp.ClientWebSocketResponse | None = None
+        # Requests wait in session.pending instead of going upstream: the worker refuses
+        # (it is stopping), or the socket is being placed again.
+        self.held = False
+        self.moves = 0
+
+    # ---- placing ----------------------------------------------------------------------
+    async def place(self, exclude: list[str]) -> str | None:
+        """Lease a worker and connect to it; None, or the error message to send the client."""
+        proxy, rec = self.proxy, self.rec
+        deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
+        for _ in range(proxy.cfg.retry_count + 1):
+            try:
+                route = await proxy._acquire(rec, self.sched_body, exclude, deadline, priority=self.priority)
+            except (QueueFull, QueueTimeout):
+                rec.status = 429
+                return ws_error("no worker available, retry later", 429)
+            except (SchedulerError, NoWorkerError) as exc:
+                rec.status = 404
+                return ws_error(str(exc), 404)
+            try:
+                self.upstream = await proxy.session.ws_connect(
+                    route.url + "/v1/ws",
+                    headers=proxy._upstream_headers(self.request, rec.id, "/v1/ws"),
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
+                    max_msg_size=0,
+                )
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                proxy._failed(route, "connect", rec)
+                exclude.append(route.worker_id)
+                log.info("ws id=%s worker %s unreachable (%r); retrying", rec.id, route.worker_id, exc)
+                continue
+            self.route = route
+            rec.worker = route.worker_id
+            return None
+        rec.status = 502
+        return ws_error("every worker attempt failed", 502)
+
+    async def _move(self) -> bool:
+        """The worker said 1001: the socket goes to another worker with what it still owes."""
+        self.held = True
+        old = self.route
+        assert old is not None and self.upstream is not None
+        await self.upstream.close()
+        self.proxy._release(old, self.rec, ok=True)
+        self.route = self.upstream = None
+        status = self.rec.status
+        if await self.place([old.worker_id]) is not None:
+            self.rec.status = status  # it was served until now
+            return False
+        self.moves += 1
+        log.info("ws id=%s moved from %s to %s with %d request(s) owed", self.rec.id,
+                 old.worker_id, self.route.worker_id, len(self.session.pending))
+        pending = self.session.pending
+        i = 0
+        while i < len(pending):  # requests the client sends meanwhile join the end
+            if not await self.send_upstream(pending[i]):
+                return False
+            i += 1
+        self.held = False
+        return True
+
+    # ---- relaying ---------------------------------------------------------------------
+    async def send_upstream(self, data: str | bytes) -> bool:
+        assert self.upstream is not None
+        try:
+            if isinstance(data, str):
+                await self.upstream.send_str(data)
+            else:
+                await self.upstream.send_bytes(data)
+        except _UPSTREAM_SEND_ERRORS:
+            return False  # it is still pending: the next worker gets it, or the socket ends
+        return True
+
+    async def send_request(self, data: str | bytes) -> None:
+        self.session.pending.append(data)
+        if not self.held:
+            await self.send_upstream(data)
+
+    async def run(self) -> None:
+        """Relay until either side ends."""
+        down = asyncio.ensure_future(self._down())
+        up = asyncio.ensure_future(self._up())
+        try:
+            await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (down, up):
+                t.cancel()
+            await asyncio.gather(down, up, return_exceptions=True)
+
+    async def _up(self) -> None:
+        """The client's messages: requests, and cancels of the one being answered."""
+        async for msg in self.client:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                if _is_cancel(msg.data):
+                    # To the worker answering now (a stopping one still takes cancels); while
+                    # the socket moves there is none, and a held request is not running yet.
+                    if self.upstream is not None and not self.upstream.closed:
+                        await self.send_upstream(msg.data)
+                elif self.sessions.closing:
+                    await self.client.send_str(SHUTTING_DOWN)
+                else:
+                    self.rec.prompt_tokens += _prompt_tokens(self.proxy, msg.data)
+                    await self.send_request(msg.data)
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                await self.send_request(msg.data)  # the worker answers it with an error
+            else:
+                return
+
+    async def _down(self) -> None:
+        """The worker's messages, through every worker the socket is placed on."""
+        client, pending = self.client, self.session.pending
+        while True:
+            assert self.upstream is not None and self.route is not None
+            first = True
+            async for msg in self.upstream:
+                if first:  # the worker's first message: the request it answers is prefilled
+                    first = False
+                    self.proxy._prefilled(self.route)
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    data = msg.data
+                    if _CHOICE_CHUNK in data:
+                        self.rec.output_tokens += 1
+                    elif data.startswith(_TERMINAL_PREFIXES):
+                        if _REFUSAL in data and not self.sessions.closing:
+                            self.held = True  # the worker stops: this request, and the rest, wait
+                            continue
+                        if pending:
+                            pending.popleft()
+                    await client.send_str(data)
+                    if self.sessions.closing and await self.session.going_away_if_idle():
+                        return  # the last answer owed is out: the client reconnects elsewhere
+                elif msg.type == aiohttp.WSMsgType.BINARY:
+                    await client.send_bytes(msg.data)
+                else:
+                    break
+            if client.closed:
+                return
+            if self.upstream.close_code == WSCloseCode.GOING_AWAY and not self.sessions.closing:
+                if await self._move():
+                    continue
+                # Nowhere to go: pass the goodbye on, so the client reconnects later.
+                await client.close(code=WSCloseCode.GOING_AWAY, message=b"the worker is shutting down")
+                return
+            # The worker went away while the client is still connected: say so before closing
+            # (a request it was answering is not replayed elsewhere, like SSE).
+            await client.send_str(ws_error("the worker closed the connection", "upstream_closed"))
+            return
+
+    async def close(self) -> None:
+        if self.upstream is not None:
+            await self.upstream.close()
+            if self.route is not None:
+                self.proxy._release(self.route, self.rec, ok=True)
+
+
+def _prompt_tokens(proxy: Proxy, data: str) -> int:
+    """The prompt estimate of one more request on the socket (0 for a bad message, which the
+    worker answers itself), as the HTTP path counts a request without usage."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return 0
+    if not isinstance(body, dict):
+        return 0
+    text, ids = render_prompt(body)
+    return proxy.tokens.count(text, ids) if text or ids else 0
+
+
+def _is_cancel(text: str) -> bool:
+    """The worker's cancel message (`{"type": "cancel"}`): it ends the request being answered."""
+    if len(text) > 64 or '"cancel"' not in text:
+        return False
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("type") == "cancel"
