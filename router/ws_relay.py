@@ -63,7 +63,6 @@ class WsRelay:
         # Requests wait in session.pending instead of going upstream: the worker refuses
         # (it is stopping), or the socket is being placed again.
         self.held = False
-        self.moves = 0
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
@@ -109,7 +108,6 @@ class WsRelay:
         if await self.place([old.worker_id]) is not None:
             self.rec.status = status  # it was served until now
             return False
-        self.moves += 1
         log.info("ws id=%s moved from %s to %s with %d request(s) owed", self.rec.id,
                  old.worker_id, self.route.worker_id, len(self.session.pending))
         pending = self.session.pending
