@@ -185,6 +185,8 @@ class SchedulerService:
         }
         if pick.detail:
             reason.update(pick.detail)
+        if req.cached_tokens:
+            reason["cached_tokens"] = req.cached_tokens
         return {
             "worker_id": w.worker_id,
             "url": w.url,

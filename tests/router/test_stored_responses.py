@@ -21,7 +21,7 @@ INSTRUCTIONS = "be brief"
 
 @pytest.fixture(scope="module")
 def stack():
-    with sim_stack(3, scheduler_flags=("--policy", "round_robin")) as s:
+    with sim_stack(3, scheduler_flags=("--policy", "round_robin"), gateway_flags=("--debug-headers",)) as s:
         yield s
 
 
@@ -53,6 +53,18 @@ def test_a_conversation_stays_on_the_worker_that_stores_it(stack):
         # The worker answered the whole conversation: its prompt grew by the last turn.
         assert answer["usage"]["input_tokens"] > last["usage"]["input_tokens"]
         last = answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_follow_up_tells_the_scheduler_the_conversation_so_far(stack, stream):
+    """The first turn's input and output tokens (from its body, or its stream's usage) are KV
+    the follow-up takes on its worker: the scheduler is told (its reason shows them)."""
+    first, _ = _respond(stack.gateway, "hello", stream=stream)
+    body = {"model": "m", "input": "more", "max_output_tokens": 2, "previous_response_id": first["id"]}
+    r = httpx.post(stack.gateway + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 200
+    reason = json.loads(r.headers["x-router-reason"])
+    assert reason["cached_tokens"] == first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
 
 
 def test_get_and_cancel_reach_the_owner_and_unknown_ids_are_404(stack):
