@@ -105,8 +105,6 @@ class StreamForwarding:
             def first_token() -> None:
                 rec.ttft_ms = (time.perf_counter() - rec.start) * 1000
                 self._prefilled(route)
-                if tap is not None and tap.opening:  # a response's stream: it named itself
-                    self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url)
 
             marker = FIRST_TOKEN_MARKERS.get(path)
             if marker is None:
@@ -131,7 +129,9 @@ class StreamForwarding:
             rec.output_tokens = (
                 tap.completion_tokens if tap.completion_tokens is not None else tap.content_events
             )
-            if tap.opening and upstream_error is None:  # a stored response's length, now known
+            if tap.opening and upstream_error is None:
+                # A response's stream named itself in its opening events; the worker stores it
+                # (if asked to) once it is whole, so where it lives and its length are learnt now.
                 self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url,
                                   rec.prompt_tokens + rec.output_tokens)
             if upstream_error is not None:

@@ -39,10 +39,11 @@ from inference_worker.server.state import FACTORY, RESPONSES
 async def responses(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate_json(await request.read())
     store = request.app[RESPONSES]
-    history = []
+    history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = store.get(body.previous_response_id, "previous_response_id").conversation()
-    chat = body.to_chat(history)
+    messages = body.messages(history)
+    chat = body.to_chat(messages)
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
     gen = factory.chat_from(chat, id_base)  # streams when the body asks to
@@ -50,7 +51,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     # a stored response's id must not be reused, and vLLM's ignores the header too.
     answer = ResponseAnswer(f"resp_{uuid.uuid4().hex}", factory.model_name, body)
     if body.store:
-        answer.keep_in(store, body.messages(history))
+        answer.keep_in(store, messages)
     return await serve(request, gen, answer)
 
 

@@ -117,15 +117,15 @@ class ResponsesRequest(BaseModel):
             messages.extend(item.as_chat() for item in self.input)
         return messages
 
-    def to_chat(self, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
-        """The same request as a chat completion: vLLM's extra sampling options (top_k, seed,
-        penalties, stop, ...) come along and are checked there."""
+    def to_chat(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The same request as a chat completion of `messages` (see messages()): vLLM's extra
+        sampling options (top_k, seed, penalties, stop, ...) come along and are checked there."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in _NOT_FOR_CHAT}
         return ChatCompletionRequest.model_validate(
             {
                 **extra,
                 "model": self.model,
-                "messages": self.messages(history),
+                "messages": messages,
                 "max_tokens": self.max_output_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
