@@ -42,9 +42,9 @@ async def until(cond, timeout_s: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def test_passing_stops_after_the_scheduler_says_it_holds_nothing():
-    stub = HoldsOffScheduler()
-    sched = Scheduling(
+def scheduling_over(stub: object, followup_pass_s: float = 0.0) -> Scheduling:
+    """The gateway's Scheduling with a scripted scheduler client and a queue of 16."""
+    return Scheduling(
         stub,  # type: ignore[arg-type]
         FallbackRouter([], 1.0),
         AdmissionQueue(16),
@@ -54,8 +54,13 @@ async def test_passing_stops_after_the_scheduler_says_it_holds_nothing():
         probe_period_s=1.0,
         schedule_wait_ms=5000,
         workers_refresh_s=60.0,
-        followup_pass_s=10.0,
+        followup_pass_s=followup_pass_s,
     )
+
+
+async def test_passing_stops_after_the_scheduler_says_it_holds_nothing():
+    stub = HoldsOffScheduler()
+    sched = scheduling_over(stub, followup_pass_s=10.0)
     deadline = time.monotonic() + 10
 
     def body() -> dict:

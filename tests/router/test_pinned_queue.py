@@ -7,11 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.fallback import FallbackRouter
-from router.metrics import RouterMetrics
-from router.queue import AdmissionQueue
-from router.scheduling import Scheduling
-from tests.router.test_followup_pass import until
+from tests.router.test_followup_pass import scheduling_over, until
 
 
 class OneFullWorker:
@@ -36,17 +32,7 @@ class OneFullWorker:
 
 async def test_a_pinned_request_waits_for_its_worker_without_holding_back_the_others():
     stub = OneFullWorker()
-    sched = Scheduling(
-        stub,  # type: ignore[arg-type]
-        FallbackRouter([], 1.0),
-        AdmissionQueue(16),
-        RouterMetrics(),
-        wait_schedule_timeout_s=1.0,
-        try_period_s=0.1,
-        probe_period_s=1.0,
-        schedule_wait_ms=5000,
-        workers_refresh_s=60.0,
-    )
+    sched = scheduling_over(stub)
     deadline = time.monotonic() + 10
     pinned = asyncio.create_task(sched.acquire({"model": "m", "worker_id": "w0"}, [], deadline))
     await until(lambda: sched.queue.size == 1)
