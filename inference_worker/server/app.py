@@ -15,11 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server import openai_api, responses_api
+from inference_worker.server.background import BackgroundRuns
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.response_store import ResponseStore
-from inference_worker.server.state import DRAIN, ENGINE, FACTORY, REGISTRY, RESPONSES
+from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, REGISTRY, RESPONSES
 from inference_worker.server.websocket import websocket_handler
 
 # Long prompts as JSON token-id lists get large; aiohttp's 1 MiB default is too small.
@@ -61,6 +62,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _stop_background(app: web.Application) -> None:
+    """Background answers still running when the server stops (past the drain) are cancelled."""
+    await app[BACKGROUND].stop_all()
+
+
 def build_app(
     engine: AsyncEngineClient,
     model_name: str,
@@ -72,6 +78,8 @@ def build_app(
     app[FACTORY] = GenerationFactory(engine, model_name)
     app[DRAIN] = Drain()
     app[RESPONSES] = ResponseStore(responses_store_size)
+    app[BACKGROUND] = BackgroundRuns()
+    app.on_cleanup.append(_stop_background)
     app.on_response_prepare.append(_close_when_draining)
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.router.add_post("/v1/completions", openai_api.completions)

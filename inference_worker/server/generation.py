@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from inference_worker.engine.errors import DuplicateRequestError
+from inference_worker.engine.llm_engine import validate_request
 from inference_worker.engine.types import (
     AsyncEngineClient,
     ParallelSampling,
@@ -99,6 +100,12 @@ class Generation:
             return engine_id, params
         seed = None if params.seed is None else params.seed + index % self.n
         return engine_id, replace(params, seed=seed, parallel=self._parallel[index // self.n])
+
+    def validate(self, max_model_len: int) -> None:
+        """Raise now what the engine would refuse on admission: for an answer generated later
+        (a background response), whose client must still get the 400."""
+        for prompt in self.prompts:
+            validate_request(prompt.token_ids, prompt.params, max_model_len)
 
     async def start(self, engine: AsyncEngineClient) -> None:
         """Submit every choice and wait for the first output of any: the engine's admission

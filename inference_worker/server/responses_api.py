@@ -11,8 +11,10 @@ response holds the usage). As in vLLM, an answer cut by `max_output_tokens` is
 
 A finished response is stored when the request says `store` (the default) and the worker
 keeps a store: `previous_response_id` continues it, `GET /v1/responses/{id}` returns it.
-`POST /v1/responses/{id}/cancel` is vLLM's: every response here is synchronous (no
-`background`), so a stored one cannot be cancelled (400) and an unknown one is a 404.
+With `background` the answer is generated apart from the request (server/background.py):
+`GET /v1/responses/{id}?stream=true` replays its events, and
+`POST /v1/responses/{id}/cancel` stops it. As in vLLM, a synchronous response cannot be
+cancelled (400) and an unknown one is a 404.
 """
 
 from __future__ import annotations
@@ -27,18 +29,22 @@ from aiohttp import web
 
 from inference_worker.engine.types import FinishReason, RequestOutput
 from inference_worker.server.answer import engine_error
-from inference_worker.server.errors import APIError
+from inference_worker.server.background import LIVE_STATUSES, BackgroundRun
+from inference_worker.server.errors import APIError, invalid_request
 from inference_worker.server.generation import Generation
-from inference_worker.server.openai_api import serve
+from inference_worker.server.openai_api import SSE_HEADERS, serve
 from inference_worker.server.prepare import request_id_base
 from inference_worker.server.response_store import ResponseStore, StoredResponse
 from inference_worker.server.responses_protocol import ResponsesRequest
-from inference_worker.server.state import FACTORY, RESPONSES
+from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, RESPONSES
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate_json(await request.read())
     store = request.app[RESPONSES]
+    if body.background and store.max_size <= 0:
+        raise invalid_request("This worker keeps no responses (--responses-store-size 0), so it cannot "
+                              "run background responses.", param="background")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = store.get(body.previous_response_id, "previous_response_id").conversation()
@@ -50,24 +56,81 @@ async def responses(request: web.Request) -> web.StreamResponse:
     # Unique whatever the caller's X-Request-Id (which names the engine request, for tracing):
     # a stored response's id must not be reused, and vLLM's ignores the header too.
     answer = ResponseAnswer(f"resp_{uuid.uuid4().hex}", factory.model_name, body)
+    if body.background:
+        return await _background(request, gen, answer, messages)
     if body.store:
         answer.keep_in(store, messages)
     return await serve(request, gen, answer)
 
 
-async def retrieve(request: web.Request) -> web.Response:
-    """GET /v1/responses/{id}. `stream=true` replays a background response in vLLM; there are
-    none here."""
-    if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError(400, "stream=true replays background responses, which this worker does not run.",
-                       param="stream")
+async def _background(request: web.Request, gen: Generation, answer: ResponseAnswer,
+                      messages: list[dict[str, Any]]) -> web.StreamResponse:
+    """Store the response queued and generate it in a task of its own; answer with the queued
+    response, or (`stream`) with its events while the client stays."""
+    engine = request.app[ENGINE]
+    request.app[DRAIN].admit()  # a stopping worker takes no new work (503)
+    gen.validate(engine.max_model_len)  # a prompt the engine refuses is the client's 400 now
+    run = BackgroundRun(answer.response("queued"))
+    answer.keep_in(request.app[RESPONSES], messages, run)
+    request.app[BACKGROUND].start(run, gen, answer, engine)
+    if not gen.stream:
+        return web.json_response(run.response)
+    return await _replay(request, run, None)
+
+
+async def _replay(request: web.Request, run: BackgroundRun, starting_after: int | None) -> web.StreamResponse:
+    """A background response's events over SSE; a client that leaves does not stop it. A
+    stopping worker owes the client the rest of the stream, as any other (drain)."""
+    drain = request.app[DRAIN]
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    drain.hold()
+    try:
+        await response.prepare(request)
+        async for frame in run.replay(starting_after):
+            await response.write(frame)
+    except ConnectionError:
+        pass
+    finally:
+        drain.release()
+    return response
+
+
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{id}: the stored response; with `stream=true` (background responses
+    only, as in vLLM) its events after `starting_after`, following it until it ends."""
     entry = request.app[RESPONSES].get(request.match_info["response_id"])
-    return web.json_response(entry.response)
+    if request.query.get("stream", "false").lower() in ("false", "0"):
+        return web.json_response(entry.response)
+    if entry.run is None:
+        raise invalid_request("Only background responses can be streamed again (stream=true).",
+                              param="stream")
+    return await _replay(request, entry.run, _starting_after(request))
+
+
+def _starting_after(request: web.Request) -> int | None:
+    raw = request.query.get("starting_after")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise invalid_request(f"starting_after must be an event's sequence number, got {raw!r}",
+                              param="starting_after")
+    return value
 
 
 async def cancel(request: web.Request) -> web.Response:
-    request.app[RESPONSES].get(request.match_info["response_id"])  # a 404 when unknown
-    raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+    """POST /v1/responses/{id}/cancel: stops a background response that has not ended."""
+    entry = request.app[RESPONSES].get(request.match_info["response_id"])  # a 404 when unknown
+    if entry.run is None:
+        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+    if entry.response["status"] not in LIVE_STATUSES:
+        raise APIError(400, f"Cannot cancel a response whose status is {entry.response['status']!r}.",
+                       param="response_id")
+    await entry.run.cancel()
+    return web.json_response(entry.response)
 
 
 class ResponseAnswer:
@@ -84,15 +147,21 @@ class ResponseAnswer:
         self._sequence = 0
         self._store: ResponseStore | None = None
         self._messages: list[dict[str, Any]] = []
+        self._run: BackgroundRun | None = None
 
-    def keep_in(self, store: ResponseStore, messages: list[dict[str, Any]]) -> None:
-        """Store the finished response, with the conversation it answered."""
+    def keep_in(self, store: ResponseStore, messages: list[dict[str, Any]],
+                run: BackgroundRun | None = None) -> None:
+        """Store the finished response, with the conversation it answered (and a background
+        response from now on, queued)."""
         self._store = store
         self._messages = messages
+        self._run = run
+        if run is not None:
+            store.put(StoredResponse(run.response, messages, run))
 
     def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
         if self._store is not None:
-            self._store.put(StoredResponse(response, self._messages))
+            self._store.put(StoredResponse(response, self._messages, self._run))
         return response
 
     def response(self, status: str, text: str | None = None, last: RequestOutput | None = None,

@@ -4,10 +4,10 @@ parts), sampling options and `stream`. It is answered as a chat completion of th
 messages (`to_chat`), as vLLM does for models without a Harmony format.
 
 With `store` (the default) the answer is kept (server/response_store.py), and a later
-request's `previous_response_id` continues its conversation. `background` is refused; so
-are tools, structured output (`text.format` other than text), `include` and image or file
-inputs: a 400 naming them, as for the other endpoints' options this worker does not
-implement.
+request's `previous_response_id` continues its conversation; `background` answers later
+(server/background.py), and needs `store`. Refused: tools, structured output (`text.format`
+other than text), `include` and image or file inputs: a 400 naming them, as for the other
+endpoints' options this worker does not implement.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ _TEXT_PARTS = {"input_text", "output_text"}
 # Options refused unless at their neutral value (an empty list counts as neutral).
 _UNIMPLEMENTED_RESPONSES: dict[str, Any] = {
     "conversation": None,
-    "background": False,
     "tools": None,
     "include": None,
     "prompt": None,
@@ -67,6 +66,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool = True
+    background: bool = False
     previous_response_id: str | None = Field(None, min_length=1)
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -102,6 +102,8 @@ class ResponsesRequest(BaseModel):
         text_format = (self.text or {}).get("format")
         if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
             raise unsupported("text.format", f"text.format of type {text_format.get('type')!r}")
+        if self.background and not self.store:
+            raise invalid_request("background can only be used when `store` is true", param="background")
         if isinstance(self.input, list) and not self.input:
             raise invalid_request("input must not be empty", param="input")
         return self
@@ -143,7 +145,7 @@ class ResponsesRequest(BaseModel):
             "tool_choice": self.tool_choice,
             "tools": [],
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "background": False,
+            "background": self.background,
             "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": None,
             "previous_response_id": self.previous_response_id,

@@ -1,5 +1,5 @@
 """Typed keys of what the aiohttp app holds (engine, request factory, metrics registry, drain,
-stored responses)."""
+stored responses, background responses)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from inference_worker.engine.types import AsyncEngineClient
+from inference_worker.server.background import BackgroundRuns
 from inference_worker.server.drain import Drain
 from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.response_store import ResponseStore
@@ -16,3 +17,4 @@ FACTORY = web.AppKey("generation_factory", GenerationFactory)
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 DRAIN = web.AppKey("drain", Drain)
 RESPONSES = web.AppKey("response_store", ResponseStore)
+BACKGROUND = web.AppKey("background_responses", BackgroundRuns)

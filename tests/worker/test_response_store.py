@@ -1,5 +1,5 @@
 """The worker's store of Responses API answers: bounded, least recently used out first, and
-a next turn continues the conversation without the earlier instructions."""
+a next turn continues the conversation without the earlier instructions (once it is whole)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from inference_worker.server.errors import APIError
 from inference_worker.server.response_store import ResponseStore, StoredResponse
 
 
-def _entry(response_id: str, answer: str = "ok") -> StoredResponse:
+def _entry(response_id: str, answer: str = "ok", status: str = "completed") -> StoredResponse:
     output = [{"type": "message", "content": [{"type": "output_text", "text": answer}]}]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    return StoredResponse({"id": response_id, "output": output}, messages)
+    return StoredResponse({"id": response_id, "output": output, "status": status}, messages)
 
 
 def test_the_least_recently_used_response_leaves_first() -> None:
@@ -37,3 +37,11 @@ def test_a_store_of_size_zero_keeps_nothing() -> None:
 def test_a_next_turn_continues_without_the_earlier_instructions() -> None:
     assert _entry("a", "hello").conversation() == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize("status", ["queued", "in_progress"])
+def test_a_background_response_still_running_cannot_be_continued_yet(status) -> None:
+    with pytest.raises(APIError) as caught:
+        _entry("a", status=status).conversation()
+    assert caught.value.status == 400 and caught.value.param == "previous_response_id"
+    assert status in caught.value.message

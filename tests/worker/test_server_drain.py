@@ -86,6 +86,37 @@ def test_requests_left_at_the_drain_limit_end_with_a_shutting_down_error() -> No
         assert "ended 2 requests still in flight" in worker.output()
 
 
+def test_a_streamed_background_response_is_finished_and_an_unwatched_one_cancelled() -> None:
+    """A client streaming a background response gets all of it, as on any stream; one that
+    nobody streams cannot be retrieved from a stopped worker, so it is not waited for."""
+    with launch_worker(*SLOW_SIM, model="m") as worker, ThreadPoolExecutor(1) as pool:
+        url = worker.api_url + "/responses"
+        base = {"model": "m", "input": "drain me", "max_output_tokens": 150, "ignore_eos": True,
+                "background": True}
+        unwatched = httpx.post(url, json={**base, "max_output_tokens": 450}, timeout=30)
+        assert unwatched.status_code == 200 and unwatched.json()["status"] == "queued"
+        started = threading.Event()
+
+        def watch() -> list[dict]:
+            with httpx.stream("POST", url, json={**base, "stream": True}, timeout=60) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+                return events
+
+        watched = pool.submit(watch)
+        assert started.wait(30)
+        worker.process.send_signal(signal.SIGTERM)
+        events = watched.result(timeout=60)
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["usage"]["output_tokens"] == 150
+        assert _exit_code(worker, 20) == 0
+        assert "every request in flight was answered" in worker.output()
+        assert "cancelling 1 background responses still running" in worker.output()
+
+
 async def _drain_websockets(worker: Worker) -> tuple[list[dict], int | None, int | None, float, float]:
     """Socket A has an answer streaming when SIGTERM comes and asks for another right after;
     socket B is idle. Returns A's messages, both close codes, and when each closed."""

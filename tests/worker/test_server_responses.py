@@ -1,13 +1,19 @@
 """The Responses API (`POST /v1/responses`) of a real `python -m inference_worker` (real model,
 127.0.0.1), driven by the official `openai` client: the answer is the chat answer of the same
 conversation, streamed in vLLM's event order, with its usage; a stored answer is continued by
-`previous_response_id` and returned by GET; what it does not serve is a 400."""
+`previous_response_id` and returned by GET; a background response is answered later, can be
+streamed again from where a client left off, and cancelled; what it does not serve is a 400."""
 
 from __future__ import annotations
+
+import json
+import time
 
 import httpx
 import openai
 import pytest
+
+from tests.worker.conftest import sample, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -66,7 +72,7 @@ def test_a_streamed_response_has_vllms_events_and_the_same_text(client, chat_ans
     ("fields", "param"),
     [
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
@@ -137,3 +143,91 @@ def test_response_ids_are_unique_whatever_the_callers_request_id(shared_torch_wo
     for response_id in ids:
         stored = httpx.get(f"{shared_torch_worker.api_url}/responses/{response_id}", timeout=10)
         assert stored.status_code == 200
+
+
+def _status(client: openai.OpenAI, response_id: str) -> str:
+    return client.responses.retrieve(response_id).status
+
+
+def test_a_background_response_is_queued_and_completes_with_the_synchronous_answer(client) -> None:
+    synchronous = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=QUESTION,
+                                          max_output_tokens=10, temperature=0)
+    queued = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=QUESTION,
+                                     max_output_tokens=10, temperature=0, background=True)
+    assert queued.background is True and queued.output == [] and queued.usage is None
+    assert queued.status in ("queued", "in_progress")
+    wait_for(lambda: _status(client, queued.id) not in ("queued", "in_progress"), 60, 0.1, "its end")
+    final = client.responses.retrieve(queued.id)
+    assert final.status == synchronous.status  # incomplete, when the answer ran to 10 tokens
+    assert final.output_text == synchronous.output_text
+    assert final.usage.output_tokens == synchronous.usage.output_tokens
+    # It is continued like any stored response.
+    follow_up = client.responses.create(model=MODEL, input="And a vegetable?", previous_response_id=queued.id,
+                                        max_output_tokens=3, temperature=0)
+    assert follow_up.usage.input_tokens > final.usage.input_tokens + final.usage.output_tokens
+
+
+def _sse_events(lines) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_background_stream_is_picked_up_where_the_client_left_it(shared_torch_worker, client) -> None:
+    url = shared_torch_worker.api_url + "/responses"
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 40, "temperature": 0,
+            "background": True, "stream": True}
+    seen: list[dict] = []
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while len(seen) < 6:  # the opening events and a couple of deltas, then the client leaves
+            line = next(lines)
+            if line.startswith("data: "):
+                seen.append(json.loads(line[len("data: "):]))
+    response_id = seen[0]["response"]["id"]
+    last = seen[-1]["sequence_number"]
+    with httpx.stream("GET", f"{url}/{response_id}", params={"stream": "true", "starting_after": last},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        rest = _sse_events(r.iter_lines())
+    events = seen + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == events[-1]["response"]["output"][0]["content"][0]["text"]
+    assert client.responses.retrieve(response_id).output_text == text
+    # The whole stream again, from its start.
+    with httpx.stream("GET", f"{url}/{response_id}", params={"stream": "true"}, timeout=60) as r:
+        assert _sse_events(r.iter_lines()) == events
+
+
+def test_a_background_response_is_cancelled_and_its_engine_request_aborted(shared_torch_worker, client) -> None:
+    running = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=1500,
+                                      background=True, extra_body={"ignore_eos": True})
+    wait_for(lambda: _status(client, running.id) == "in_progress", 60, 0.05, "in progress")
+    with pytest.raises(openai.BadRequestError, match="still in_progress"):
+        client.responses.create(model=MODEL, input="more", previous_response_id=running.id)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert _status(client, running.id) == "cancelled"
+
+    def engine_idle() -> bool:
+        return sample(shared_torch_worker.metrics(), "vllm:num_requests_running") == 0
+
+    wait_for(engine_idle, 10, 0.1, "the engine request aborted")
+    time.sleep(0.3)
+    assert _status(client, running.id) == "cancelled"  # the answer did not overwrite it
+    with pytest.raises(openai.BadRequestError, match="status is 'cancelled'"):
+        client.responses.cancel(running.id)
+
+
+def test_a_background_request_the_engine_would_refuse_is_a_400_at_once(shared_torch_worker) -> None:
+    body = {"model": MODEL, "input": "hi " * 10, "max_output_tokens": 10_000_000, "background": True}
+    r = httpx.post(shared_torch_worker.api_url + "/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "maximum context length" in r.json()["error"]["message"]
+
+
+def test_only_background_responses_are_streamed_again(client, shared_torch_worker) -> None:
+    stored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    r = httpx.get(f"{shared_torch_worker.api_url}/responses/{stored.id}", params={"stream": "true"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
