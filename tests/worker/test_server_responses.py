@@ -200,7 +200,8 @@ def test_a_background_stream_is_picked_up_where_the_client_left_it(shared_torch_
         assert _sse_events(r.iter_lines()) == events
 
 
-def test_a_background_response_is_cancelled_and_its_engine_request_aborted(shared_torch_worker, client) -> None:
+def test_a_background_response_is_cancelled_and_its_engine_request_aborted(shared_torch_worker,
+                                                                           client) -> None:
     running = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=1500,
                                       background=True, extra_body={"ignore_eos": True})
     wait_for(lambda: _status(client, running.id) == "in_progress", 60, 0.05, "in progress")
@@ -229,5 +230,6 @@ def test_a_background_request_the_engine_would_refuse_is_a_400_at_once(shared_to
 
 def test_only_background_responses_are_streamed_again(client, shared_torch_worker) -> None:
     stored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
-    r = httpx.get(f"{shared_torch_worker.api_url}/responses/{stored.id}", params={"stream": "true"}, timeout=10)
+    r = httpx.get(f"{shared_torch_worker.api_url}/responses/{stored.id}", params={"stream": "true"},
+                  timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
