@@ -1,5 +1,8 @@
 """Calls on a stored response (`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`,
 ...) go to the worker that stores it, and nowhere else (router/stored_responses.py).
+A background response's replay (`GET ...?stream=true`) is relayed as it comes, and a
+retrieved response's usage updates the conversation's length the gateway remembers (a
+background response is learnt `queued`, before it has any).
 
 `StoredResponseCalls` is a part of `router.proxy.Proxy` (kept apart to keep each module
 small); it uses the proxy's session, headers and owner map. Such a call generates nothing,
@@ -13,9 +16,10 @@ import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
-from router.errors import error_response
+from router.errors import error_response, sse_error_event
 from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
+from router.sse import usage_of_body
 from router.stored_responses import Owner, ResponseOwners, not_found_message
 from router.streaming import UPSTREAM_ERRORS
 
@@ -51,11 +55,14 @@ class StoredResponseCalls:
         url = owner.url + path
         if request.query_string:
             url += "?" + request.query_string
+        headers = {"x-router-worker": owner.worker_id, "x-request-id": rec.id}
         try:
             async with self.session.request(
                 request.method, url, data=raw or None, timeout=self.timeout,
                 headers=self._upstream_headers(request, rec.id, path),
             ) as up:
+                if up.status == 200 and up.content_type == "text/event-stream":
+                    return await self._relay_replay(request, up, headers, owner)
                 data = await up.read()
                 status = up.status
                 ctype = up.headers.get("Content-Type", "application/json")
@@ -66,5 +73,25 @@ class StoredResponseCalls:
             )
         if status == 404:
             self.owners.forget(response_id)  # evicted there, or the worker restarted
-        return web.Response(status=status, body=data, headers={
-            "Content-Type": ctype, "x-router-worker": owner.worker_id, "x-request-id": rec.id})
+        elif status == 200 and request.method == "GET":
+            prompt, output = usage_of_body(data)
+            if prompt is not None:  # finished: the conversation's length is known now
+                self.owners.learn(response_id, owner.worker_id, owner.url, prompt + (output or 0))
+        return web.Response(status=status, body=data, headers={"Content-Type": ctype, **headers})
+
+    @staticmethod
+    async def _relay_replay(request: web.Request, up: aiohttp.ClientResponse, headers: dict[str, str],
+                            owner: Owner) -> web.StreamResponse:
+        """A background response's events, written on as the worker sends them."""
+        resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+        except ConnectionResetError:
+            return resp  # the client left; the response goes on in the worker
+        except UPSTREAM_ERRORS as exc:
+            await resp.write(sse_error_event(f"worker {owner.worker_id!r} failed mid-stream ({exc!r})"))
+        await resp.write_eof()
+        return resp

@@ -129,11 +129,10 @@ class StreamForwarding:
             rec.output_tokens = (
                 tap.completion_tokens if tap.completion_tokens is not None else tap.content_events
             )
-            if tap.opening and upstream_error is None:
-                # A response's stream named itself in its opening events; the worker stores it
-                # (if asked to) once it is whole, so where it lives and its length are learnt now.
-                self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url,
-                                  rec.prompt_tokens + rec.output_tokens)
+            if upstream_error is None:
+                # The worker stores a response (if asked to) once it is whole: where it lives
+                # and its length are learnt now.
+                self._learn_owner(tap, route, rec.prompt_tokens + rec.output_tokens)
             if upstream_error is not None:
                 self._failed(route, upstream_error, rec)
             else:
@@ -153,6 +152,9 @@ class StreamForwarding:
                 # What the worker generated until then (no usage comes): the token counters
                 # and the lease would otherwise count none of an abandoned stream's tokens.
                 rec.output_tokens = tap.content_events
+                # A background response goes on in the worker, whose store has it (queued)
+                # from the start: its client may come back for it (GET, stream=true).
+                self._learn_owner(tap, route, 0)
             if isinstance(exc, asyncio.CancelledError):
                 raise  # the caller gives the lease back
             self._release(route, rec, ok=True, error=None)
@@ -162,6 +164,12 @@ class StreamForwarding:
                 up.release()
             else:
                 up.close()
+
+    def _learn_owner(self, tap: StreamTap, route: Route, tokens: int) -> None:
+        """Where the response a stream named in its opening events lives (0 tokens: its
+        length is not known yet)."""
+        if tap.opening:
+            self.owners.learn(response_id_in(tap.opening), route.worker_id, route.url, tokens)
 
     async def _pump(
         self, up: aiohttp.ClientResponse, resp: web.StreamResponse, tap: StreamTap, first: bytes

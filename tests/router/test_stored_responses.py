@@ -2,12 +2,14 @@
 Responses API answers, a round-robin scheduler (so that only the pin keeps a conversation on
 one worker) and the gateway. A request that continues a response (`previous_response_id`), and
 GET or cancel on one, reach the worker that stores it; another gateway finds that worker by
-asking; with the scheduler away (static --workers) the pin still holds; an owner that is down
-is an error, not an answer from a worker that lacks the conversation."""
+asking; with the scheduler away (static --workers) the pin still holds; a background response
+is polled, resumed and cancelled on its worker; an owner that is down is an error, not an
+answer from a worker that lacks the conversation."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import aiohttp
 import httpx
@@ -124,6 +126,81 @@ async def test_asking_the_workers_finds_the_owner_and_the_conversations_length(s
         assert owner.tokens == first["usage"]["input_tokens"] + first["usage"]["output_tokens"] > 0
         assert owners.get(first["id"]) == owner
         assert await owners.locate("resp_nobody", workers, session, {}) is None
+
+
+LOOKUPS = 'router_stored_response_lookups_total{result="%s"}'
+
+
+def _poll_until_done(gw: str, response_id: str, home: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{gw}/v1/responses/{response_id}", timeout=10)
+        assert r.status_code == 200 and r.headers["x-router-worker"] == home
+        if r.json()["status"] not in ("queued", "in_progress"):
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still running after 30 s")
+
+
+def test_a_background_response_is_polled_on_its_worker_and_continued_there(stack):
+    body = {"model": "m", "input": "hello", "max_output_tokens": 100, "ignore_eos": True, "background": True}
+    r = httpx.post(stack.gateway + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "queued" and r.json()["usage"] is None
+    home = r.headers["x-router-worker"]
+    done = _poll_until_done(stack.gateway, r.json()["id"], home)
+    assert done["status"] == "incomplete" and done["usage"]["output_tokens"] == 100  # ran to its max
+    follow = {"model": "m", "input": "more", "max_output_tokens": 2, "previous_response_id": done["id"]}
+    r = httpx.post(stack.gateway + "/v1/responses", json=follow, timeout=30)
+    assert r.status_code == 200 and r.headers["x-router-worker"] == home
+    # The conversation's length was learnt from the finished response that GET brought back.
+    reason = json.loads(r.headers["x-router-reason"])
+    assert reason["cached_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+
+
+def _events(lines) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_background_stream_is_resumed_through_the_gateway_after_its_client_left(stack):
+    body = {"model": "m", "input": "hello", "max_output_tokens": 300, "ignore_eos": True,
+            "background": True, "stream": True}
+    found = series_value(stack.gateway, LOOKUPS % "found", 0.0)
+    seen: list[dict] = []
+    with httpx.stream("POST", stack.gateway + "/v1/responses", json=body, timeout=30) as r:
+        home = r.headers["x-router-worker"]
+        lines = r.iter_lines()
+        while len(seen) < 6:
+            line = next(lines)
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+    response_id = seen[0]["response"]["id"]
+    after = seen[-1]["sequence_number"]
+    with httpx.stream("GET", f"{stack.gateway}/v1/responses/{response_id}", timeout=30,
+                      params={"stream": "true", "starting_after": after}) as r:
+        assert r.status_code == 200 and r.headers["x-router-worker"] == home
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        rest = _events([next(lines)])
+        # Relayed as it comes: the first event is here while the answer is still being made.
+        status = httpx.get(f"{stack.gateway}/v1/responses/{response_id}", timeout=10).json()["status"]
+        assert status == "in_progress"
+        rest += _events(lines)
+    events = seen + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 300
+    # The gateway knew the worker from the stream its client had left, without asking around.
+    assert series_value(stack.gateway, LOOKUPS % "found", 0.0) == found
+
+
+def test_a_background_response_is_cancelled_on_its_worker(stack):
+    body = {"model": "m", "input": "hello", "max_output_tokens": 450, "ignore_eos": True, "background": True}
+    r = httpx.post(stack.gateway + "/v1/responses", json=body, timeout=30)
+    response_id, home = r.json()["id"], r.headers["x-router-worker"]
+    r = httpx.post(f"{stack.gateway}/v1/responses/{response_id}/cancel", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert r.headers["x-router-worker"] == home
+    assert _poll_until_done(stack.gateway, response_id, home)["status"] == "cancelled"
 
 
 def test_a_follow_up_whose_worker_is_down_fails_instead_of_going_elsewhere(stack):
