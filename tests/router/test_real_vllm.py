@@ -345,3 +345,55 @@ def test_a_stored_conversation_through_the_gateway_continues_as_on_our_worker(st
         assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
     finally:
         gateway.stop()
+
+
+def _until_done(base: str, response_id: str) -> dict:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{base}/v1/responses/{response_id}", timeout=30)
+        assert r.status_code == 200, r.text
+        if r.json()["status"] not in ("queued", "in_progress"):
+            return r.json()
+        time.sleep(0.1)
+    raise AssertionError(f"{response_id} still running after 120 s")
+
+
+def _left_then_resumed(base: str, body: dict, keep: int) -> list[dict]:
+    """A background stream whose client leaves after `keep` events, then picks it up with
+    GET stream=true&starting_after: every event, in order."""
+    seen: list[dict] = []
+    with httpx.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while len(seen) < keep:
+            line = next(lines)
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+    params = {"stream": "true", "starting_after": seen[-1]["sequence_number"]}
+    with httpx.stream("GET", f"{base}/v1/responses/{seen[0]['response']['id']}", params=params,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        return seen + [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_background_response_through_the_gateway_as_on_our_worker(stack, our_worker):
+    """vLLM's background mode behind the gateway, beside our worker: queued at once, polled to
+    the same answer; a background stream its client left resumes from where it was."""
+    body = {"model": MODEL, "instructions": "Answer in one word.", "input": "Name a fruit.",
+            "max_output_tokens": 8, "temperature": 0, "background": True}
+    finals = []
+    for base in (stack["gateway"], our_worker):
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "queued" and r.json()["background"] is True
+        finals.append(_until_done(base, r.json()["id"]))
+    theirs, ours = finals
+    assert ours["output"][0]["content"][0]["text"] == theirs["output"][0]["content"][0]["text"]
+    assert ours["status"] == theirs["status"]
+    assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
+    streams = [_left_then_resumed(base, body, keep=4) for base in (stack["gateway"], our_worker)]
+    for events in streams:
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.completed"
+    theirs, ours = ([e["type"] for e in events] for events in streams)
+    assert ours == theirs
