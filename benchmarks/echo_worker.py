@@ -20,6 +20,9 @@ import time
 
 from aiohttp import WSMsgType, web
 
+# Echoed back in non-stream answers, so tests can check what the gateway passed on.
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -86,6 +89,7 @@ class EchoWorker:
                         "id": "cmpl-echo",
                         # lets tests check what the proxy in front passed on
                         "saw_authorization": "Authorization" in request.headers,
+                        "saw_trace": {h: request.headers.get(h) for h in TRACE_HEADERS},
                         "object": "chat.completion" if chat else "text_completion",
                         "created": int(time.time()),
                         "model": self.model,

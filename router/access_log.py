@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 from typing import TextIO
@@ -29,6 +30,7 @@ class RequestRecord:
         "start",
         "status",
         "stream",
+        "trace",
         "ttft_ms",
         "worker",
     )
@@ -49,6 +51,7 @@ class RequestRecord:
         self.output_tokens = 0
         self.retries = 0
         self.error: str | None = None
+        self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
 
     @property
     def served(self) -> bool:
@@ -84,6 +87,16 @@ class Stats:
 
 
 MAX_FIELD_CHARS = 120
+# version-traceid-parentid-flags (W3C Trace Context); the trace id is what tracing tools search.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id of a well-formed `traceparent` header (anything else: None)."""
+    if traceparent is None:
+        return None
+    found = _TRACEPARENT.match(traceparent.strip())
+    return found.group(1) if found else None
 
 
 def log_field(value: str) -> str:
@@ -120,13 +133,15 @@ class AccessLog:
     def add(self, rec: RequestRecord) -> None:
         e2e_ms = (time.perf_counter() - rec.start) * 1000
         ttft = f"{rec.ttft_ms:.1f}" if rec.ttft_ms is not None else "-"
-        err = f" error={log_field(rec.error)}" if rec.error else ""
+        extra = f" error={log_field(rec.error)}" if rec.error else ""
+        if rec.trace is not None:
+            extra += f" trace={rec.trace}"
         self.lines.append(
             f"{self._stamp()} INFO router.access: id={rec.id} {rec.method} {log_field(rec.path)} "
             f"model={log_field(rec.model)} "
             f"worker={rec.worker} status={rec.status} stream={int(rec.stream)} queue_ms={rec.queue_ms:.1f} "
             f"ttft_ms={ttft} e2e_ms={e2e_ms:.1f} tokens_in={rec.prompt_tokens} "
-            f"tokens_out={rec.output_tokens} retries={rec.retries}{err}\n"
+            f"tokens_out={rec.output_tokens} retries={rec.retries}{extra}\n"
         )
 
     def flush(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.access_log import AccessLog, RequestRecord, Stats
+from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
 from router.errors import error_response, no_route
@@ -75,6 +75,10 @@ HOP_BY_HOP = frozenset(
     }
 )
 _WS_HANDSHAKE_PREFIX = "sec-websocket-"
+# W3C trace context and baggage: passed on with every request, also on the paths whose
+# headers are otherwise rebuilt, so that an engine that traces (vLLM's --otlp-traces-endpoint)
+# puts its spans in the client's trace.
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 # OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
 # "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
@@ -135,6 +139,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         path = request.match_info.get("tail")
         path = "/v1/" + path if path is not None else request.path
         rec = RequestRecord(self.request_id(request, ""), request.method, path)
+        rec.trace = trace_id_of(request.headers.get("traceparent"))
         self.metrics.in_flight.inc()
         try:
             resp = await self._handle(request, rec, path)
@@ -412,6 +417,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
     def _upstream_headers(self, request: web.Request, req_id: str, path: str) -> dict[str, str]:
         if path in _STREAMABLE:
             headers = {"Content-Type": "application/json"}
+            for name in TRACE_HEADERS:
+                value = request.headers.get(name)
+                if value is not None:
+                    headers[name] = value
         else:
             headers = {
                 k: v

@@ -17,7 +17,7 @@ import json
 import aiohttp
 from aiohttp import WSCloseCode, web
 
-from router.access_log import RequestRecord
+from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy
 from router.ws_relay import WsRelay
@@ -57,6 +57,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     )
     await client.prepare(request)
     rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")
+    rec.trace = trace_id_of(request.headers.get("traceparent"))
     proxy.metrics.in_flight.inc()
     session = WsSession(client)
     sessions.add(session)

@@ -257,18 +257,23 @@ def test_chunks_are_forwarded_as_they_come_no_nagle_delay():
         w.stop()
 
 
-def test_access_log_line_per_request(stack):
-    r = httpx.post(
-        stack["gw"] + "/v1/completions",
-        json={"model": "m", "prompt": "log me", "max_tokens": 3, "stream": True},
-    )
-    rid = r.headers["x-request-id"]
+def _access_line(stack, rid: str) -> str:
+    """The gateway's access log line of request `rid` (written in batches: waited for)."""
     deadline = time.monotonic() + 5
     line = ""
     while time.monotonic() < deadline and not line:
         line = next((x for x in stack["procs"][0].output().splitlines()
                      if f"router.access: id={rid} " in x), "")  # not a retry line of the same id
         time.sleep(0.05)
+    return line
+
+
+def test_access_log_line_per_request(stack):
+    r = httpx.post(
+        stack["gw"] + "/v1/completions",
+        json={"model": "m", "prompt": "log me", "max_tokens": 3, "stream": True},
+    )
+    line = _access_line(stack, r.headers["x-request-id"])
     for field in (
         "model=m",
         "worker=http://",
@@ -383,6 +388,21 @@ def test_client_api_key_is_not_forwarded_unless_configured(stack):
         assert r.status_code == 200 and r.json()["saw_authorization"] is True
     finally:
         g.stop()
+
+
+TRACE = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+         "tracestate": "vendor=opaque", "baggage": "tenant=acme"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_trace_context_reaches_the_worker_and_the_access_log(stack, path):
+    """An engine that traces (vLLM with --otlp-traces-endpoint) must see the client's trace
+    context, and the gateway's log line names the trace, to find the request by it."""
+    body = {"model": "m", "max_tokens": 1, "prompt": "p", "messages": [{"role": "user", "content": "p"}]}
+    r = httpx.post(stack["gw"] + BASE + path, json=body, headers=TRACE)
+    assert r.status_code == 200 and r.json()["saw_trace"] == TRACE
+    line = _access_line(stack, r.headers["x-request-id"])
+    assert line.endswith(" trace=4bf92f3577b34da6a3ce929d0e0e4736"), line
 
 
 def test_first_byte_timeout_holds_on_a_connection_a_stream_used_before():
