@@ -11,12 +11,17 @@ An id it has not seen (another gateway replica served that turn, or this one res
 looked for on every known worker at once with `GET /v1/responses/{id}`; the first that has
 it is its owner. A follow-up is then placed by the scheduler on that worker only
 (ScheduleRequest.worker_id): it waits while the worker is full, like any request.
+
+Concurrent calls on one unknown id share one round of probes, and an id nobody holds is not
+asked about again for a second: a client polling an id that does not exist (or many clients
+at once) costs the workers one GET each per second, not one per call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +40,10 @@ _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"\\]{1,256})"')
 # How many response owners are remembered: an entry is ~200 bytes.
 DEFAULT_MAX_OWNERS = 100_000
 PROBE_TIMEOUT_S = 2.0
+# How long an id that no worker holds is answered "missing" without asking again, and how many
+# such ids are remembered.
+MISSING_TTL_S = 1.0
+MAX_MISSING = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,8 @@ class ResponseOwners:
     def __init__(self, max_size: int = DEFAULT_MAX_OWNERS) -> None:
         self.max_size = max_size
         self._owners: OrderedDict[str, Owner] = OrderedDict()
+        self._missing: OrderedDict[str, float] = OrderedDict()  # id -> when to ask again
+        self._probing: dict[str, asyncio.Task[Owner | None]] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -69,6 +80,7 @@ class ResponseOwners:
             return
         self._owners[response_id] = Owner(worker_id, url, tokens)
         self._owners.move_to_end(response_id)
+        self._missing.pop(response_id, None)
         if len(self._owners) > self.max_size:
             self._owners.popitem(last=False)
 
@@ -91,6 +103,21 @@ class ResponseOwners:
     ) -> Owner | None:
         """The first of `workers` ((worker_id, url) pairs) whose GET /v1/responses/{id}
         answers 200, remembered from then on. None: nobody has it."""
+        retry_at = self._missing.get(response_id)
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                return None
+            del self._missing[response_id]
+        probe = self._probing.get(response_id)
+        if probe is None:
+            probe = asyncio.ensure_future(self._probe(response_id, list(workers), session, headers))
+            self._probing[response_id] = probe
+            probe.add_done_callback(lambda _: self._probing.pop(response_id, None))
+        # Shielded: a caller that goes away does not stop the probe the others wait on.
+        return await asyncio.shield(probe)
+
+    async def _probe(self, response_id: str, workers: list[tuple[str, str]], session: aiohttp.ClientSession,
+                     headers: dict[str, str]) -> Owner | None:
         probes = [asyncio.ensure_future(self._holds(session, Owner(wid, url), response_id, headers))
                   for wid, url in workers]
         try:
@@ -102,6 +129,9 @@ class ResponseOwners:
         finally:
             for probe in probes:
                 probe.cancel()
+        self._missing[response_id] = time.monotonic() + MISSING_TTL_S
+        if len(self._missing) > MAX_MISSING:
+            self._missing.popitem(last=False)
         return None
 
     @staticmethod
