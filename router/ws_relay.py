@@ -11,6 +11,9 @@ its answers, not the rolling update. Refusals come as the worker reads the reque
 earlier answer may still stream), so they are for the newest requests: the answers before
 them end in order, and what is still unanswered at the 1001 is what was refused. An answer
 cut at the worker's drain limit ends with its error, which goes to the client, as over SSE.
+A cancel is for the request being answered, the oldest unanswered: the worker gets it when
+that request is in the worker; one that is held here is dropped and answered as the worker
+would (`done`, `cancelled`), since no worker has started it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ _TERMINAL_PREFIXES = ('{"type": "done"', '{"error"')
 # shutting_down message, which goes to the client.
 _REFUSAL = "send the request to another one"
 _UPSTREAM_SEND_ERRORS = (ConnectionError, aiohttp.ClientError)
+# What the worker answers a cancel with (its websocket.py), for a request cancelled while held
+# here: no worker gave it an id.
+_CANCELLED_HERE = json.dumps({"type": "done", "id": None, "cancelled": True})
 
 
 class WsRelay:
@@ -63,6 +69,8 @@ class WsRelay:
         # Requests wait in session.pending instead of going upstream: the worker refuses
         # (it is stopping), or the socket is being placed again.
         self.held = False
+        # How many of the newest requests in session.pending no worker has (refused, or held).
+        self.outside = 0
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
@@ -111,11 +119,11 @@ class WsRelay:
         log.info("ws id=%s moved from %s to %s with %d request(s) owed", self.rec.id,
                  old.worker_id, self.route.worker_id, len(self.session.pending))
         pending = self.session.pending
-        i = 0
-        while i < len(pending):  # requests the client sends meanwhile join the end
-            if not await self.send_upstream(pending[i]):
+        while self.outside:  # requests the client sends meanwhile join the end
+            # Counted in the worker before the send: a cancel sent meanwhile goes there too.
+            self.outside -= 1
+            if not await self.send_upstream(pending[len(pending) - self.outside - 1]):
                 return False
-            i += 1
         self.held = False
         return True
 
@@ -133,8 +141,21 @@ class WsRelay:
 
     async def send_request(self, data: str | bytes) -> None:
         self.session.pending.append(data)
-        if not self.held:
+        if self.held:
+            self.outside += 1
+        else:
             await self.send_upstream(data)
+
+    async def cancel(self, data: str) -> None:
+        """The client's cancel, of the oldest request not answered yet (if any)."""
+        pending = self.session.pending
+        if len(pending) > self.outside:  # a worker has it
+            if self.upstream is not None and not self.upstream.closed:
+                await self.send_upstream(data)
+        elif pending:  # held here: no worker started it
+            pending.popleft()
+            self.outside -= 1
+            await self.client.send_str(_CANCELLED_HERE)
 
     async def run(self) -> None:
         """Relay until either side ends."""
@@ -152,10 +173,7 @@ class WsRelay:
         async for msg in self.client:
             if msg.type == aiohttp.WSMsgType.TEXT:
                 if _is_cancel(msg.data):
-                    # To the worker answering now (a stopping one still takes cancels); while
-                    # the socket moves there is none, and a held request is not running yet.
-                    if self.upstream is not None and not self.upstream.closed:
-                        await self.send_upstream(msg.data)
+                    await self.cancel(msg.data)
                 elif self.sessions.closing:
                     await self.client.send_str(SHUTTING_DOWN)
                 else:
@@ -183,6 +201,7 @@ class WsRelay:
                     elif data.startswith(_TERMINAL_PREFIXES):
                         if _REFUSAL in data and not self.sessions.closing:
                             self.held = True  # the worker stops: this request, and the rest, wait
+                            self.outside += 1
                             continue
                         if pending:
                             pending.popleft()

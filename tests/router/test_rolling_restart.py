@@ -165,3 +165,51 @@ def test_a_stopped_gateway_sends_its_websockets_away_once_their_answers_are_out(
     assert [m["error"]["code"] for m in messages if "error" in m] == ["shutting_down"]
     assert out["busy"].type == aiohttp.WSMsgType.CLOSE and out["busy"].data == 1001
     assert out["exit_code"] == 0
+
+
+def _answers(messages: list[dict]) -> list[tuple[int, bool]]:
+    """(chunks, cancelled) of each answer, in order."""
+    answers, chunks = [], 0
+    for m in messages:
+        if "choices" in m:
+            chunks += 1
+        elif m.get("type") == "done":
+            answers.append((chunks, bool(m.get("cancelled"))))
+            chunks = 0
+    return answers
+
+
+async def _cancel_while_the_socket_moves(stack: SimStack) -> list[dict]:
+    """The socket's worker stops while it answers a 150-token request and refuses the next;
+    the other worker is busy (one running request at most) with a 200-token stream, so the
+    socket waits in the gateway's queue to move. The client cancels the held request then,
+    and sends another."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(stack.gateway + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}))
+        messages = [json.loads((await ws.receive(timeout=30)).data)]
+        stopping = _busy_worker(stack.scheduler)
+        other = asyncio.ensure_future(asyncio.to_thread(_stream, stack.gateway))  # the other worker
+        await asyncio.sleep(0.3)
+        stack.workers[stopping].p.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        await ws.send_str(json.dumps({"model": "m", "prompt": "held", "max_tokens": 5, "ignore_eos": True}))
+        while messages[-1].get("type") != "done":  # the first answer ends; the socket is moving
+            messages.append(json.loads((await ws.receive(timeout=30)).data))
+        await ws.send_str(json.dumps({"type": "cancel"}))
+        messages.append(json.loads((await ws.receive(timeout=30)).data))
+        assert not other.done()  # the cancel was answered while the socket still waited
+        await ws.send_str(json.dumps({"model": "m", "prompt": "later", "max_tokens": 3, "ignore_eos": True}))
+        while messages[-1].get("type") != "done" or len(_answers(messages)) < 3:
+            messages.append(json.loads((await ws.receive(timeout=30)).data))
+        assert (await other)["events"][-1] == "[DONE]"
+        return messages
+
+
+def test_a_request_held_while_its_socket_moves_can_be_cancelled():
+    """No worker has the held request: the gateway answers the cancel itself, at once, and the
+    socket goes on (it had been dropped, and the held request answered in full)."""
+    with sim_stack(2, *SLOW, "--max-num-seqs", "1",
+                   scheduler_flags=("--worker-max-running", '{"*": 1}')) as stack:
+        messages = asyncio.run(_cancel_while_the_socket_moves(stack))
+    assert not [m for m in messages if "error" in m]
+    assert _answers(messages) == [(150, False), (0, True), (3, False)]
