@@ -18,6 +18,7 @@ class RequestRecord:
 
     __slots__ = (
         "choices",
+        "detached",
         "error",
         "id",
         "method",
@@ -52,6 +53,8 @@ class RequestRecord:
         self.retries = 0
         self.error: str | None = None
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
+        # The worker goes on with the request after its answer (a background response).
+        self.detached = False
 
     @property
     def served(self) -> bool:

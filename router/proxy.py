@@ -263,6 +263,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 raw = self._with_usage(raw, body)
 
         sched_body = self.schedule_body(rec, model, body)
+        # A background response goes on in the worker after its answer (`queued`) is out.
+        rec.detached = path == RESPONSES_PATH and body.get("background") is True
         previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
         pinned: Owner | None = None
         if previous is not None:
@@ -338,8 +340,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     )
                 return await self._forward(request, rec, route, path, raw, headers)
             except asyncio.CancelledError:
-                # The client went away: the worker was not at fault; give the lease back.
-                self._release(route, rec, ok=True)
+                # The client went away: the worker was not at fault; give the lease back (a
+                # background response goes on without its client).
+                self._release(route, rec, ok=True, handed_off=rec.detached)
                 raise
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
@@ -468,10 +471,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         return sched_body
 
     def _release(
-        self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None, held_kv: bool = True
+        self, route: Route, rec: RequestRecord, ok: bool, error: str | None = None, held_kv: bool = True,
+        handed_off: bool = False,
     ) -> None:
         """Give the lease back. The tokens sent with it are KV the scheduler credits as freed
-        before the next scrape shows it: none when the worker refused the request."""
+        before the next scrape shows it: none when the worker refused the request.
+        `handed_off`: the worker goes on with the request (a background response), so nothing
+        is freed and its load counts until a scrape shows it there."""
         if route.lease_id is None or route.released or self.sched.client is None:
             return
         route.released = True
@@ -481,6 +487,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             "prompt_tokens": rec.prompt_tokens * rec.choices if held_kv else 0,
             "output_tokens": rec.output_tokens if held_kv else 0,
         }
+        if handed_off:
+            rel["handed_off"] = True
         if rec.ttft_ms is not None:
             rel["ttft_ms"] = round(rec.ttft_ms, 3)
         if error:
@@ -520,7 +528,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             rec.prompt_tokens = p
         rec.output_tokens = c or 0
         rec.status = status
-        self._release(route, rec, ok=status < 400)
+        self._release(route, rec, ok=status < 400, handed_off=rec.detached and status == 200)
         if route.fallback:
             self.sched.fallback.mark_ok(route.url)
         headers_out = self._response_headers(route, rec)

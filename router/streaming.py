@@ -157,7 +157,7 @@ class StreamForwarding:
                 self._learn_owner(tap, route, 0)
             if isinstance(exc, asyncio.CancelledError):
                 raise  # the caller gives the lease back
-            self._release(route, rec, ok=True, error=None)
+            self._release(route, rec, ok=True, error=None, handed_off=rec.detached)
             return resp if resp is not None else web.Response(status=499)
         finally:
             if complete:

@@ -2,6 +2,12 @@
 
 An expired lease is a release that was lost (gateway crash): without expiry its
 load would count against the worker forever.
+
+A lease can also be handed off: the gateway's part ended but the request goes on in the
+worker (a background response, answered `queued` at once). Its load must not vanish before
+a scrape shows it in the worker's own numbers (a burst of such requests would all go to the
+worker that looked emptiest), and its end frees nothing (the scrapes follow it from then on):
+it stays counted while unseen and is dropped, freeing nothing, once a scrape has seen it.
 """
 
 from __future__ import annotations
@@ -13,8 +19,8 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt", "tokens",
-                 "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "handed_off", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt",
+                 "tokens", "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
                  tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
@@ -27,6 +33,7 @@ class Lease:
         self.trial = trial
         self.unseen = True
         self.prefilled = False  # the gateway reported its first token
+        self.handed_off = False  # the request goes on in the worker, unseen yet (see above)
         # The request's last prefix fingerprint: its follow-up's prompt carries it.
         self.prefix_key = prefix_key
 
@@ -54,11 +61,46 @@ class LeaseTable:
 
     def close(self, lease_id: str, used_tokens: float = 0.0) -> Lease | None:
         """End a lease. used_tokens: the KV the request held (prompt + output), when known."""
-        lease = self.leases.pop(lease_id, None)
+        lease = self.leases.get(lease_id)
         if lease is None:
             return None
         w = lease.worker
-        w.leases.pop(lease_id, None)
+        self._forget(lease)
+        if lease.unseen:
+            return lease  # its KV was never in the scrape, only in unseen_tokens (taken out)
+        if w.shown_finished > 0:
+            # The last scrape already showed a seen request gone: this is (or stands for)
+            # that one; its slot and KV are already free in the scrape's numbers.
+            w.shown_finished -= 1
+        else:
+            # The last scrape counted this request's KV as used; it is free now.
+            w.finished_since += 1
+            w.freed_tokens += used_tokens
+        return lease
+
+    def hand_off(self, lease_id: str) -> Lease | None:
+        """The gateway's part of the request ended; the worker goes on with it (see above)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return None
+        if lease.unseen:
+            lease.handed_off = True  # counted until a scrape shows it (drop_handed_off)
+        else:
+            self._forget(lease)  # the last scrape counts it already
+        return lease
+
+    def drop_handed_off(self, worker: WorkerState, cutoff: float) -> None:
+        """Before a scrape of `worker` is applied: the handed-off leases it shows (issued before
+        `cutoff`) are in the worker's numbers from now on."""
+        shown = [lease for lease in worker.leases.values() if lease.handed_off and lease.issued_at <= cutoff]
+        for lease in shown:
+            self._forget(lease)
+
+    def _forget(self, lease: Lease) -> None:
+        """Take a lease out, with the load it added (not the load a scrape showed)."""
+        self.leases.pop(lease.lease_id, None)
+        w = lease.worker
+        w.leases.pop(lease.lease_id, None)
         # A request that ended (or was cancelled) before its prefill was counted must not
         # stay in the backlog: the backlog never exceeds the prompts still open.
         w.open_prompt_tokens = max(0.0, w.open_prompt_tokens - lease.prompt)
@@ -66,16 +108,6 @@ class LeaseTable:
         if lease.unseen:
             w.unseen -= 1
             w.unseen_tokens -= lease.tokens
-        elif w.shown_finished > 0:
-            # The last scrape already showed a seen request gone: this is (or stands for)
-            # that one; its slot and KV are already free in the scrape's numbers.
-            w.shown_finished -= 1
-        else:
-            # The last scrape counted this request's KV as used; it is free now (an unseen
-            # lease's KV was never in the scrape, only in unseen_tokens).
-            w.finished_since += 1
-            w.freed_tokens += used_tokens
-        return lease
 
     def prefilled(self, lease_id: str, now: float, max_kv_usage: float = 1.0) -> tuple[Lease | None, bool]:
         """The gateway saw this request's first token: its prompt leaves the worker's backlog,

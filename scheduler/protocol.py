@@ -72,6 +72,9 @@ class LeaseRelease(BaseModel):
     ttft_ms: float | None = None
     # Set when the gateway saw the worker fail: "connect", "timeout", "http_5xx", ...
     error: str | None = None
+    # The request goes on in the worker after the gateway's part ended (a background response
+    # answered `queued`): its load stays counted until a scrape shows it, and nothing is freed.
+    handed_off: bool = False
 
 
 class LeasePrefilled(BaseModel):

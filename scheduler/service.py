@@ -72,6 +72,7 @@ class SchedulerService:
         self.policy.refresh(w)
 
     def on_snapshot(self, w: WorkerState, snap: LoadSnapshot) -> None:
+        self.leases.drop_handed_off(w, snap.taken_at - self._lag_s)
         w.on_snapshot(snap, self._lag_s)
         self.policy.refresh(w)
         self.capacity_changed()
@@ -271,9 +272,28 @@ class SchedulerService:
             self.capacity_changed()
         return True
 
+    def hand_off(self, lease_id: str) -> bool:
+        """The gateway's part ended and the worker goes on with the request (leases.py):
+        nothing is freed. False: unknown or expired lease."""
+        lease = self.leases.hand_off(lease_id)
+        if lease is None:
+            return False
+        w = lease.worker
+        if lease.trial:
+            self._routable.clear()
+            if w.health.trial_result(True):  # the worker took the request
+                self.on_health_change(w)
+                return True
+        self.policy.refresh(w)
+        return True
+
     def release_reported(self, rel: LeaseRelease) -> bool:
         """A gateway's release (HTTP or channel): end the lease, credit the KV its prompt and
         output held, count the outcome. False: unknown or expired lease."""
+        if rel.handed_off and rel.ok and not rel.error:
+            found = self.hand_off(rel.lease_id)
+            self.metrics.releases.labels("handed_off" if found else "unknown").inc()
+            return found
         found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens)
         self.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
         return found

@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.health import DOWN, HALF_OPEN, UP
 from scheduler.policies import POLICIES, Request
+from scheduler.protocol import LeaseRelease
 from scheduler.service import UNKNOWN_MODEL, Wait
 from tests.scheduler.helpers import feed, make_service, worker
 
@@ -507,3 +508,35 @@ def test_a_removed_worker_s_labelled_series_leave_the_exposition():
     assert 'worker="w0"' not in text
     assert 'scheduler_scrape_failures_total{kind="http",worker="w1"} 1.0' in text
     assert 'scheduler_scrape_latency_seconds_count{worker="w1"} 1.0' in text
+
+
+def test_a_burst_of_handed_off_requests_spreads_like_any_burst():
+    """Background responses: the gateway's part ends at once (answered `queued`), the worker
+    goes on. Their load must count until a scrape shows it, or every one of a burst sent
+    between two scrapes goes to the worker that looked emptiest."""
+    svc = make_service(max_waiting=100)
+    placed = []
+    for _ in range(30):
+        d = decide(svc)
+        assert svc.release_reported(LeaseRelease(lease_id=d["lease_id"], ok=True, handed_off=True))
+        placed.append(d["worker_id"])
+    assert sorted(collections.Counter(placed).values()) == [10, 10, 10]
+    w0 = worker(svc, "w0")
+    assert w0.unseen == 10 and w0.running_eff == 10
+    # The next scrape shows them in the worker: the leases go, nothing is counted twice, and
+    # nothing is freed (their end was not the requests' end).
+    feed(svc, w0, running=10, taken_at=time.monotonic() + 1.0)
+    assert (w0.unseen, w0.in_flight, w0.running_eff, w0.finished_since) == (0, 0, 10, 0)
+    assert svc.metrics.releases.labels("handed_off")._value.get() == 30
+
+
+def test_a_request_handed_off_after_a_scrape_saw_it_frees_nothing():
+    svc = make_service(n=1, max_running=2)
+    w = worker(svc, "w0")
+    first = decide(svc)
+    feed(svc, w, running=1, kv=0.1, taken_at=time.monotonic() + 1.0)
+    assert svc.release_reported(LeaseRelease(lease_id=first["lease_id"], ok=True, handed_off=True,
+                                             prompt_tokens=100, output_tokens=5))
+    assert (w.in_flight, w.finished_since, w.freed_tokens, w.running_eff) == (0, 0, 0.0, 1)
+    assert decide(svc)["worker_id"] == "w0"  # its one free slot
+    assert isinstance(decide(svc), Wait)  # not a second one: the handed-off request still runs
