@@ -1,4 +1,5 @@
-"""Interactive traffic beside a batch backlog: what request `priority` buys.
+"""Interactive traffic beside a batch backlog: what request `priority`, or fair turns
+between the two clients, buys.
 
 Two clients share one cluster (sim workers, scheduler, gateway) at once: a "batch" client
 that keeps many requests in flight (the backlog: the cluster saturates and the gateway
@@ -8,7 +9,10 @@ in each mode, same workloads and arrival times:
 - `fcfs`: no priorities anywhere (what a router without them does);
 - `gateway`: interactive requests say `priority: -1`, batch ones `priority: 5`; the
   gateway's queue orders by it, the workers stay fcfs (they ignore the field);
-- `priority`: the same, and the workers run `--scheduling-policy priority`.
+- `priority`: the same, and the workers run `--scheduling-policy priority`;
+- `fair`: no priorities; each client names its own flow (the fairness header a tenant's
+  gateway or API key would set), and the gateway's queue takes the flows in turn
+  (router/queue.py).
 The batch client runs until the interactive one is done (then it is stopped: its requests
 still in flight count as interrupted, not as completed), so both modes offer the same load
 for about the same time. Printed: each class's TTFT and TPOT, and the batch class's output
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.serve import prepare_workload, run_benchmark
+from router.fairness import DEFAULT_FAIRNESS_HEADER
 
 CLASSES = {"interactive": -1, "batch": 5}
 ROWS = [("mean TTFT (ms)", "mean_ttft_ms"), ("median TTFT (ms)", "median_ttft_ms"),
@@ -39,7 +44,7 @@ ROWS = [("mean TTFT (ms)", "mean_ttft_ms"), ("median TTFT (ms)", "median_ttft_ms
 
 async def run_mode(args: argparse.Namespace, mode: str, workloads: dict[str, list]) -> dict[str, dict]:
     worker_args = ["--scheduling-policy", "priority"] if mode == "priority" else []
-    tagged = mode != "fcfs"
+    tagged = mode in ("gateway", "priority")
     spec = ClusterSpec(profiles=[args.profile] * args.workers, policy=args.policy, model=args.model,
                        time_scale=args.time_scale, worker_args=[worker_args],
                        log_dir=Path(args.log_dir) / mode)
@@ -48,13 +53,14 @@ async def run_mode(args: argparse.Namespace, mode: str, workloads: dict[str, lis
 
         def client(name: str, concurrency: int | None, rate: float, stop: asyncio.Event | None):
             extra = {"priority": CLASSES[name]} if tagged else {}
+            headers = {DEFAULT_FAIRNESS_HEADER: name} if mode == "fair" else None
             return run_benchmark(
                 base_urls=[cluster.gateway_url], model=args.model, workload=workloads[name],
                 num_prompts=len(workloads[name]), max_concurrency=concurrency, request_rate=rate,
                 seed=args.seed,
                 time_scale=args.time_scale, extra_body=extra, show_progress=False,
                 print_summary=False, stop_event=stop, deadline=args.max_seconds,
-                percentile_metrics=("ttft", "tpot"), label=f"{mode}-{name}")
+                percentile_metrics=("ttft", "tpot"), label=f"{mode}-{name}", headers=headers)
 
         batch = asyncio.ensure_future(client("batch", args.batch_concurrency, float("inf"), stop_batch))
         await asyncio.sleep(args.warmup_s * args.time_scale)  # the backlog builds up first

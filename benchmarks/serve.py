@@ -236,6 +236,7 @@ async def run_benchmark(
     print_summary: bool = True,
     stop_event: asyncio.Event | None = None,
     label: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> dict:
     """Run one benchmark and return the result dict (the --save-result JSON).
 
@@ -290,7 +291,7 @@ async def run_benchmark(
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0,
                                      keepalive_timeout=60)
     no_limit = aiohttp.ClientTimeout(total=None)  # per-request limits are set on each POST
-    async with aiohttp.ClientSession(connector=connector, timeout=no_limit) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=no_limit, headers=headers) as session:
         run = _Run(session, api_urls, model, max_concurrency, time_scale, request_timeout, ignore_eos,
                    extra_body or {}, save_detailed, progress)
         jobs: list[Callable[[], Any]] = []

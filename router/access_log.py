@@ -20,6 +20,7 @@ class RequestRecord:
         "choices",
         "detached",
         "error",
+        "flow",
         "id",
         "method",
         "model",
@@ -55,6 +56,7 @@ class RequestRecord:
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
         # The worker goes on with the request after its answer (a background response).
         self.detached = False
+        self.flow = ""  # its tenant in the admission queue (router/fairness.py)
 
     @property
     def served(self) -> bool:

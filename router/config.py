@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from router.fairness import DEFAULT_FAIRNESS_HEADER
 from scheduler.urls import http_url_problem
 
 
@@ -70,6 +71,17 @@ class RouterConfig(BaseSettings):
         description="0: the queue is FIFO; above 0, shorter prompts go first: a prompt of N tokens "
         "queues as if it had arrived N x this many ms later (1: the setting measured in "
         "benchmarks/RESULTS.md)",
+    )
+    fair_queueing: bool = Field(
+        True,
+        description="queued requests of one priority are taken from each flow (tenant: the "
+        "fairness header's value, else the API key) in turn, so one tenant's flood does not queue "
+        "the others behind it; off: one line for all",
+    )
+    fairness_header: str = Field(
+        DEFAULT_FAIRNESS_HEADER,
+        description="the request header that names a request's flow (the Gateway API Inference "
+        "Extension's); without it, the API key does",
     )
     queue_askers: int = Field(
         1, ge=1, le=64,

@@ -24,6 +24,7 @@ from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
 from router.errors import error_response, no_route
+from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import QueueFull, QueueTimeout
@@ -140,6 +141,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         path = "/v1/" + path if path is not None else request.path
         rec = RequestRecord(self.request_id(request, ""), request.method, path)
         rec.trace = trace_id_of(request.headers.get("traceparent"))
+        rec.flow = self.flow_of(request)
         self.metrics.in_flight.inc()
         try:
             resp = await self._handle(request, rec, path)
@@ -152,6 +154,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         finally:
             self.metrics.in_flight.dec()
             self._finish(rec)
+
+    def flow_of(self, request: web.Request) -> str:
+        """The request's flow (tenant) in the admission queue (router/fairness.py)."""
+        if not self.cfg.fair_queueing:
+            return SHARED_FLOW
+        return flow_of(request.headers, self.cfg.fairness_header)
 
     def request_id(self, request: web.Request, kind: str) -> str:
         """The client's X-Request-Id when it is usable as one (tracing through the gateway to
@@ -389,7 +397,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         t0 = time.perf_counter()
         refused = False
         try:
-            return await self.sched.acquire(body, exclude, deadline, pinned_url, priority)
+            return await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
         except QueueFull:
             refused = True
             raise

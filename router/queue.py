@@ -14,12 +14,16 @@ its successor.
 
 Order: a request's `priority` first (vLLM's field: lower is served first, 0 by default),
 so that under saturation the gateway's queue does not undo what engines running priority
-scheduling do. Within a priority, with `ms_per_prompt_token` 0 the line is FIFO. Above 0,
-a request's place is its arrival time plus its prompt length times that many
-milliseconds: after a burst, short prompts go first (shortest-job-first is what minimises
-the mean time to first token when the workers drain a backlog), and the delay a long
-prompt can suffer from later, shorter ones of its priority is bounded by its own length
-times the factor. Priorities are strict: a lower one waits while higher ones keep coming.
+scheduling do. Within a priority, the flows (tenants: a fairness id or API key, see
+router/fairness.py) take turns, round robin, as the Gateway API Inference Extension's flow
+control does: a tenant that floods the queue gets one place in each round, not all the places
+ahead of everybody else's. Within a flow, with `ms_per_prompt_token` 0 the line is FIFO. Above
+0, a request's place is its arrival time plus its prompt length times that many milliseconds:
+after a burst, short prompts go first (shortest-job-first is what minimises the mean time to
+first token when the workers drain a backlog), and the delay a long prompt can suffer from
+later, shorter ones of its flow is bounded by its own length times the factor. With one flow
+(no fairness ids, no keys) the line is as it was without flows. Priorities are strict: a
+lower one waits while higher ones keep coming.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -40,24 +45,75 @@ class QueueTimeout(Exception):
     """A request waited longer than the queue timeout."""
 
 
-class _Line:
-    """One model's waiters: a heap of (priority, place, ticket, arrival, future) plus those
-    asking now."""
+_Entry = tuple[float, int, float, asyncio.Future[None]]  # (place, ticket, arrival, future)
 
-    __slots__ = ("askers", "heap")
+
+class _Band:
+    """One priority's waiters: a heap per flow, and the flows' turns (round robin)."""
+
+    __slots__ = ("flows", "turns")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, float, int, float, asyncio.Future[None]]] = []
+        self.flows: dict[str, list[_Entry]] = {}
+        self.turns: deque[str] = deque()  # each flow with waiters, once
+
+    def push(self, flow: str, entry: _Entry) -> None:
+        heap = self.flows.get(flow)
+        if heap is None:
+            heap = self.flows[flow] = []
+            self.turns.append(flow)
+        heapq.heappush(heap, entry)
+
+    def pop(self, last: str | None) -> tuple[str, _Entry] | None:
+        """(flow, its best waiter) of the flow whose turn it is (None: none left); that flow's
+        next turn is after every other flow's. `last`: the flow a waiter last left the line
+        for (perhaps without waiting here): it goes after the others too."""
+        if len(self.turns) > 1 and self.turns[0] == last:
+            self.turns.rotate(-1)
+        while self.turns:
+            flow = self.turns.popleft()
+            heap = self.flows[flow]
+            while heap and heap[0][3].done():  # waiters that left (cancelled): skipped
+                heapq.heappop(heap)
+            entry = heapq.heappop(heap) if heap else None
+            if heap:
+                self.turns.append(flow)
+            else:
+                del self.flows[flow]
+            if entry is not None:
+                return flow, entry
+        return None
+
+
+class _Line:
+    """One model's waiters, by priority band, plus those asking now."""
+
+    __slots__ = ("askers", "bands", "last_flow")
+
+    def __init__(self) -> None:
+        self.bands: dict[int, _Band] = {}
         self.askers: dict[asyncio.Future[None], float] = {}  # asking future -> arrival time
+        self.last_flow: str | None = None  # whose request became an asker last
 
     def __bool__(self) -> bool:
-        return bool(self.askers) or bool(self.heap)
+        return bool(self.askers) or bool(self.bands)
+
+    def push(self, priority: int, flow: str, entry: _Entry) -> None:
+        band = self.bands.get(priority)
+        if band is None:
+            band = self.bands[priority] = _Band()
+        band.push(flow, entry)
 
     def promote(self, max_askers: int) -> None:
         """The best waiters still waiting ask, up to max_askers, and are woken."""
-        while self.heap and len(self.askers) < max_askers:
-            _, _, _, arrival, fut = heapq.heappop(self.heap)
-            if not fut.done():  # a cancelled waiter's future is done: skip it
+        while self.bands and len(self.askers) < max_askers:
+            priority = min(self.bands)
+            band = self.bands[priority]
+            popped = band.pop(self.last_flow)
+            if not band.flows:
+                del self.bands[priority]
+            if popped is not None:
+                self.last_flow, (_, _, arrival, fut) = popped
                 self.askers[fut] = arrival
                 fut.set_result(None)
 
@@ -82,7 +138,8 @@ class AdmissionQueue:
         return time.monotonic() - min(line.askers.values())
 
     @asynccontextmanager
-    async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0) -> AsyncIterator[None]:
+    async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0,
+                    flow: str = "") -> AsyncIterator[None]:
         """Join `model`'s line and return once it is among those asking; leave the line on exit."""
         if self.size >= self.max_size:
             raise QueueFull
@@ -93,11 +150,12 @@ class AdmissionQueue:
         arrival = time.monotonic()
         self.size += 1
         try:
-            if not line.heap and len(line.askers) < self.askers:
+            if not line.bands and len(line.askers) < self.askers:
                 line.askers[me] = arrival
+                line.last_flow = flow
             else:
                 place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
-                heapq.heappush(line.heap, (priority, place, next(self._tickets), arrival, me))
+                line.push(priority, flow, (place, next(self._tickets), arrival, me))
                 await me  # resolved by promote() when it is this waiter's turn
             yield
         finally:

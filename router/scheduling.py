@@ -125,11 +125,11 @@ class Scheduling:
 
     # ---- the per-request path --------------------------------------------------------
     async def acquire(self, body: dict[str, Any], exclude: list[str], deadline: float,
-                      pinned_url: str | None = None, priority: int = 0) -> Route:
+                      pinned_url: str | None = None, priority: int = 0, flow: str = "") -> Route:
         """Place a request. body: the ScheduleRequest fields (model, prompt_tokens, ...; with
         `worker_id`, that worker only, whose URL is pinned_url). priority: its place in the
-        queue, lower first (router/queue.py). Raises QueueFull, QueueTimeout,
-        UnknownModelError, NoWorkerError, PinnedWorkerGone."""
+        queue, lower first; flow: its tenant, whose turn it waits for (router/queue.py).
+        Raises QueueFull, QueueTimeout, UnknownModelError, NoWorkerError, PinnedWorkerGone."""
         model = body["model"]
         pin = body.get("worker_id")
         # A pinned request queues in its worker's own line: at the head of the model's line,
@@ -161,7 +161,7 @@ class Scheduling:
                 return route
         if self.fallback_active:
             return self._fallback_pick(model, exclude, pin, pinned_url)
-        async with self.queue.place(line, body.get("prompt_tokens") or 0, priority):
+        async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow):
             while True:
                 if self.fallback_active:
                     return self._fallback_pick(model, exclude, pin, pinned_url)

@@ -58,6 +58,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     await client.prepare(request)
     rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")
     rec.trace = trace_id_of(request.headers.get("traceparent"))
+    rec.flow = proxy.flow_of(request)
     proxy.metrics.in_flight.inc()
     session = WsSession(client)
     sessions.add(session)

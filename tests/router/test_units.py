@@ -268,6 +268,32 @@ async def test_queue_serves_lower_priority_values_first_then_by_arrival():
     assert order == [0, 3, 5, 2, 4, 1]
 
 
+async def test_queue_takes_flows_in_turn_within_a_priority():
+    """A tenant that floods the queue (flow "a": six requests) does not keep a later tenant
+    (flows "b", "c") behind all of them: the flows take turns, each in its own order;
+    priorities still come first."""
+    q = AdmissionQueue(20)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def waiter(name: str, flow: str, priority: int = 0) -> None:
+        async with q.place("m", 100, priority, flow):
+            order.append(name)
+            await release.wait()
+
+    arrivals = [("a0", "a"), ("a1", "a"), ("a2", "a"), ("a3", "a"), ("a4", "a"), ("a5", "a"),
+                ("b0", "b"), ("c0", "c"), ("b1", "b"), ("c1", "c")]
+    tasks = [asyncio.create_task(waiter(name, flow)) for name, flow in arrivals]
+    await asyncio.sleep(0.001)
+    tasks.append(asyncio.create_task(waiter("urgent", "a", priority=-1)))
+    await asyncio.sleep(0.001)
+    release.set()
+    await asyncio.gather(*tasks)
+    # a0 was asking already (the head); then priority -1; then the flows' turns, A's after
+    # the others' (it has just had two).
+    assert order == ["a0", "urgent", "b0", "c0", "a1", "b1", "c1", "a2", "a3", "a4", "a5"]
+
+
 async def test_queue_lets_the_best_k_ask_at_once_and_reports_their_wait():
     q = AdmissionQueue(max_size=10, ms_per_prompt_token=1.0, askers=2)
     asking: list[int] = []

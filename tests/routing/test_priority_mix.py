@@ -32,10 +32,10 @@ def test_a_small_run_gives_every_class_in_every_mode(tmp_path, capsys):
     out = tmp_path / "mix.json"
     assert main(["--profile", "tiny", "--workers", "1", "--batch-concurrency", "8", "--num-batch", "60",
                  "--num-interactive", "3", "--interactive-rate", "5", "--interactive-max-output", "8",
-                 "--warmup-s", "0.5", "--modes", "fcfs,priority", "--log-dir", str(tmp_path),
+                 "--warmup-s", "0.5", "--modes", "fcfs,priority,fair", "--log-dir", str(tmp_path),
                  "--output", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["modes"]) == {"fcfs", "priority"}
+    assert set(doc["modes"]) == {"fcfs", "priority", "fair"}
     for by_class in doc["modes"].values():
         assert by_class["interactive"]["completed"] == 3 and by_class["interactive"]["failed"] == 0
         assert by_class["batch"]["completed"] > 0
