@@ -112,10 +112,10 @@ def _starting_after(request: web.Request) -> int | None:
     if raw is None:
         return None
     try:
-        value = int(raw)
+        value: int | None = int(raw)
     except ValueError:
-        value = -2
-    if value < -1:
+        value = None
+    if value is None or value < -1:
         raise invalid_request(f"starting_after must be an event's sequence number, got {raw!r}",
                               param="starting_after")
     return value

@@ -233,3 +233,11 @@ def test_only_background_responses_are_streamed_again(client, shared_torch_worke
     r = httpx.get(f"{shared_torch_worker.api_url}/responses/{stored.id}", params={"stream": "true"},
                   timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+@pytest.mark.parametrize("starting_after", ["x", "-2", "1.5"])
+def test_a_replay_from_a_bad_place_is_a_400(client, shared_torch_worker, starting_after) -> None:
+    queued = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, background=True)
+    r = httpx.get(f"{shared_torch_worker.api_url}/responses/{queued.id}", timeout=10,
+                  params={"stream": "true", "starting_after": starting_after})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
