@@ -29,6 +29,9 @@ from scheduler.client import SchedulerClient
 log = logging.getLogger("router")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+# aiohttp refuses a request line or a header field over 8 KiB with a plain-text 400; identity
+# tokens with many claims pass that, and vLLM (behind uvicorn) takes them. 32 KiB each.
+HEADER_LIMITS = {"max_line_size": 32 * 1024, "max_field_size": 32 * 1024}
 
 
 def _nodelay_socket_factory(addr_info) -> socket.socket:
@@ -238,7 +241,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     gw = Gateway(cfg)
     app = build_app(gw)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **HEADER_LIMITS)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
     await site.start()

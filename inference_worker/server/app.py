@@ -62,6 +62,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+# aiohttp refuses a request line or a header field over 8 KiB with a plain-text 400; vLLM
+# (behind uvicorn) takes longer ones, e.g. identity tokens with many claims. 32 KiB each.
+HEADER_LIMITS = {"max_line_size": 32 * 1024, "max_field_size": 32 * 1024}
+
+
 async def _stop_background(app: web.Application) -> None:
     """Background answers still running when the server stops (past the drain) are cancelled."""
     await app[BACKGROUND].stop_all()

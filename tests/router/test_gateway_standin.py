@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.procs import free_port, series_value, start_echo_worker, start_gateway
+from tests.router.procs import free_port, series_value, start_echo_worker, start_gateway, start_sim_worker
 
 BASE = "/api/predict/grp.svc_llm_gateway"
 
@@ -446,3 +446,19 @@ def test_first_byte_and_idle_stream_timeouts():
     finally:
         for p in (g1, g2, w):
             p.stop()
+
+
+def test_a_header_past_aiohttps_8_kib_default_reaches_the_worker():
+    """An identity token of 20 KB (many claims), forwarded to the worker: both take it, as
+    vLLM does (aiohttp alone refuses a field over 8 KiB with a plain-text 400)."""
+    w, wu = start_sim_worker("m")
+    g, gu = start_gateway("--workers", wu, "--forward-api-key")
+    token = "Bearer " + "x" * 20_000
+    try:
+        body = {"model": "m", "prompt": "p", "max_tokens": 2}
+        r = httpx.post(gu + "/v1/completions", json=body, headers={"Authorization": token}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        g.stop()
+        w.stop()
