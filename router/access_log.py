@@ -141,6 +141,8 @@ class AccessLog:
         extra = f" error={log_field(rec.error)}" if rec.error else ""
         if rec.trace is not None:
             extra += f" trace={rec.trace}"
+        if rec.flow:
+            extra += f" flow={log_field(rec.flow)}"
         self.lines.append(
             f"{self._stamp()} INFO router.access: id={rec.id} {rec.method} {log_field(rec.path)} "
             f"model={log_field(rec.model)} "

@@ -395,7 +395,7 @@ TRACE = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_trace_context_reaches_the_worker_and_the_access_log(stack, path):
+def test_trace_context_and_flow_reach_the_worker_and_the_access_log(stack, path):
     """An engine that traces (vLLM with --otlp-traces-endpoint) must see the client's trace
     context, and the gateway's log line names the trace, to find the request by it."""
     body = {"model": "m", "max_tokens": 1, "prompt": "p", "messages": [{"role": "user", "content": "p"}]}
@@ -403,6 +403,12 @@ def test_trace_context_reaches_the_worker_and_the_access_log(stack, path):
     assert r.status_code == 200 and r.json()["saw_trace"] == TRACE
     line = _access_line(stack, r.headers["x-request-id"])
     assert line.endswith(" trace=4bf92f3577b34da6a3ce929d0e0e4736"), line
+    # A tenant's flow in the gateway's queue is named there too (a client-chosen value: quoted
+    # when it has spaces, so it cannot forge a field).
+    r = httpx.post(stack["gw"] + BASE + path, json=body,
+                   headers={"x-gateway-inference-fairness-id": "team blue flow=x"})
+    line = _access_line(stack, r.headers["x-request-id"])
+    assert line.endswith(' flow="id:team blue flow=x"'), line
 
 
 def test_first_byte_timeout_holds_on_a_connection_a_stream_used_before():
