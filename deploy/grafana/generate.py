@@ -219,10 +219,10 @@ def router_dashboard() -> dict:
               quantiles("scheduler_wait_seconds", "", ""), "s", width=8),
         panel(ts, "Lease ends by outcome", [
             (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}")],
-              "reqps", width=8,
-              description="ok / failed: the gateway's part and the request ended; handed_off: the "
-              "worker goes on with it (a background response: its load counts until a scrape shows "
-              "it); unknown: the lease had expired or was released already"),
+            "reqps", width=8,
+            description="ok / failed: the gateway's part and the request ended; handed_off: the "
+            "worker goes on with it (a background response: its load counts until a scrape shows "
+            "it); unknown: the lease had expired or was released already"),
     ]
     variables = [variable("model", "model", "label_values(router_requests_total, model)")]
     return dashboard("llm-router", "LLM router", "Gateway traffic, client-side latency, resilience and "
