@@ -6,7 +6,11 @@ connection. The stored response moves through `queued` -> `in_progress` -> `comp
 (`incomplete`, `failed`, or `cancelled` by `POST /v1/responses/{id}/cancel`), and
 `GET /v1/responses/{id}` shows where it is. Every event the answer produced is kept, so
 `GET /v1/responses/{id}?stream=true&starting_after=N` replays the stream from event N + 1 and
-follows it to its end: a client whose stream broke picks it up where it left off.
+follows it to its end: a client whose stream broke picks it up where it left off. A finished
+answer's events are kept within a byte budget (EVENTS_BUDGET_BYTES over all finished ones,
+the oldest dropped first; vLLM keeps them all, for ever): a long answer's events take some
+hundred bytes per token, and 1024 stored answers of 4k tokens would hold over a gigabyte.
+Past the budget the response itself is still there (GET without `stream`).
 
 A stopping worker owes an answer to the clients streaming a background response (they hold
 the drain, like any stream) and fails it once the drain time is out. One nobody streams is
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # A background response can be cancelled while in one of these.
 LIVE_STATUSES = frozenset({"queued", "in_progress"})
+# The events of finished background answers kept for replays, in bytes, over all of them.
+EVENTS_BUDGET_BYTES = 64 * 1024 * 1024
 
 
 class BackgroundRun:
@@ -42,13 +49,16 @@ class BackgroundRun:
         # The response object that GET returns until the answer is whole (then the store holds
         # the finished one); its `status` is updated in place.
         self.response = response
-        self.events: list[bytes] = []
+        self.events: list[bytes] | None = []  # None: dropped (the budget, see above)
+        self.size = 0  # bytes of events
         self.done = False
         self.task: asyncio.Task[None] | None = None
         self._grown = asyncio.Event()
 
     def append(self, frame: bytes) -> None:
+        assert self.events is not None  # dropped only once finished
         self.events.append(frame)
+        self.size += len(frame)
         self._wake()
 
     def finish(self) -> None:
@@ -60,11 +70,13 @@ class BackgroundRun:
         self._grown = asyncio.Event()  # waiters hold the old one, which stays set
 
     async def replay(self, starting_after: int | None = None) -> AsyncIterator[bytes]:
-        """The events after `starting_after` (all with None), then each new one until the end."""
+        """The events after `starting_after` (all with None), then each new one until the end.
+        (Check `events` first: None once dropped.)"""
+        events = self.events or []  # a replay under way keeps the list if it is dropped meanwhile
         index = 0 if starting_after is None else starting_after + 1
         while True:
-            while index < len(self.events):
-                yield self.events[index]
+            while index < len(events):
+                yield events[index]
                 index += 1
             if self.done:
                 return
@@ -82,11 +94,23 @@ class BackgroundRun:
 class BackgroundRuns:
     """The worker's background answers still running (to stop them when the app stops)."""
 
-    def __init__(self) -> None:
+    def __init__(self, events_budget_bytes: int = EVENTS_BUDGET_BYTES) -> None:
         self._running: set[BackgroundRun] = set()
+        self.events_budget_bytes = events_budget_bytes
+        self._kept: OrderedDict[BackgroundRun, int] = OrderedDict()  # finished, oldest first
+        self.kept_bytes = 0
 
     def __len__(self) -> int:
         return len(self._running)
+
+    def keep_events(self, run: BackgroundRun) -> None:
+        """A finished run's events join the kept ones; the oldest go past the budget."""
+        self._kept[run] = run.size
+        self.kept_bytes += run.size
+        while self.kept_bytes > self.events_budget_bytes and self._kept:
+            old, size = self._kept.popitem(last=False)
+            old.events = None
+            self.kept_bytes -= size
 
     def start(self, run: BackgroundRun, gen: Generation, answer: StreamedAnswer,
               engine: AsyncEngineClient) -> None:
@@ -97,6 +121,7 @@ class BackgroundRuns:
         def ended(_: asyncio.Task[None]) -> None:
             self._running.discard(run)
             run.finish()
+            self.keep_events(run)
 
         run.task.add_done_callback(ended)
 

@@ -104,6 +104,9 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     if entry.run is None:
         raise invalid_request("Only background responses can be streamed again (stream=true).",
                               param="stream")
+    if entry.run.events is None:
+        raise invalid_request(f"The events of response '{entry.response['id']}' are no longer kept; "
+                              "GET it without stream=true.", param="stream")
     return await _replay(request, entry.run, _starting_after(request))
 
 
