@@ -72,7 +72,9 @@ class BackgroundRun:
     async def replay(self, starting_after: int | None = None) -> AsyncIterator[bytes]:
         """The events after `starting_after` (all with None), then each new one until the end.
         (Check `events` first: None once dropped.)"""
-        events = self.events or []  # a replay under way keeps the list if it is dropped meanwhile
+        # A replay under way keeps the list if it is dropped meanwhile (an empty one is the
+        # run's own, still to fill).
+        events = self.events if self.events is not None else []
         index = 0 if starting_after is None else starting_after + 1
         while True:
             while index < len(events):

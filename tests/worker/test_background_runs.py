@@ -30,8 +30,12 @@ def test_finished_answers_events_are_kept_within_the_budget_oldest_dropped_first
 
 
 async def test_a_replay_follows_the_answer_and_survives_its_events_being_dropped() -> None:
-    run = BackgroundRun({"id": "resp_x", "status": "in_progress"})
+    run = BackgroundRun({"id": "resp_x", "status": "queued"})
+    from_start = run.replay()  # begun before the answer's first event (a streamed POST)
+    first = asyncio.ensure_future(anext(from_start))
+    await asyncio.sleep(0.01)
     run.append(b"0")
+    assert await first == b"0"
     run.append(b"1")
     replay = run.replay(starting_after=0)
     assert await anext(replay) == b"1"
