@@ -152,9 +152,11 @@ class StreamForwarding:
                 # What the worker generated until then (no usage comes): the token counters
                 # and the lease would otherwise count none of an abandoned stream's tokens.
                 rec.output_tokens = tap.content_events
-                # A background response goes on in the worker, whose store has it (queued)
-                # from the start: its client may come back for it (GET, stream=true).
-                self._learn_owner(tap, route, 0)
+                if rec.detached:
+                    # A background response goes on in the worker, whose store has it from
+                    # the start: its client may come back for it (GET, stream=true). (Another
+                    # answer cut short is not stored.)
+                    self._learn_owner(tap, route, 0)
             if isinstance(exc, asyncio.CancelledError):
                 raise  # the caller gives the lease back
             self._release(route, rec, ok=True, error=None, handed_off=rec.detached)
