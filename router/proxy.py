@@ -27,7 +27,7 @@ from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.metrics import RouterMetrics
-from router.queue import QueueFull, QueueTimeout
+from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
 from router.sse import usage_of_body
 from router.stored_calls import StoredResponseCalls
@@ -304,11 +304,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     404, f"{not_found_message(previous)} The worker that stored it left the pool.",
                     param="previous_response_id",
                 )
-            except QueueFull:
-                self.metrics.rejected.labels("queue_full").inc()
+            except QueueFull as exc:
+                displaced = isinstance(exc, QueueDisplaced)
+                self.metrics.rejected.labels("displaced" if displaced else "queue_full").inc()
                 return error_response(
                     429,
-                    "too many requests waiting: the queue is full, retry later",
+                    "too many requests waiting: the queue is full, retry later"
+                    + (" (this request's place went to another tenant's)" if displaced else ""),
                     "rate_limit_error",
                     code="queue_full",
                     headers={"Retry-After": "1"},
@@ -398,8 +400,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         refused = False
         try:
             return await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
-        except QueueFull:
-            refused = True
+        except QueueFull as exc:
+            refused = not isinstance(exc, QueueDisplaced)  # a displaced request did wait
             raise
         finally:
             if not refused:

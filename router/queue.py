@@ -24,6 +24,12 @@ first token when the workers drain a backlog), and the delay a long prompt can s
 later, shorter ones of its flow is bounded by its own length times the factor. With one flow
 (no fairness ids, no keys) the line is as it was without flows. Priorities are strict: a
 lower one waits while higher ones keep coming.
+
+The bound is fair too: when the queue is full, a newcomer whose flow has at least two
+waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
+worst priority), which is refused (429, QueueDisplaced) instead of the newcomer. So a flood
+fills the queue only while nobody else needs it. (The displaced waiter leaves a moment later,
+so the count can pass `max_size` by the displacements still under way.)
 """
 
 from __future__ import annotations
@@ -32,13 +38,17 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 
 class QueueFull(Exception):
     """The admission queue already holds max_size requests."""
+
+
+class QueueDisplaced(QueueFull):
+    """A waiter whose place went to another flow's newcomer (the queue is full)."""
 
 
 class QueueTimeout(Exception):
@@ -126,6 +136,7 @@ class AdmissionQueue:
         self._lines: dict[str, _Line] = {}
         self._tickets = itertools.count()
         self.size = 0
+        self._waiting = Counter[str]()  # waiters (not askers) by flow, over every line
 
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))
@@ -141,7 +152,7 @@ class AdmissionQueue:
     async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0,
                     flow: str = "") -> AsyncIterator[None]:
         """Join `model`'s line and return once it is among those asking; leave the line on exit."""
-        if self.size >= self.max_size:
+        if self.size >= self.max_size and not self._displace_for(flow):
             raise QueueFull
         line = self._lines.get(model)
         if line is None:
@@ -156,7 +167,13 @@ class AdmissionQueue:
             else:
                 place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
                 line.push(priority, flow, (place, next(self._tickets), arrival, me))
-                await me  # resolved by promote() when it is this waiter's turn
+                self._waiting[flow] += 1
+                try:
+                    await me  # resolved by promote() when it is this waiter's turn
+                finally:
+                    self._waiting[flow] -= 1
+                    if not self._waiting[flow]:
+                        del self._waiting[flow]
             yield
         finally:
             self.size -= 1
@@ -166,3 +183,22 @@ class AdmissionQueue:
                 me.cancel()  # left before its turn: promote() will skip it
             if not line and self._lines.get(model) is line:
                 del self._lines[model]
+
+    def _displace_for(self, flow: str) -> bool:
+        """The queue is full: refuse the last waiter (of the worst priority) of the flow with the
+        most waiters instead of a newcomer of `flow`, if that flow has two or more waiters more."""
+        if not self._waiting:
+            return False
+        biggest, count = self._waiting.most_common(1)[0]
+        if count < self._waiting[flow] + 2:
+            return False
+        victim: tuple[int, int, asyncio.Future[None]] | None = None
+        for line in self._lines.values():
+            for priority, band in line.bands.items():
+                for _, ticket, _, fut in band.flows.get(biggest, ()):
+                    if not fut.done() and (victim is None or (priority, ticket) > victim[:2]):
+                        victim = (priority, ticket, fut)
+        if victim is None:
+            return False
+        victim[2].set_exception(QueueDisplaced())
+        return True

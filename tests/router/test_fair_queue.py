@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_worker
+from tests.router.procs import series_value, start_gateway, start_scheduler, start_sim_worker
 
 SLOW = ("--time-scale", "5", "--max-num-seqs", "2")  # tiny profile: ~32 ms per decode step
 
@@ -62,3 +62,35 @@ def test_a_tenants_request_is_not_queued_behind_anothers_flood(cluster):
     finally:
         one_line.stop()
     assert order.index("B") >= 10, order  # one line: behind (nearly) all of A's backlog
+
+
+async def _statuses_with_a_full_queue(gateway: str) -> dict[str, list[int]]:
+    """A's flood of 12 against a queue of 4 (two run, four wait, the rest are refused), then
+    B's one request: every status, by tenant."""
+    statuses: dict[str, list[int]] = {"A": [], "B": []}
+
+    async def one(client: httpx.AsyncClient, who: str, headers: dict[str, str]) -> None:
+        body = {"model": "m", "prompt": "tenant", "max_tokens": 20, "ignore_eos": True}
+        r = await client.post(gateway + "/v1/completions", json=body, headers=headers)
+        statuses[who].append(r.status_code)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        flood = [asyncio.ensure_future(one(client, "A", {"Authorization": "Bearer tenant-a"}))
+                 for _ in range(12)]
+        await asyncio.sleep(0.3)
+        late = asyncio.ensure_future(one(client, "B", {"x-gateway-inference-fairness-id": "tenant-b"}))
+        await asyncio.gather(*flood, late)
+    return statuses
+
+
+def test_a_full_queue_refuses_the_flooding_tenant_not_the_newcomer(cluster):
+    proc, url = start_gateway("--scheduler", cluster, "--max-queue-size", "4")
+    try:
+        statuses = asyncio.run(_statuses_with_a_full_queue(url))
+        displaced = series_value(url, 'router_rejected_requests_total{reason="displaced"}', 0.0)
+    finally:
+        proc.stop()
+    assert statuses["B"] == [200]
+    # Two ran at once, four waited: one of those gave its place to B.
+    assert sorted(statuses["A"]) == [200] * 5 + [429] * 7
+    assert displaced == 1

@@ -294,6 +294,39 @@ async def test_queue_takes_flows_in_turn_within_a_priority():
     assert order == ["a0", "urgent", "b0", "c0", "a1", "b1", "c1", "a2", "a3", "a4", "a5"]
 
 
+async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcomer():
+    """max_size 4, filled by flow a (one asking, three waiting). A newcomer of flow b takes the
+    place of a's last waiter (refused, QueueDisplaced); flows no bigger than the newcomer's own
+    are not displaced: then the newcomer is refused."""
+    q = AdmissionQueue(max_size=4)
+    order: list[str] = []
+    refused: list[str] = []
+    release = asyncio.Event()
+
+    async def waiter(name: str, flow: str, priority: int = 0) -> None:
+        try:
+            async with q.place("m", 100, priority, flow):
+                order.append(name)
+                await release.wait()
+        except QueueFull as exc:
+            refused.append(f"{name} {type(exc).__name__}")
+
+    tasks = [asyncio.create_task(waiter(f"a{i}", "a", priority=5 if i == 2 else 0)) for i in range(4)]
+    await asyncio.sleep(0.001)
+    tasks.append(asyncio.create_task(waiter("b0", "b")))
+    await asyncio.sleep(0.001)
+    assert refused == ["a2 QueueDisplaced"]  # a's waiter of the worst priority goes first
+    tasks.append(asyncio.create_task(waiter("b1", "b")))  # a has 2 waiting, b 1: no gain
+    await asyncio.sleep(0.001)
+    assert refused == ["a2 QueueDisplaced", "b1 QueueFull"]
+    tasks.append(asyncio.create_task(waiter("c0", "c")))  # a 2, c 0: a's newest goes
+    await asyncio.sleep(0.001)
+    assert refused == ["a2 QueueDisplaced", "b1 QueueFull", "a3 QueueDisplaced"]
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == ["a0", "b0", "c0", "a1"] and q.size == 0
+
+
 async def test_queue_lets_the_best_k_ask_at_once_and_reports_their_wait():
     q = AdmissionQueue(max_size=10, ms_per_prompt_token=1.0, askers=2)
     asking: list[int] = []
