@@ -27,7 +27,8 @@ lower one waits while higher ones keep coming.
 
 The bound is fair too: when the queue is full, a newcomer whose flow has at least two
 waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
-worst priority), which is refused (429, QueueDisplaced) instead of the newcomer. So a flood
+worst priority, and none better than the newcomer's), which is refused (429, QueueDisplaced)
+instead of the newcomer. So a flood
 fills the queue only while nobody else needs it. (The displaced waiter leaves a moment later,
 so the count can pass `max_size` by the displacements still under way.)
 """
@@ -152,7 +153,7 @@ class AdmissionQueue:
     async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0,
                     flow: str = "") -> AsyncIterator[None]:
         """Join `model`'s line and return once it is among those asking; leave the line on exit."""
-        if self.size >= self.max_size and not self._displace_for(flow):
+        if self.size >= self.max_size and not self._displace_for(flow, priority):
             raise QueueFull
         line = self._lines.get(model)
         if line is None:
@@ -184,9 +185,10 @@ class AdmissionQueue:
             if not line and self._lines.get(model) is line:
                 del self._lines[model]
 
-    def _displace_for(self, flow: str) -> bool:
+    def _displace_for(self, flow: str, priority: int) -> bool:
         """The queue is full: refuse the last waiter (of the worst priority) of the flow with the
-        most waiters instead of a newcomer of `flow`, if that flow has two or more waiters more."""
+        most waiters instead of a newcomer of `flow`, if that flow has two or more waiters more
+        and that waiter's priority is not better than the newcomer's."""
         if not self._waiting:
             return False
         biggest, count = self._waiting.most_common(1)[0]
@@ -194,10 +196,12 @@ class AdmissionQueue:
             return False
         victim: tuple[int, int, asyncio.Future[None]] | None = None
         for line in self._lines.values():
-            for priority, band in line.bands.items():
+            for band_priority, band in line.bands.items():
+                if band_priority < priority:
+                    continue  # a better priority than the newcomer's keeps its place
                 for _, ticket, _, fut in band.flows.get(biggest, ()):
-                    if not fut.done() and (victim is None or (priority, ticket) > victim[:2]):
-                        victim = (priority, ticket, fut)
+                    if not fut.done() and (victim is None or (band_priority, ticket) > victim[:2]):
+                        victim = (band_priority, ticket, fut)
         if victim is None:
             return False
         victim[2].set_exception(QueueDisplaced())

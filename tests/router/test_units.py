@@ -296,8 +296,9 @@ async def test_queue_takes_flows_in_turn_within_a_priority():
 
 async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcomer():
     """max_size 4, filled by flow a (one asking, three waiting). A newcomer of flow b takes the
-    place of a's last waiter (refused, QueueDisplaced); flows no bigger than the newcomer's own
-    are not displaced: then the newcomer is refused."""
+    place of a's last waiter (refused, QueueDisplaced); flows no bigger than the newcomer's own,
+    and waiters of a better priority than the newcomer's, are not displaced: then the newcomer
+    is refused."""
     q = AdmissionQueue(max_size=4)
     order: list[str] = []
     refused: list[str] = []
@@ -319,9 +320,12 @@ async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcome
     tasks.append(asyncio.create_task(waiter("b1", "b")))  # a has 2 waiting, b 1: no gain
     await asyncio.sleep(0.001)
     assert refused == ["a2 QueueDisplaced", "b1 QueueFull"]
+    tasks.append(asyncio.create_task(waiter("d0", "d", priority=9)))  # a's waiters outrank it
+    await asyncio.sleep(0.001)
+    assert refused == ["a2 QueueDisplaced", "b1 QueueFull", "d0 QueueFull"]
     tasks.append(asyncio.create_task(waiter("c0", "c")))  # a 2, c 0: a's newest goes
     await asyncio.sleep(0.001)
-    assert refused == ["a2 QueueDisplaced", "b1 QueueFull", "a3 QueueDisplaced"]
+    assert refused == ["a2 QueueDisplaced", "b1 QueueFull", "d0 QueueFull", "a3 QueueDisplaced"]
     release.set()
     await asyncio.gather(*tasks)
     assert order == ["a0", "b0", "c0", "a1"] and q.size == 0
