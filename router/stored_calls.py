@@ -56,9 +56,14 @@ class StoredResponseCalls:
         if request.query_string:
             url += "?" + request.query_string
         headers = {"x-router-worker": owner.worker_id, "x-request-id": rec.id}
+        timeout = self.timeout
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            # A replay waits as long as the response does (queued in the engine, it sends
+            # nothing): its client, not the first-byte timeout, decides when to give up.
+            timeout = aiohttp.ClientTimeout(connect=timeout.connect, sock_connect=timeout.sock_connect)
         try:
             async with self.session.request(
-                request.method, url, data=raw or None, timeout=self.timeout,
+                request.method, url, data=raw or None, timeout=timeout,
                 headers=self._upstream_headers(request, rec.id, path),
             ) as up:
                 if up.status == 200 and up.content_type == "text/event-stream":

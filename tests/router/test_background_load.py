@@ -5,7 +5,7 @@ between two scrapes) and the gateway.
 A background response is answered `queued` at once and goes on in the worker. Its lease is
 handed off, not ended: the load stays counted until a scrape shows it in the worker's own
 numbers. Ended at once, every request of a burst saw the same empty cluster and went to the
-same worker."""
+same worker. And a replay of a background response waits for it, however long it is queued."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_a_burst_of_background_responses_spreads_over_the_workers():
         while series_value(stack.scheduler, handed_off) < 13 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert series_value(stack.scheduler, handed_off) == 13
+
+
+def test_a_replay_waits_for_a_response_queued_longer_than_the_first_byte_timeout():
+    """A background response queued in a busy engine sends no event until it starts: its
+    replay through the gateway waits for it (its client decides when to give up), rather than
+    end at the first-byte timeout with an error."""
+    with sim_stack(1, "--time-scale", "5", "--max-num-seqs", "1",
+                   gateway_flags=("--first-byte-timeout-ms", "1000")) as stack:
+        url = stack.gateway + "/v1/responses"
+        busy = {"model": "m", "input": "long", "max_output_tokens": 100, "ignore_eos": True,
+                "background": True}
+        assert httpx.post(url, json=busy, timeout=30).status_code == 200  # ~3 s of decoding
+        queued = httpx.post(url, json={**busy, "max_output_tokens": 5}, timeout=30).json()
+        assert queued["status"] == "queued"
+        with httpx.stream("GET", f"{url}/{queued['id']}", params={"stream": "true"}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"type":"response.completed"' in events[-1], events[-1]
