@@ -1,11 +1,11 @@
-"""Background responses and the scheduler's view of load, with real processes: three sim
-workers, the scheduler (llm_aware, scraping only every 3 s, so that a whole burst falls
-between two scrapes) and the gateway.
+"""Background responses behind the gateway, with real processes (sim workers, the
+scheduler, the gateway).
 
 A background response is answered `queued` at once and goes on in the worker. Its lease is
 handed off, not ended: the load stays counted until a scrape shows it in the worker's own
 numbers. Ended at once, every request of a burst saw the same empty cluster and went to the
-same worker. And a replay of a background response waits for it, however long it is queued."""
+same worker (three workers, scraped only every 3 s, so that a whole burst falls between two
+scrapes). And a replay of a background response waits for it, however long it is queued."""
 
 from __future__ import annotations
 
