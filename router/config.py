@@ -81,7 +81,9 @@ class RouterConfig(BaseSettings):
     fairness_header: str = Field(
         DEFAULT_FAIRNESS_HEADER,
         description="the request header that names a request's flow (the Gateway API Inference "
-        "Extension's); without it, the API key does",
+        "Extension's); without it, the API key does. A client that can set it chooses its flow: "
+        "have a trusted proxy in front set it, or give each client its own API key and set this "
+        "to '' (flows by API key only)",
     )
     queue_askers: int = Field(
         1, ge=1, le=64,

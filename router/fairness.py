@@ -5,7 +5,9 @@ behind it.
 A flow is named by the Gateway API Inference Extension's fairness header
 (`x-gateway-inference-fairness-id` by default), else by the client's API key (a digest: the key
 itself is not kept), else it is the one shared flow: with neither, the queue orders as without
-flows.
+flows. The header is the client's word: a client that can set it can spread its requests over
+many flows. Where clients reach the gateway directly, a trusted proxy in front should set it,
+or each client gets its own API key and the header is switched off (`--fairness-header ''`).
 """
 
 from __future__ import annotations

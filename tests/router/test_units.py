@@ -11,6 +11,7 @@ import pytest
 
 from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
+from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.queue import AdmissionQueue, QueueFull
 from router.sse import StreamTap, usage_of_body
@@ -329,6 +330,17 @@ async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcome
     release.set()
     await asyncio.gather(*tasks)
     assert order == ["a0", "b0", "c0", "a1"] and q.size == 0
+
+
+def test_a_requests_flow_is_its_fairness_header_else_its_api_key():
+    header = "x-gateway-inference-fairness-id"
+    assert flow_of({header: "team-a", "Authorization": "Bearer k1"}, header) == "id:team-a"
+    by_key = flow_of({"Authorization": "Bearer k1"}, header)
+    assert by_key.startswith("key:") and "k1" not in by_key  # a digest, not the key
+    assert flow_of({"Authorization": "Bearer k2"}, header) not in (by_key, "")
+    # With the header switched off (clients could pick their flow with it), keys alone count.
+    assert flow_of({header: "team-a", "Authorization": "Bearer k1"}, "") == by_key
+    assert flow_of({}, header) == SHARED_FLOW
 
 
 async def test_queue_lets_the_best_k_ask_at_once_and_reports_their_wait():
