@@ -55,6 +55,7 @@ class Gateway:
         self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers)
         # Every request in line, not only those asking the scheduler (the head, by default).
         self.metrics.queued.set_function(lambda: self.queue.size)
+        self.metrics.queued_flows.set_function(lambda: self.queue.waiting_flows)
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None
@@ -189,6 +190,7 @@ class Gateway:
                 else None,
                 "last_switch_s": s.last_switch_s,
                 "queued": self.queue.size,
+                "queued_flows": self.queue.waiting_flows,
                 "in_flight": self._gauges()[0],
                 "fallback_workers": [
                     {

@@ -40,6 +40,11 @@ class RouterMetrics:
         self.queued = Gauge(
             "router_requests_queued", "Requests waiting in the admission queue", registry=r
         )
+        self.queued_flows = Gauge(
+            "router_queued_flows",
+            "Flows (tenants: fairness id or API key) with requests waiting their turn in the queue",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "router_prompt_tokens_total",
             "Prompt tokens (from the worker's usage)",

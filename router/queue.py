@@ -139,6 +139,11 @@ class AdmissionQueue:
         self.size = 0
         self._waiting = Counter[str]()  # waiters (not askers) by flow, over every line
 
+    @property
+    def waiting_flows(self) -> int:
+        """How many flows (tenants) have requests waiting (those asking not counted)."""
+        return len(self._waiting)
+
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))
 

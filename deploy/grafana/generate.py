@@ -152,7 +152,8 @@ def router_dashboard() -> dict:
             (f"sum by (worker) (rate(router_requests_total{m}[{RATE}]))", "{{worker}}")], "reqps"),
         panel(ts, "In flight and queued (all gateways)", [
             ("sum(router_requests_in_flight)", "in flight (queued included)"),
-            ("sum(router_requests_queued)", "queued")]),
+            ("sum(router_requests_queued)", "queued"),
+            ("max(router_queued_flows)", "tenants waiting (most in one gateway)")]),
         panel(ts, "Token throughput IN / OUT", [
             (f"sum(rate(router_prompt_tokens_total{m}[{RATE}]))", "IN (prompt tokens/s)"),
             (f"sum(rate(router_generation_tokens_total{m}[{RATE}]))", "OUT (generated tokens/s)")],

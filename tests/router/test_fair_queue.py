@@ -29,8 +29,9 @@ def cluster():
         worker.stop()
 
 
-async def _finish_order(gateway: str) -> list[str]:
-    """Which tenant's requests ended in which order."""
+async def _finish_order(gateway: str) -> tuple[list[str], float]:
+    """Which tenant's requests ended in which order, and how many tenants the gateway showed
+    waiting (router_queued_flows) once B's request had joined the queue."""
     order: list[str] = []
 
     async def one(client: httpx.AsyncClient, who: str, headers: dict[str, str]) -> None:
@@ -44,24 +45,28 @@ async def _finish_order(gateway: str) -> list[str]:
                  for _ in range(12)]
         await asyncio.sleep(0.3)  # A's backlog is queued in the gateway
         late = asyncio.ensure_future(one(client, "B", {"x-gateway-inference-fairness-id": "tenant-b"}))
+        await asyncio.sleep(0.1)
+        flows = await asyncio.to_thread(series_value, gateway, "router_queued_flows")
         await asyncio.gather(*flood, late)
-    return order
+    return order, flows
 
 
 def test_a_tenants_request_is_not_queued_behind_anothers_flood(cluster):
     fair, fair_url = start_gateway("--scheduler", cluster)
     try:
-        order = asyncio.run(_finish_order(fair_url))
+        order, flows = asyncio.run(_finish_order(fair_url))
     finally:
         fair.stop()
     # Two of A's run when B arrives; B takes the next turn: it ends among the first four.
     assert order.index("B") <= 3, order
+    assert flows == 2
     one_line, one_line_url = start_gateway("--scheduler", cluster, "--no-fair-queueing")
     try:
-        order = asyncio.run(_finish_order(one_line_url))
+        order, flows = asyncio.run(_finish_order(one_line_url))
     finally:
         one_line.stop()
     assert order.index("B") >= 10, order  # one line: behind (nearly) all of A's backlog
+    assert flows == 1
 
 
 async def _statuses_with_a_full_queue(gateway: str) -> dict[str, list[int]]:

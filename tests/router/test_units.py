@@ -288,6 +288,7 @@ async def test_queue_takes_flows_in_turn_within_a_priority():
     await asyncio.sleep(0.001)
     tasks.append(asyncio.create_task(waiter("urgent", "a", priority=-1)))
     await asyncio.sleep(0.001)
+    assert q.waiting_flows == 3  # what router_queued_flows shows
     release.set()
     await asyncio.gather(*tasks)
     # a0 was asking already (the head); then priority -1; then the flows' turns, A's after
