@@ -28,9 +28,9 @@ lower one waits while higher ones keep coming.
 The bound is fair too: when the queue is full, a newcomer whose flow has at least two
 waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
 worst priority, and none better than the newcomer's), which is refused (429, QueueDisplaced)
-instead of the newcomer. So a flood
-fills the queue only while nobody else needs it. (The displaced waiter leaves a moment later,
-so the count can pass `max_size` by the displacements still under way.)
+instead of the newcomer. So a flood fills the queue only while nobody else needs it. (The
+displaced waiter leaves a moment later, so the count can pass `max_size` by the displacements
+still under way.)
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "handed_off", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt",
-                 "tokens", "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt", "tokens",
+                 "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
                  tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
@@ -33,7 +33,6 @@ class Lease:
         self.trial = trial
         self.unseen = True
         self.prefilled = False  # the gateway reported its first token
-        self.handed_off = False  # the request goes on in the worker, unseen yet (see above)
         # The request's last prefix fingerprint: its follow-up's prompt carries it.
         self.prefix_key = prefix_key
 
@@ -42,6 +41,9 @@ class LeaseTable:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
+        # Handed off while unseen: counted until a scrape shows them (drop_handed_off). Apart,
+        # so that a scrape of a worker without any costs nothing more.
+        self.handed_off: set[Lease] = set()
         # Short ids: a per-process prefix (so a restarted scheduler never matches an old id)
         # plus a counter; cheaper than uuid4 on the hot path.
         self._prefix = os.urandom(4).hex()
@@ -84,7 +86,7 @@ class LeaseTable:
         if lease is None:
             return None
         if lease.unseen:
-            lease.handed_off = True  # counted until a scrape shows it (drop_handed_off)
+            self.handed_off.add(lease)  # counted until a scrape shows it (drop_handed_off)
         else:
             self._forget(lease)  # the last scrape counts it already
         return lease
@@ -92,13 +94,16 @@ class LeaseTable:
     def drop_handed_off(self, worker: WorkerState, cutoff: float) -> None:
         """Before a scrape of `worker` is applied: the handed-off leases it shows (issued before
         `cutoff`) are in the worker's numbers from now on."""
-        shown = [lease for lease in worker.leases.values() if lease.handed_off and lease.issued_at <= cutoff]
+        if not self.handed_off:
+            return
+        shown = [lease for lease in self.handed_off if lease.worker is worker and lease.issued_at <= cutoff]
         for lease in shown:
             self._forget(lease)
 
     def _forget(self, lease: Lease) -> None:
         """Take a lease out, with the load it added (not the load a scrape showed)."""
         self.leases.pop(lease.lease_id, None)
+        self.handed_off.discard(lease)
         w = lease.worker
         w.leases.pop(lease.lease_id, None)
         # A request that ended (or was cancelled) before its prefill was counted must not

@@ -252,16 +252,22 @@ class SchedulerService:
 
     # ---- lease ends and failure reports -------------------------------------------------
 
-    def release(self, lease_id: str, ok: bool, error: str | None = None, used_tokens: float = 0.0) -> bool:
+    def release(self, lease_id: str, ok: bool, error: str | None = None, used_tokens: float = 0.0,
+                handed_off: bool = False) -> bool:
         """used_tokens: prompt + output tokens the gateway saw; their KV is free before the
-        next scrape can show it, so a worker held back by the KV guard frees up at once."""
-        lease = self.leases.close(lease_id, used_tokens)
+        next scrape can show it, so a worker held back by the KV guard frees up at once.
+        handed_off: the gateway's part ended and the worker goes on with the request
+        (leases.py): nothing is freed. False: unknown or expired lease."""
+        if handed_off:
+            lease = self.leases.hand_off(lease_id)
+        else:
+            lease = self.leases.close(lease_id, used_tokens)
         if lease is None:
             return False
         w = lease.worker
         if lease.trial:
             self._routable.clear()
-        if ok and not error and lease.prefix_key is not None and not lease.unseen:
+        if ok and not error and not handed_off and lease.prefix_key is not None and not lease.unseen:
             # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
             # unseen_tokens on close, and were never in the scrape's usage.
             self.reservations.hold(lease.prefix_key, w, used_tokens)
@@ -269,33 +275,21 @@ class SchedulerService:
             self.on_health_change(w)
         else:
             self.policy.refresh(w)
-            self.capacity_changed()
-        return True
-
-    def hand_off(self, lease_id: str) -> bool:
-        """The gateway's part ended and the worker goes on with the request (leases.py):
-        nothing is freed. False: unknown or expired lease."""
-        lease = self.leases.hand_off(lease_id)
-        if lease is None:
-            return False
-        w = lease.worker
-        if lease.trial:
-            self._routable.clear()
-            if w.health.trial_result(True):  # the worker took the request
-                self.on_health_change(w)
-                return True
-        self.policy.refresh(w)
+            if not handed_off:
+                self.capacity_changed()
         return True
 
     def release_reported(self, rel: LeaseRelease) -> bool:
         """A gateway's release (HTTP or channel): end the lease, credit the KV its prompt and
         output held, count the outcome. False: unknown or expired lease."""
-        if rel.handed_off and rel.ok and not rel.error:
-            found = self.hand_off(rel.lease_id)
-            self.metrics.releases.labels("handed_off" if found else "unknown").inc()
-            return found
-        found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens)
-        self.metrics.releases.labels("ok" if rel.ok else "failed" if found else "unknown").inc()
+        handed_off = rel.handed_off and rel.ok and not rel.error
+        found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens,
+                             handed_off)
+        if handed_off:
+            outcome = "handed_off" if found else "unknown"
+        else:
+            outcome = "ok" if rel.ok else "failed" if found else "unknown"
+        self.metrics.releases.labels(outcome).inc()
         return found
 
     def prefilled(self, lease_id: str) -> bool:
