@@ -285,10 +285,12 @@ class SchedulerService:
         handed_off = rel.handed_off and rel.ok and not rel.error
         found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens,
                              handed_off)
-        if handed_off:
-            outcome = "handed_off" if found else "unknown"
+        if not found:
+            outcome = "unknown"  # expired, released already, or never granted
+        elif handed_off:
+            outcome = "handed_off"
         else:
-            outcome = "ok" if rel.ok else "failed" if found else "unknown"
+            outcome = "ok" if rel.ok else "failed"
         self.metrics.releases.labels(outcome).inc()
         return found
 

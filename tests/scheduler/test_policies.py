@@ -540,3 +540,18 @@ def test_a_request_handed_off_after_a_scrape_saw_it_frees_nothing():
     assert (w.in_flight, w.finished_since, w.freed_tokens, w.running_eff) == (0, 0, 0.0, 1)
     assert decide(svc)["worker_id"] == "w0"  # its one free slot
     assert isinstance(decide(svc), Wait)  # not a second one: the handed-off request still runs
+
+
+def test_release_outcomes_are_counted_by_what_the_lease_was():
+    """The dashboard's lease-end panel: a release of a lease the scheduler no longer holds
+    (expired, or released twice) counts as `unknown` whatever the gateway says of the request,
+    so `ok` counts only requests that really ended."""
+    svc = make_service()
+    count = svc.metrics.releases.labels
+    d = decide(svc)
+    assert svc.release_reported(LeaseRelease(lease_id=d["lease_id"], ok=True))
+    assert not svc.release_reported(LeaseRelease(lease_id=d["lease_id"], ok=True))
+    assert not svc.release_reported(LeaseRelease(lease_id="never-granted", ok=False))
+    d = decide(svc)
+    assert svc.release_reported(LeaseRelease(lease_id=d["lease_id"], ok=False, error="upstream"))
+    assert [count(o)._value.get() for o in ("ok", "failed", "unknown")] == [1, 1, 2]
