@@ -20,6 +20,7 @@ class RequestRecord:
         "choices",
         "detached",
         "error",
+        "fair_charge",
         "flow",
         "id",
         "method",
@@ -57,6 +58,8 @@ class RequestRecord:
         # The worker goes on with the request after its answer (a background response).
         self.detached = False
         self.flow = ""  # its tenant in the admission queue (router/fairness.py)
+        # What its flow was charged in the queue's token turns (None: it got no worker).
+        self.fair_charge: float | None = None
 
     @property
     def served(self) -> bool:

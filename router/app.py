@@ -52,7 +52,8 @@ class Gateway:
         self.stats = Stats()
         self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
         self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
-        self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers)
+        self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers,
+                                    cfg.fair_share, cfg.fair_output_token_weight)
         # Every request in line, not only those asking the scheduler (the head, by default).
         self.metrics.queued.set_function(lambda: self.queue.size)
         self.metrics.queued_flows.set_function(lambda: self.queue.waiting_flows)

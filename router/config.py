@@ -78,6 +78,19 @@ class RouterConfig(BaseSettings):
         "fairness header's value, else the API key) in turn, so one tenant's flood does not queue "
         "the others behind it; off: one line for all",
     )
+    fair_share: Literal["requests", "tokens"] = Field(
+        "requests",
+        description="what a flow's turn in the queue is: one request (requests), or going next "
+        "while it has been served the fewest tokens (tokens: prompt tokens plus "
+        "--fair-output-token-weight x output tokens, counted per model), so that a tenant of long "
+        "prompts and answers does not get the most GPU time by taking as many turns as one of "
+        "short ones",
+    )
+    fair_output_token_weight: float = Field(
+        2.0, ge=0, le=100,
+        description="with --fair-share tokens: what an output token counts against a prompt token "
+        "(a decode step reads every weight for one token per sequence; 2 as in VTC)",
+    )
     fairness_header: str = Field(
         DEFAULT_FAIRNESS_HEADER,
         description="the request header that names a request's flow (the Gateway API Inference "

@@ -191,6 +191,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 ttft_h.observe(rec.ttft_ms / 1000)
                 if rec.output_tokens > 1:
                     tpot_h.observe((e2e - rec.ttft_ms / 1000) / (rec.output_tokens - 1))
+        if rec.fair_charge is not None:  # the estimates give way to what it used
+            used = rec.served
+            self.sched.queue.settle(rec.model, rec.flow, rec.fair_charge,
+                                    rec.prompt_tokens * rec.choices if used else 0,
+                                    rec.output_tokens if used else 0)
         self.stats.add(rec)
         if self.access_log is not None:
             self.access_log.add(rec)
@@ -399,7 +404,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         t0 = time.perf_counter()
         refused = False
         try:
-            return await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
+            route = await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
+            rec.fair_charge = (rec.fair_charge or 0.0) + route.charge  # a retry is charged again
+            return route
         except QueueFull as exc:
             refused = not isinstance(exc, QueueDisplaced)  # a displaced request did wait
             raise

@@ -25,6 +25,12 @@ later, shorter ones of its flow is bounded by its own length times the factor. W
 (no fairness ids, no keys) the line is as it was without flows. Priorities are strict: a
 lower one waits while higher ones keep coming.
 
+Turns are one request each by default (`fair_share="requests"`). With `fair_share="tokens"`
+the flow served the fewest tokens goes next (router/fair_share.py: a virtual token counter per
+flow and model, charged as requests get their workers and settled with what they used), so a
+tenant of long prompts and long answers does not take most of the GPUs by taking as many turns
+as a tenant of short ones.
+
 The bound is fair too: when the queue is full, a newcomer whose flow has at least two
 waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
 worst priority, and none better than the newcomer's), which is refused (429, QueueDisplaced)
@@ -42,6 +48,11 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
+
+from router.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT, FlowLedger
+
+FairShare = Literal["requests", "tokens"]
 
 
 class QueueFull(Exception):
@@ -68,21 +79,28 @@ class _Band:
         self.flows: dict[str, list[_Entry]] = {}
         self.turns: deque[str] = deque()  # each flow with waiters, once
 
-    def push(self, flow: str, entry: _Entry) -> None:
+    def push(self, flow: str, entry: _Entry, ledger: FlowLedger | None) -> None:
         heap = self.flows.get(flow)
         if heap is None:
+            if ledger is not None:
+                ledger.lift(flow, self.turns)  # it starts waiting: no credit banked while away
             heap = self.flows[flow] = []
             self.turns.append(flow)
         heapq.heappush(heap, entry)
 
-    def pop(self, last: str | None) -> tuple[str, _Entry] | None:
+    def pop(self, last: str | None, ledger: FlowLedger | None) -> tuple[str, _Entry] | None:
         """(flow, its best waiter) of the flow whose turn it is (None: none left); that flow's
         next turn is after every other flow's. `last`: the flow a waiter last left the line
-        for (perhaps without waiting here): it goes after the others too."""
-        if len(self.turns) > 1 and self.turns[0] == last:
+        for (perhaps without waiting here): it goes after the others too. With a ledger, the
+        turn is the flow's served least (ties: in turn)."""
+        if ledger is None and len(self.turns) > 1 and self.turns[0] == last:
             self.turns.rotate(-1)
         while self.turns:
-            flow = self.turns.popleft()
+            if ledger is None:
+                flow = self.turns.popleft()
+            else:
+                flow = ledger.pick(self.turns)
+                self.turns.remove(flow)
             heap = self.flows[flow]
             while heap and heap[0][3].done():  # waiters that left (cancelled): skipped
                 heapq.heappop(heap)
@@ -99,9 +117,10 @@ class _Band:
 class _Line:
     """One model's waiters, by priority band, plus those asking now."""
 
-    __slots__ = ("askers", "bands", "last_flow")
+    __slots__ = ("askers", "bands", "last_flow", "ledger")
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: FlowLedger | None) -> None:
+        self.ledger = ledger  # fair_share="tokens": the model's counters
         self.bands: dict[int, _Band] = {}
         self.askers: dict[asyncio.Future[None], float] = {}  # asking future -> arrival time
         self.last_flow: str | None = None  # whose request became an asker last
@@ -113,14 +132,14 @@ class _Line:
         band = self.bands.get(priority)
         if band is None:
             band = self.bands[priority] = _Band()
-        band.push(flow, entry)
+        band.push(flow, entry, self.ledger)
 
     def promote(self, max_askers: int) -> None:
         """The best waiters still waiting ask, up to max_askers, and are woken."""
         while self.bands and len(self.askers) < max_askers:
             priority = min(self.bands)
             band = self.bands[priority]
-            popped = band.pop(self.last_flow)
+            popped = band.pop(self.last_flow, self.ledger)
             if not band.flows:
                 del self.bands[priority]
             if popped is not None:
@@ -130,10 +149,15 @@ class _Line:
 
 
 class AdmissionQueue:
-    def __init__(self, max_size: int, ms_per_prompt_token: float = 0.0, askers: int = 1) -> None:
+    def __init__(self, max_size: int, ms_per_prompt_token: float = 0.0, askers: int = 1,
+                 fair_share: FairShare = "requests",
+                 output_token_weight: float = DEFAULT_OUTPUT_TOKEN_WEIGHT) -> None:
         self.max_size = max_size
         self.s_per_prompt_token = ms_per_prompt_token / 1000.0
         self.askers = max(1, askers)
+        self.fair_share = fair_share
+        self.output_token_weight = output_token_weight
+        self._ledgers: dict[str, FlowLedger] = {}  # by model (fair_share="tokens")
         self._lines: dict[str, _Line] = {}
         self._tickets = itertools.count()
         self.size = 0
@@ -143,6 +167,30 @@ class AdmissionQueue:
     def waiting_flows(self) -> int:
         """How many flows (tenants) have requests waiting (those asking not counted)."""
         return len(self._waiting)
+
+    def ledger(self, model: str) -> FlowLedger | None:
+        """The model's flow counters (fair_share="tokens"; None otherwise). A pinned request's
+        line (`model\0worker`) shares its model's."""
+        if self.fair_share != "tokens":
+            return None
+        model = model.split("\0", 1)[0]
+        ledger = self._ledgers.get(model)
+        if ledger is None:
+            ledger = self._ledgers[model] = FlowLedger(self.output_token_weight)
+        return ledger
+
+    def charge(self, model: str, flow: str, prompt_tokens: int, max_tokens: int | None) -> float:
+        """A request got its worker: its flow's estimated cost (0 unless fair_share="tokens").
+        Called before the request leaves the line, so the next turn already counts it."""
+        ledger = self.ledger(model)
+        return 0.0 if ledger is None else ledger.charge(flow, prompt_tokens, max_tokens)
+
+    def settle(self, model: str, flow: str, charged: float, prompt_tokens: int,
+               output_tokens: int) -> None:
+        """A request charged `charged` ended: count what it used instead."""
+        ledger = self.ledger(model)
+        if ledger is not None:
+            ledger.settle(flow, charged, prompt_tokens, output_tokens)
 
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))
@@ -162,7 +210,7 @@ class AdmissionQueue:
             raise QueueFull
         line = self._lines.get(model)
         if line is None:
-            line = self._lines[model] = _Line()
+            line = self._lines[model] = _Line(self.ledger(model))
         me: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = time.monotonic()
         self.size += 1

@@ -40,6 +40,7 @@ class Route:
     reason: dict
     fallback: bool = False
     released: bool = False
+    charge: float = 0.0  # its flow's estimated cost in the queue's token turns (fair_share)
 
 
 class PinnedWorkerGone(Exception):
@@ -158,19 +159,26 @@ class Scheduling:
             else:
                 route = None
             if route is not None:
-                return route
+                return self._charged(route, body, flow)
         if self.fallback_active:
-            return self._fallback_pick(model, exclude, pin, pinned_url)
+            return self._charged(self._fallback_pick(model, exclude, pin, pinned_url), body, flow)
         async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow):
             while True:
                 if self.fallback_active:
-                    return self._fallback_pick(model, exclude, pin, pinned_url)
+                    return self._charged(self._fallback_pick(model, exclude, pin, pinned_url), body, flow)
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     raise QueueTimeout
                 route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
                 if route is not None:
-                    return route
+                    # Charged before it leaves the line: the next turn (chosen as it leaves)
+                    # counts it.
+                    return self._charged(route, body, flow)
+
+    def _charged(self, route: Route, body: dict[str, Any], flow: str) -> Route:
+        route.charge = self.queue.charge(body["model"], flow, body.get("prompt_tokens") or 0,
+                                         body.get("max_tokens"))
+        return route
 
     async def _try_schedule(self, body: dict[str, Any], wait_ms: int) -> Route | None:
         """One scheduler call. None: wait (the scheduler said so, or it is down and the

@@ -99,3 +99,42 @@ def test_a_full_queue_refuses_the_flooding_tenant_not_the_newcomer(cluster):
     # Two ran at once, four waited: one of those gave its place to B.
     assert sorted(statuses["A"]) == [200] * 5 + [429] * 7
     assert displaced == 1
+
+
+async def _small_tenants_last_place(gateway: str) -> tuple[int, list[str]]:
+    """Tenant A floods the queue with 10 requests of ~400-token prompts and 30-token answers;
+    tenant B then sends 6 of a few tokens each. Where B's last request ends in the order."""
+    order: list[str] = []
+
+    async def one(client: httpx.AsyncClient, who: str, prompt: str, max_tokens: int) -> None:
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        r = await client.post(gateway + "/v1/completions", json=body,
+                              headers={"x-gateway-inference-fairness-id": who})
+        assert r.status_code == 200, r.text
+        order.append(who)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        flood = [asyncio.ensure_future(one(client, "A", "long text " * 150, 30)) for _ in range(10)]
+        await asyncio.sleep(0.3)
+        small = [asyncio.ensure_future(one(client, "B", "hi", 3)) for _ in range(6)]
+        await asyncio.gather(*flood, *small)
+    return max(i for i, who in enumerate(order) if who == "B"), order
+
+
+def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster):
+    """--fair-share tokens, through the gateway (charged as requests get their worker, settled
+    with the usage they report): B's six small requests cost less together than one of A's, so
+    they all go before A's next; by requests they alternate with A's."""
+    by_tokens, url = start_gateway("--scheduler", cluster, "--fair-share", "tokens")
+    try:
+        last_b, order = asyncio.run(_small_tenants_last_place(url))
+    finally:
+        by_tokens.stop()
+    # A's two running and its one asking when B came end first at most, then B's six.
+    assert last_b <= 9, order
+    by_requests, url = start_gateway("--scheduler", cluster)
+    try:
+        last_b, order = asyncio.run(_small_tenants_last_place(url))
+    finally:
+        by_requests.stop()
+    assert last_b >= 11, order

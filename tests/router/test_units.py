@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from router import fair_share
 from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
+from router.fair_share import FlowLedger
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.queue import AdmissionQueue, QueueFull
@@ -331,6 +333,72 @@ async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcome
     release.set()
     await asyncio.gather(*tasks)
     assert order == ["a0", "b0", "c0", "a1"] and q.size == 0
+
+
+async def _token_turns(q: AdmissionQueue, arrivals: list[tuple[str, str, int]]) -> list[str]:
+    """Drain the queue the way the gateway does: each request, as it gets its worker, is
+    charged before it leaves the line, and settled (it used its prompt and a 100-token answer)
+    before the next one goes. Returns the order in which they got workers."""
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def waiter(name: str, flow: str, prompt: int) -> None:
+        async with q.place("m", prompt, 0, flow):
+            await gate.wait()
+            charged = q.charge("m", flow, prompt, 100)
+            order.append(name)
+        q.settle("m", flow, charged, prompt, 100)
+
+    tasks = [asyncio.create_task(waiter(*a)) for a in arrivals]
+    await asyncio.sleep(0.001)
+    gate.set()
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_token_turns_give_a_tenant_of_small_requests_more_turns():
+    """--fair-share tokens: a tenant of 3,000-token prompts (flow "big") and one of 100-token
+    prompts ("small"), both with a backlog. Turn by turn (requests) they alternate, and the big
+    tenant gets ~92 % of the tokens; by tokens, the small tenant goes next until it has been
+    served as many tokens as the big one (2 x 100 output tokens each: 3,200 against 300)."""
+    arrivals = [(f"b{i}", "big", 3000) for i in range(4)] + [(f"s{i}", "small", 100) for i in range(12)]
+    by_request = await _token_turns(AdmissionQueue(20), arrivals)
+    assert by_request[:6] == ["b0", "s0", "b1", "s1", "b2", "s2"]
+    by_tokens = await _token_turns(AdmissionQueue(20, fair_share="tokens"), arrivals)
+    # b0 was the head (asking before the others queued). From then on: the small tenant until
+    # its 300-token requests add up to b0's 3,200, then b1, then small again.
+    assert by_tokens[:13] == ["b0"] + [f"s{i}" for i in range(11)] + ["b1"], by_tokens
+
+
+def test_token_counters_lift_a_returning_tenant_and_learn_answer_lengths():
+    ledger = FlowLedger(output_token_weight=2.0)
+    # Estimates: the prompt, plus the flow's mean answer (none yet: 0) capped by max_tokens.
+    assert ledger.charge("a", 500, None) == 500
+    ledger.settle("a", 500, 500, 300)  # it answered 300 tokens
+    assert ledger.served("a") == 1100
+    assert ledger.charge("a", 500, None) == 500 + 2 * 300
+    assert ledger.charge("a", 500, 50) == 500 + 2 * 50  # never above max_tokens
+    # A flow first seen learns from everybody's answers, and starts where the last pick was.
+    assert ledger.pick(["a"]) == "a" and ledger.level == ledger.served("a")
+    assert ledger.served("new") == ledger.level
+    assert ledger.charge("new", 0, None) == 2 * 300
+    # A tenant idle while others were served (its counter far below) is lifted to the lowest
+    # of those waiting when it comes back, so it does not take every turn until it catches up.
+    ledger.settle("idle", 0, 0, 0)
+    ledger._accounts["idle"].served = 0.0
+    ledger.lift("idle", ["a", "new"])
+    assert ledger.served("idle") == min(ledger.served("a"), ledger.served("new"))
+    ledger.lift("a", [])  # nobody else waits: no lower than the last pick's counter
+    assert ledger.served("a") >= ledger.level
+
+
+def test_token_counters_forget_flows_past_the_bound(monkeypatch):
+    """A client making up a fairness id per request cannot grow the gateway's memory."""
+    monkeypatch.setattr(fair_share, "MAX_ACCOUNTS", 8)
+    ledger = FlowLedger()
+    for i in range(100):
+        ledger.charge(f"f{i}", 10 + i, None)
+    assert len(ledger) <= 8
 
 
 def test_a_requests_flow_is_its_fairness_header_else_its_api_key():
