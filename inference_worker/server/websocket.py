@@ -61,6 +61,8 @@ def generation_from_message(factory: GenerationFactory, text: str) -> Generation
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise invalid_request(f"Invalid JSON message: {exc.msg}", code="invalid_json") from None
+    except RecursionError:  # nested deeper than the parser's stack (pydantic's HTTP path says so too)
+        raise invalid_request("Invalid JSON message: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid_request("a message must be a JSON object (a completions or chat request body)")
     endpoint = body.get("endpoint")

@@ -13,7 +13,7 @@ from inference_worker.server.chat_protocol import ChatCompletionRequest
 from inference_worker.server.chunks import ChatChunks, CompletionChunks, UsageTally
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.protocol import CompletionRequest, normalize_prompts
-from inference_worker.server.websocket import _is_cancel
+from inference_worker.server.websocket import _is_cancel, generation_from_message
 
 
 def test_completion_defaults_follow_openai_and_vllm() -> None:
@@ -147,6 +147,14 @@ def test_websocket_cancel_message_detection() -> None:
     assert not _is_cancel('{"type": "cancel", "prompt": "x"}')
     assert not _is_cancel('{"prompt": "cancel"}')
     assert not _is_cancel("cancel")
+
+
+@pytest.mark.parametrize("text", ["[" * 5000 + "]" * 5000, '{"a": ' * 5000 + "1" + "}" * 5000])
+def test_websocket_message_nested_too_deeply_is_a_400(text) -> None:
+    """json.loads raises RecursionError there, not a JSONDecodeError: it was a 500."""
+    with pytest.raises(APIError) as caught:
+        generation_from_message(None, text)  # refused before the factory is used
+    assert (caught.value.status, caught.value.code) == (400, "invalid_json")
 
 
 _CHAT = {"messages": [{"role": "user", "content": "hi"}]}
