@@ -100,6 +100,19 @@ _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def is_name(value: Any) -> bool:
+    """A usable model name or response id: a non-empty string that is text. JSON's escapes can
+    spell a lone surrogate ("\\ud800"), which no UTF-8 encoder takes: as a model it would fail the
+    scheduler call and the /metrics page (a label) from then on, as an id the owner lookup."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Proxy(StreamForwarding, StoredResponseCalls):
     def __init__(
         self,
@@ -240,6 +253,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 return error_response(400, f"request body is not valid JSON: {exc}")
+            except RecursionError:  # nesting deeper than the parser's stack: no request does that
+                return error_response(400, "request body is not valid JSON: nested too deeply")
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object")
         model = body.get("model", request.query.get("model"))
@@ -247,7 +262,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             return await no_route(request)
         if not raw and request.method == "POST":
             return error_response(400, "request body is required")
-        if not isinstance(model, str) or not model:
+        if not is_name(model):
             return error_response(
                 400, "'model' is required and must be a non-empty string", param="model"
             )
@@ -282,7 +297,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         pinned: Owner | None = None
         if previous is not None:
             # It continues a response one worker stores: that worker, or a 404 as it would say.
-            if not isinstance(previous, str) or not previous:
+            if not is_name(previous):
                 return error_response(400, "'previous_response_id' must be a non-empty string",
                                       param="previous_response_id")
             pinned = await self.owner_of(previous, request)

@@ -19,7 +19,7 @@ from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
-from router.proxy import Proxy
+from router.proxy import Proxy, is_name
 from router.ws_relay import WsRelay
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
 
@@ -55,7 +55,13 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     client = web.WebSocketResponse(
         max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30, protocols=chosen
     )
-    await client.prepare(request)
+    try:
+        await client.prepare(request)
+    except web.HTTPException as exc:  # not a WebSocket handshake: aiohttp's answer is plain text
+        return error_response(
+            exc.status, f"/v1/ws takes a WebSocket handshake: {' '.join((exc.text or '').split())}",
+            code="invalid_websocket_handshake",
+        )
     rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")
     rec.trace = trace_id_of(request.headers.get("traceparent"))
     rec.flow = proxy.flow_of(request)
@@ -77,9 +83,9 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         try:
             body = json.loads(first.data)
             model = body["model"]
-            if not isinstance(model, str) or not model:
+            if not is_name(model):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # the last: nested too deeply
             await client.send_str(ws_error("first message must be a JSON body with a 'model'", 400))
             rec.status = 400
             return client

@@ -237,7 +237,7 @@ def _prompt_tokens(proxy: Proxy, data: str) -> int:
     worker answers itself), as the HTTP path counts a request without usage."""
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # the last: nested too deeply (the worker says so)
         return 0
     if not isinstance(body, dict):
         return 0

@@ -180,6 +180,9 @@ def test_auth_on_and_off(cluster):
         (b'{"prompt": "x"}', 400),
         (b'{"model": ["m"]}', 400),
         (b'{"model": "m", "prompt": "' + b"y" * 70_000 + b'"}', 413),
+        (b"[" * 5000 + b"]" * 5000, 400),  # deeper than json.loads' stack: RecursionError
+        (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+        (b'{"model": "\\ud800", "prompt": "x"}', 400),  # a lone surrogate: no UTF-8 for the scheduler
     ],
 )
 def test_bad_input_is_4xx_never_5xx(cluster, content, status):
@@ -191,6 +194,47 @@ def test_bad_input_is_4xx_never_5xx(cluster, content, status):
     )
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # A model name once taken into a label must not break the page for good.
+    assert httpx.get(cluster["gw"] + "/metrics", timeout=30).status_code == 200
+
+
+def test_a_previous_response_id_that_is_not_text_is_a_400(cluster):
+    r = httpx.post(cluster["gw"] + "/v1/responses", timeout=30, headers={"Content-Type": "application/json"},
+                   content=b'{"model": "m", "input": "x", "previous_response_id": "\\udc00"}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_plain_get_of_the_websocket_endpoint_is_a_json_400(cluster):
+    r = httpx.get(cluster["gw"] + "/v1/ws", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_websocket_handshake"
+
+
+@pytest.mark.parametrize("first", [
+    "[" * 5000 + "]" * 5000,
+    '{"model": "\\ud800", "prompt": "x"}',
+])
+async def test_websocket_first_message_that_breaks_the_parser_or_the_name_is_a_400(cluster, first):
+    async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
+        await ws.send_str(first)
+        msg = await ws.receive(timeout=30)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        assert json.loads(msg.data)["error"]["code"] == 400
+
+
+async def test_websocket_a_deeply_nested_message_is_answered_and_the_socket_goes_on(cluster):
+    good = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2})
+    async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
+        for text in (good, "[" * 5000 + "]" * 5000, good):
+            await ws.send_str(text)
+        ends = []
+        while len(ends) < 3:
+            msg = await ws.receive(timeout=30)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg  # the relay used to die here: closed
+            body = json.loads(msg.data)
+            if body.get("type") == "done" or "error" in body:
+                ends.append(body)
+        assert [e.get("type") for e in ends] == ["done", None, "done"]
+        assert ends[1]["error"]["code"] == "invalid_json"  # the worker's word, not a 500
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "zstd"])
