@@ -28,7 +28,9 @@ def bearer_token(header: str | None) -> bytes | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    # aiohttp decodes header bytes that are not UTF-8 to lone surrogates (surrogateescape): this
+    # gives the client's bytes back, where a strict encode raised (a 500 on every request).
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 class KeyChecker:

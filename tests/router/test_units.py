@@ -486,6 +486,11 @@ def test_api_keys():
     assert not kc.allows("Bearer k3") and not kc.allows(None) and not kc.allows("Basic k1")
     assert KeyChecker([]).allows(None)
     assert bearer_token("Bearer  abc ") == b"abc"
+    # A header byte that is not UTF-8 (aiohttp hands it on as a lone surrogate): a key that
+    # does not match, not an exception; the fair queue keys a flow by it.
+    raw = b"Bearer k1\xff".decode("utf-8", "surrogateescape")
+    assert bearer_token(raw) == b"k1\xff" and not kc.allows(raw)
+    assert flow_of({"Authorization": raw}, "").startswith("key:")
 
 
 def test_fast_metrics_export_standard_families():
