@@ -246,11 +246,14 @@ def _prompt_tokens(proxy: Proxy, data: str) -> int:
 
 
 def _is_cancel(text: str) -> bool:
-    """The worker's cancel message (`{"type": "cancel"}`): it ends the request being answered."""
+    """The worker's cancel message (`{"type": "cancel"}`): it ends the request being answered.
+    Exactly as the worker tells it (its websocket.py): a message with more fields is a request
+    to it, answered with an error, and counted as a cancel here that answer ended the wrong
+    request in the list of those owed (a stopping gateway then sent the socket away mid-answer)."""
     if len(text) > 64 or '"cancel"' not in text:
         return False
     try:
         body = json.loads(text)
     except ValueError:
         return False
-    return isinstance(body, dict) and body.get("type") == "cancel"
+    return isinstance(body, dict) and body.get("type") == "cancel" and len(body) == 1

@@ -213,3 +213,34 @@ def test_a_request_held_while_its_socket_moves_can_be_cancelled():
         messages = asyncio.run(_cancel_while_the_socket_moves(stack))
     assert not [m for m in messages if "error" in m]
     assert _answers(messages) == [(150, False), (0, True), (3, False)]
+
+
+async def _off_spec_cancel_then_a_stopping_gateway(stack: SimStack) -> list[dict]:
+    """A short answer, a message that looks like a cancel but is not one to the worker (a field
+    more: a request it answers with an error), then a long answer, during which the gateway
+    gets SIGTERM."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(stack.gateway + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "a", "max_tokens": 5, "ignore_eos": True}))
+        await ws.send_str(json.dumps({"type": "cancel", "why": "not a cancel to the worker"}))
+        await ws.send_str(json.dumps({"model": "m", "prompt": "b", "max_tokens": 150, "ignore_eos": True}))
+        messages: list[dict] = []
+        while len([m for m in messages if "choices" in m]) < 10:  # well into the long answer
+            messages.append(json.loads((await ws.receive(timeout=30)).data))
+        stack.gateway_proc.p.send_signal(signal.SIGTERM)
+        while True:
+            msg = await ws.receive(timeout=30)
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                break
+            messages.append(json.loads(msg.data))
+        return messages
+
+
+def test_a_message_the_worker_takes_as_a_request_is_one_to_the_gateway_too():
+    """The gateway counted `{"type": "cancel", ...}` with more fields as a cancel, the worker as
+    a request (answered with an error): that error ended the long answer in the gateway's list
+    of what the socket is owed, and the stopping gateway sent the socket away in mid-answer."""
+    with sim_stack(1, *SLOW) as stack:
+        messages = asyncio.run(_off_spec_cancel_then_a_stopping_gateway(stack))
+    ends = [m.get("type") or m["error"]["param"] for m in messages if "choices" not in m]
+    assert ends == ["done", "prompt", "done"]
+    assert len([m for m in messages if "choices" in m]) == 5 + 150
