@@ -11,8 +11,9 @@ in each mode, same workloads and arrival times:
   gateway's queue orders by it, the workers stay fcfs (they ignore the field);
 - `priority`: the same, and the workers run `--scheduling-policy priority`;
 - `fair`: no priorities; each client names its own flow (the fairness header a tenant's
-  gateway or API key would set), and the gateway's queue takes the flows in turn
-  (router/queue.py).
+  gateway or API key would set), and the gateway's queue takes the flows in turn, a request
+  each (router/queue.py, `--fair-share requests`);
+- `fair-tokens`: the same, the flow served the fewest tokens goes next (`--fair-share tokens`).
 The batch client runs until the interactive one is done (then it is stopped: its requests
 still in flight count as interrupted, not as completed), so both modes offer the same load
 for about the same time. Printed: each class's TTFT and TPOT, and the batch class's output
@@ -45,15 +46,17 @@ ROWS = [("mean TTFT (ms)", "mean_ttft_ms"), ("median TTFT (ms)", "median_ttft_ms
 async def run_mode(args: argparse.Namespace, mode: str, workloads: dict[str, list]) -> dict[str, dict]:
     worker_args = ["--scheduling-policy", "priority"] if mode == "priority" else []
     tagged = mode in ("gateway", "priority")
+    fair = mode in ("fair", "fair-tokens")
+    gateway_args = ["--fair-share", "tokens" if mode == "fair-tokens" else "requests"] if fair else []
     spec = ClusterSpec(profiles=[args.profile] * args.workers, policy=args.policy, model=args.model,
                        time_scale=args.time_scale, worker_args=[worker_args],
-                       log_dir=Path(args.log_dir) / mode)
+                       gateway_args=gateway_args, log_dir=Path(args.log_dir) / mode)
     async with Cluster(spec) as cluster:
         stop_batch = asyncio.Event()
 
         def client(name: str, concurrency: int | None, rate: float, stop: asyncio.Event | None):
             extra = {"priority": CLASSES[name]} if tagged else {}
-            headers = {DEFAULT_FAIRNESS_HEADER: name} if mode == "fair" else None
+            headers = {DEFAULT_FAIRNESS_HEADER: name} if fair else None
             return run_benchmark(
                 base_urls=[cluster.gateway_url], model=args.model, workload=workloads[name],
                 num_prompts=len(workloads[name]), max_concurrency=concurrency, request_rate=rate,

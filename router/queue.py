@@ -92,8 +92,9 @@ class _Band:
         """(flow, its best waiter) of the flow whose turn it is (None: none left); that flow's
         next turn is after every other flow's. `last`: the flow a waiter last left the line
         for (perhaps without waiting here): it goes after the others too. With a ledger, the
-        turn is the flow's served least (ties: in turn)."""
-        if ledger is None and len(self.turns) > 1 and self.turns[0] == last:
+        turn is the flow's served least, and `last` goes after the others among equals (a
+        tenant that starts waiting is lifted level with the others: the next turn is its)."""
+        if len(self.turns) > 1 and self.turns[0] == last:
             self.turns.rotate(-1)
         while self.turns:
             if ledger is None:
