@@ -286,6 +286,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             opts = body.get("stream_options")
             if opts is not None and not isinstance(opts, dict):
                 return error_response(400, "'stream_options' must be an object", param="stream_options")
+            for key in ("include_usage", "continuous_usage_stats"):
+                # Checked here: _with_usage below overwrites them, and would turn a value the
+                # worker refuses (400) into one it takes, hiding usage from a client that asked.
+                if opts and opts.get(key) is not None and not isinstance(opts[key], bool):
+                    return error_response(400, f"'stream_options.{key}' must be a boolean",
+                                          param=f"stream_options.{key}")
             if not (opts and opts.get("include_usage") is True):
                 strip_usage = True  # ask the worker for usage; hide it from the client
                 raw = self._with_usage(raw, body)

@@ -198,6 +198,18 @@ def test_bad_input_is_4xx_never_5xx(cluster, content, status):
     assert httpx.get(cluster["gw"] + "/metrics", timeout=30).status_code == 200
 
 
+@pytest.mark.parametrize("options", [{"include_usage": "yes"}, {"include_usage": 1},
+                                     {"continuous_usage_stats": "x"}])
+def test_stream_options_of_the_wrong_type_are_a_400_as_at_the_worker(cluster, options):
+    """The gateway asks the worker for usage by rewriting stream_options: it made these valid
+    (a 200, the usage hidden) where the worker refuses them."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": options}
+    for url in (cluster["gw"], cluster["workers"][0]):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["param"] == "stream_options." + next(iter(options))
+
+
 def test_a_previous_response_id_that_is_not_text_is_a_400(cluster):
     r = httpx.post(cluster["gw"] + "/v1/responses", timeout=30, headers={"Content-Type": "application/json"},
                    content=b'{"model": "m", "input": "x", "previous_response_id": "\\udc00"}')
