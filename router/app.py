@@ -192,6 +192,7 @@ class Gateway:
                 "last_switch_s": s.last_switch_s,
                 "queued": self.queue.size,
                 "queued_flows": self.queue.waiting_flows,
+                **self.queue.fair_state(),
                 "in_flight": self._gauges()[0],
                 "fallback_workers": [
                     {

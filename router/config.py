@@ -79,12 +79,12 @@ class RouterConfig(BaseSettings):
         "the others behind it; off: one line for all",
     )
     fair_share: Literal["requests", "tokens"] = Field(
-        "requests",
-        description="what a flow's turn in the queue is: one request (requests), or going next "
-        "while it has been served the fewest tokens (tokens: prompt tokens plus "
-        "--fair-output-token-weight x output tokens, counted per model), so that a tenant of long "
-        "prompts and answers does not get the most GPU time by taking as many turns as one of "
-        "short ones",
+        "tokens",
+        description="what a flow's turn in the queue is: the flow served the fewest tokens goes "
+        "next (tokens: prompt tokens plus --fair-output-token-weight x output tokens, counted per "
+        "model), so that a tenant of long prompts and answers does not get the most GPU time by "
+        "taking as many turns as one of short ones; or one request each (requests, the Gateway "
+        "API Inference Extension's round robin)",
     )
     fair_output_token_weight: float = Field(
         2.0, ge=0, le=100,

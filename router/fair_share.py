@@ -1,6 +1,6 @@
-"""Token-weighted turns for the admission queue's flows (`--fair-share tokens`).
+"""Token-weighted turns for the admission queue's flows (`--fair-share tokens`, the default).
 
-With `requests` (the default) the flows of a priority take turns one request each, as the
+With `requests` the flows of a priority take turns one request each, as the
 Gateway API Inference Extension's flow control does: a tenant of 3,000-token prompts with
 long answers gets as many turns as one of short chats, and so most of the GPUs' time. With
 `tokens`, the queue serves next the flow that has been served the fewest tokens: a virtual
@@ -91,6 +91,11 @@ class FlowLedger:
             mean = owner.mean_output
             owner.mean_output = (output_tokens if mean is None
                                  else mean + _MEAN_OUTPUT_ALPHA * (output_tokens - mean))
+
+    def most_served(self, limit: int) -> dict[str, float]:
+        """The `limit` flows served most, and their counters (for /admin/state)."""
+        top = heapq.nlargest(limit, self._accounts.items(), key=lambda fa: fa[1].served)
+        return {flow: round(account.served, 1) for flow, account in top}
 
     def _account(self, flow: str) -> _Account:
         account = self._accounts.get(flow)

@@ -25,11 +25,11 @@ later, shorter ones of its flow is bounded by its own length times the factor. W
 (no fairness ids, no keys) the line is as it was without flows. Priorities are strict: a
 lower one waits while higher ones keep coming.
 
-Turns are one request each by default (`fair_share="requests"`). With `fair_share="tokens"`
-the flow served the fewest tokens goes next (router/fair_share.py: a virtual token counter per
-flow and model, charged as requests get their workers and settled with what they used), so a
-tenant of long prompts and long answers does not take most of the GPUs by taking as many turns
-as a tenant of short ones.
+Turns are one request each with `fair_share="requests"` (this class's default). With
+`fair_share="tokens"` (the gateway's default) the flow served the fewest tokens goes next
+(router/fair_share.py: a virtual token counter per flow and model, charged as requests get
+their workers and settled with what they used), so a tenant of long prompts and long answers
+does not take most of the GPUs by taking as many turns as a tenant of short ones.
 
 The bound is fair too: when the queue is full, a newcomer whose flow has at least two
 waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
@@ -192,6 +192,16 @@ class AdmissionQueue:
         ledger = self.ledger(model)
         if ledger is not None:
             ledger.settle(flow, charged, prompt_tokens, output_tokens)
+
+    def fair_state(self, limit: int = 20) -> dict[str, object]:
+        """The turns' mode and, by tokens, each model's level and most-served flows."""
+        state: dict[str, object] = {"fair_share": self.fair_share}
+        if self._ledgers:
+            state["token_counters"] = {
+                model: {"level": round(ledger.level, 1), "flows": len(ledger),
+                        "most_served": ledger.most_served(limit)}
+                for model, ledger in self._ledgers.items()}
+        return state
 
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))

@@ -122,17 +122,24 @@ async def _small_tenants_last_place(gateway: str) -> tuple[int, list[str]]:
 
 
 def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster):
-    """--fair-share tokens, through the gateway (charged as requests get their worker, settled
+    """--fair-share tokens (the default), through the gateway (charged as requests get their worker, settled
     with the usage they report): B's six small requests cost less together than one of A's, so
     they all go before A's next; by requests they alternate with A's."""
     by_tokens, url = start_gateway("--scheduler", cluster, "--fair-share", "tokens")
     try:
         last_b, order = asyncio.run(_small_tenants_last_place(url))
+        state = httpx.get(url + "/admin/state").json()
     finally:
         by_tokens.stop()
+    # What an operator sees of the counters: both tenants, A (10 x ~300 prompt tokens and 30
+    # answer tokens) above B, which started level with A's first three requests (the lift)
+    # and used a few tokens more.
+    assert state["fair_share"] == "tokens"
+    counters = state["token_counters"]["m"]["most_served"]
+    assert list(counters) == ["id:A", "id:B"] and counters["id:A"] > 2 * counters["id:B"], counters
     # A's two running and its one asking when B came end first at most, then B's six.
     assert last_b <= 9, order
-    by_requests, url = start_gateway("--scheduler", cluster)
+    by_requests, url = start_gateway("--scheduler", cluster, "--fair-share", "requests")
     try:
         last_b, order = asyncio.run(_small_tenants_last_place(url))
     finally:
