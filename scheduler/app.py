@@ -14,7 +14,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from scheduler.channel import LEASE_OPS, OPEN_CHANNELS, close_channels, run_batch_bytes, serve_channel
+from scheduler.channel import (
+    LEASE_OPS,
+    OPEN_CHANNELS,
+    close_channels,
+    request_of,
+    run_batch_bytes,
+    serve_channel,
+)
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
 from scheduler.protocol import ScheduleRequest
@@ -56,6 +63,10 @@ async def read_body(request: web.Request) -> bytes:
         answer = web.HTTPBadRequest(body=body, content_type="application/json")
         answer.force_close()
         raise answer from None
+    except web.HTTPRequestEntityTooLarge as exc:  # past client_max_size: aiohttp's is plain text
+        text = _error_body(exc.text or "request body too large", None, "body_too_large",
+                           "invalid_request_error")
+        raise web.HTTPRequestEntityTooLarge(0, text=text, content_type="application/json") from None
 
 
 def _json(raw: bytes) -> dict:
@@ -88,9 +99,7 @@ def parse_schedule(raw: bytes) -> tuple[Request, int]:
         raise _validation_error(exc) from None
     if not r.model:
         raise BadRequest("model is required", "model")
-    exclude = frozenset(r.exclude) if r.exclude else None
-    return Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora, exclude,
-                   r.reserved_only, r.worker_id, r.cached_tokens), r.wait_ms
+    return request_of(r), r.wait_ms
 
 
 async def schedule(request: web.Request) -> web.Response:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.policies import Request
-from scheduler.protocol import LeasePrefilled, LeaseRelease, ScheduleRequest
+from scheduler.protocol import MAX_TOKENS_COUNTED, LeasePrefilled, LeaseRelease, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 
@@ -52,6 +52,15 @@ def _bad(exc: ValidationError) -> list:
     return _error(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
 
 
+def request_of(r: ScheduleRequest) -> Request:
+    """The policies' view of a schedule call, its token counts clamped (MAX_TOKENS_COUNTED)."""
+    cap = MAX_TOKENS_COUNTED
+    max_tokens = None if r.max_tokens is None else min(r.max_tokens, cap)
+    return Request(r.model, min(r.prompt_tokens, cap), max_tokens, r.prefix_hashes, r.lora,
+                   frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id,
+                   min(r.cached_tokens, cap))
+
+
 def _schedule(svc: SchedulerService, op: dict) -> list:
     try:
         r = ScheduleRequest.model_validate(op)
@@ -61,10 +70,7 @@ def _schedule(svc: SchedulerService, op: dict) -> list:
         return _error(400, "model is required", "model")
     if r.wait_ms:
         return _error(400, "wait_ms is not supported in a batch: use POST /v1/schedule", "wait_ms")
-    req = Request(r.model, r.prompt_tokens, r.max_tokens, r.prefix_hashes, r.lora,
-                  frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id,
-                  r.cached_tokens)
-    out = svc.schedule_now(req, time.monotonic())
+    out = svc.schedule_now(request_of(r), time.monotonic())
     if isinstance(out, dict):
         return [200, out]
     if out == UNKNOWN_MODEL:
@@ -148,8 +154,12 @@ async def close_channels(app: web.Application) -> None:
 MAX_UNSENT_BYTES = 8 << 20
 
 
-async def serve_channel(request: web.Request, svc: SchedulerService) -> web.WebSocketResponse:
+async def serve_channel(request: web.Request, svc: SchedulerService) -> web.StreamResponse:
     ws = web.WebSocketResponse(compress=False, max_msg_size=4 << 20, autoping=True)
+    if not ws.can_prepare(request).ok:  # prepare() would answer a plain-text 400
+        return web.Response(status=400, body=to_json(_error(400, "this endpoint takes only a WebSocket "
+                                                            "upgrade (GET with Upgrade: websocket)")[1]),
+                            content_type="application/json")
     await ws.prepare(request)
     request.app[OPEN_CHANNELS].add(ws)
     transport = request.transport

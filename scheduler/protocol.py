@@ -26,6 +26,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+# Token counts (a schedule call's prompt_tokens, max_tokens, cached_tokens, a release's
+# prompt_tokens + output_tokens) are load estimates: past any KV pool they all mean "more than
+# fits". JSON allows ints of any length, and a gateway passes on a client's max_tokens (times n)
+# and a worker's usage as they come: one past float's range raised OverflowError in the
+# scheduler's arithmetic (a 500; on the channel, the end of the connection and of every call in
+# flight on it). They are clamped to this, not refused: the request is the engine's to refuse.
+MAX_TOKENS_COUNTED = 1 << 40
+
 
 class ScheduleRequest(BaseModel):
     model: str

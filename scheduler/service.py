@@ -12,7 +12,7 @@ from scheduler.health import HALF_OPEN
 from scheduler.leases import LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
-from scheduler.protocol import LeaseRelease
+from scheduler.protocol import MAX_TOKENS_COUNTED, LeaseRelease
 from scheduler.registry import Registry, WorkerState
 from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
@@ -283,8 +283,9 @@ class SchedulerService:
         """A gateway's release (HTTP or channel): end the lease, credit the KV its prompt and
         output held, count the outcome. False: unknown or expired lease."""
         handed_off = rel.handed_off and rel.ok and not rel.error
-        found = self.release(rel.lease_id, rel.ok, rel.error, rel.prompt_tokens + rel.output_tokens,
-                             handed_off)
+        # Clamped (protocol.MAX_TOKENS_COUNTED); a negative count frees nothing.
+        used = min(max(0, rel.prompt_tokens) + max(0, rel.output_tokens), MAX_TOKENS_COUNTED)
+        found = self.release(rel.lease_id, rel.ok, rel.error, used, handed_off)
         if not found:
             outcome = "unknown"  # expired, released already, or never granted
         elif handed_off:

@@ -171,3 +171,52 @@ def test_prefilled_reports_in_a_batch_and_over_http(scheduler):
     assert 'scheduler_prefilled_reports_total{outcome="ok"} 2.0' in metrics
     rel = [{"op": "release", "lease_id": d["lease_id"], "ok": True} for d in (d1, d2)]
     assert [a[0] for a in httpx.post(scheduler + "/v1/batch", json=rel).json()] == [204, 204]
+
+
+# Past float's range: the scheduler's arithmetic raised OverflowError on these (JSON ints have
+# no size limit, and a gateway passes on a client's max_tokens and a worker's usage as they are).
+HUGE = 10**400
+
+
+def test_batch_takes_token_counts_of_any_size(scheduler):
+    base = _leases(scheduler)
+    ops = [{"op": "schedule", "model": "m", "prompt_tokens": HUGE},
+           {"op": "schedule", "model": "m", "max_tokens": HUGE, "cached_tokens": HUGE},
+           {"op": "schedule", "model": "m", "prompt_tokens": 5}]
+    r = httpx.post(scheduler + "/v1/batch", content=to_json(ops))
+    assert r.status_code == 200 and [a[0] for a in r.json()] == [200, 200, 200]
+    rel = [{"op": "release", "lease_id": a[1]["lease_id"], "ok": True, "prompt_tokens": HUGE,
+            "output_tokens": HUGE} for a in r.json()]
+    r = httpx.post(scheduler + "/v1/batch", content=to_json(rel))
+    assert r.status_code == 200 and [a[0] for a in r.json()] == [204, 204, 204]
+    assert _leases(scheduler) == base
+
+
+async def test_channel_answers_the_good_operations_of_a_batch_with_huge_counts_and_stays_open(scheduler):
+    base = _leases(scheduler)
+    async with aiohttp.ClientSession() as s, s.ws_connect(scheduler + "/v1/channel") as ws:
+        ops = [{"op": "schedule", "model": "m", "prompt_tokens": 3},
+               {"op": "schedule", "model": "m", "prompt_tokens": HUGE, "max_tokens": HUGE},
+               {"op": "schedule", "model": "m", "prompt_tokens": -1}]
+        await ws.send_bytes(to_json(ops))
+        answers = (await asyncio.wait_for(ws.receive(), 5)).json()
+        assert [a[0] for a in answers] == [200, 200, 400]
+        leases = [a[1]["lease_id"] for a in answers[:2]]
+        await ws.send_bytes(to_json([{"op": "release", "lease_id": lid, "ok": True, "output_tokens": HUGE}
+                                     for lid in leases] + [{"op": "schedule", "model": "m"}]))
+        answers = (await asyncio.wait_for(ws.receive(), 5)).json()
+        assert [a[0] for a in answers] == [204, 204, 200]  # the channel is still open
+        await ws.send_str(f'[{{"op":"release","lease_id":"{answers[2][1]["lease_id"]}","ok":true}}]')
+        await ws.send_str('[{"op":"schedule","model":"nope"}]')  # a barrier: answered after the release
+        await asyncio.wait_for(ws.receive(), 5)
+    assert _leases(scheduler) == base
+
+
+def test_channel_path_without_an_upgrade_is_an_openai_error(scheduler):
+    r = httpx.get(scheduler + "/v1/channel")
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_body_over_the_size_limit_is_an_openai_error(scheduler):
+    r = httpx.post(scheduler + "/v1/batch", content=b"[" + b" " * (2 << 20) + b"]")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
