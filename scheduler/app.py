@@ -12,7 +12,7 @@ import weakref
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 from scheduler.channel import (
     LEASE_OPS,
@@ -70,9 +70,12 @@ async def read_body(request: web.Request) -> bytes:
 
 
 def _json(raw: bytes) -> dict:
+    # pydantic-core's parser, not json.loads: the stdlib one takes a lone surrogate escape
+    # ("\\ud800"), which no UTF-8 encoder takes (a worker id holding one made every /metrics
+    # page a 500), and meets deep nesting with a RecursionError (a 500); this one refuses both.
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        body = from_json(raw)
+    except ValueError:
         raise BadRequest("body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")

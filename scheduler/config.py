@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.running_cap import is_positive_int
 from scheduler.settings_loader import load_settings
 from scheduler.urls import http_url_problem
 
@@ -135,9 +136,9 @@ class SchedulerConfig(BaseSettings):
     @field_validator("worker_max_running")
     @classmethod
     def _check_caps(cls, v: dict[str, int]) -> dict[str, int]:
-        bad = [key for key, cap in v.items() if cap < 1]
+        bad = [key for key, cap in v.items() if not is_positive_int(cap)]
         if bad:
-            raise ValueError(f"worker_max_running must be at least 1 (given for {', '.join(bad)})")
+            raise ValueError(f"worker_max_running must be from 1 to 2**53 (given for {', '.join(bad)})")
         return {key.rstrip("/"): cap for key, cap in v.items()}
 
     def declared_running_cap(self, worker_id: str, url: str) -> int | None:

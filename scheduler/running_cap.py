@@ -38,10 +38,16 @@ PLATEAU_S = 1.0
 TTL_S = 60.0
 
 
+# The largest count taken: caps and pool sizes are used as floats, and an int past float's
+# range (JSON allows 400 digits) raised OverflowError there: a registration announcing one was
+# a 500, and the worker's later registrations too (its cap was kept before the error).
+MAX_COUNT = 1 << 53
+
+
 def is_positive_int(value: object) -> bool:
     """A cap (or a pool size) as a JSON body or an engine's info may give it: bools are ints
     in Python but never a count."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_COUNT
 
 
 class RunningCap:

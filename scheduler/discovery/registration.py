@@ -30,7 +30,10 @@ def check_token(service: SchedulerService, authorization: str | None) -> None:
     if not token:
         raise RegistrationError(403, "registration disabled: the scheduler has no registration token")
     given = (authorization or "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    # aiohttp hands a header byte that is not UTF-8 on as a lone surrogate, which a plain
+    # encode() refuses (a 500): surrogatepass gives bytes back, which then do not match.
+    if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               token.encode("utf-8", "surrogatepass")):
         raise RegistrationError(401, "invalid or missing registration token")
 
 
@@ -54,7 +57,8 @@ def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int
         raise RegistrationError(400, "worker_id must be a non-empty string without '/'", "worker_id")
     max_running = body.get("max_running")
     if max_running is not None and not is_positive_int(max_running):
-        raise RegistrationError(400, "max_running must be a positive integer", "max_running")
+        raise RegistrationError(400, "max_running must be a positive integer (at most 2**53)",
+                                "max_running")
     return url.rstrip("/"), models, engine, worker_id, max_running
 
 
@@ -64,6 +68,12 @@ def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool
     `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py)."""
     url, models, engine, worker_id, max_running = _validate(body)
     known = service.registry.workers.get(worker_id) if worker_id else service.registry.by_url(url)
+    if known is not None and known.url != url:
+        # The registry keeps a known worker's URL: this one would be answered as registered
+        # while its calls went on to the other URL. Once that registration expires (or leaves)
+        # this one goes through.
+        raise RegistrationError(409, f"worker {known.worker_id!r} is known at another URL, "
+                                f"{known.url!r}", "url")
     created = known is None or SOURCE not in known.sources
     w = service.add_worker(
         WorkerState(url, worker_id=worker_id, models=models, engine=engine, source=SOURCE)

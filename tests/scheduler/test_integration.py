@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import httpx
 import pytest
 
 from scheduler.client import SchedulerClient, UnknownModelError
@@ -271,6 +272,35 @@ def test_bad_input_gets_openai_errors(cluster):
         assert json.loads(err.value.read())["error"]["code"] == "invalid_body", path
     time.sleep(0.2)  # aiohttp would log the body's error after the answer
     assert "Traceback" not in cluster["sched"].tail()
+
+
+async def test_bad_registration_and_failure_bodies_are_4xx_and_leave_the_api_working():
+    """In process (no workers needed). Deep nesting was a RecursionError (a 500); a lone
+    surrogate ("\\ud800") in a registered worker id made every /metrics page a 500 from then on;
+    an Authorization header byte that is not UTF-8 was a 500."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from scheduler.app import build_app
+    from tests.scheduler.helpers import make_service
+
+    svc = make_service(n=1, config={"registration_token": TOKEN})
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with TestClient(TestServer(build_app(svc))) as client:
+        for path, body in (("/v1/workers", deep), ("/v1/workers/w0/failure", deep),
+                           ("/v1/workers", b'{"url": "http://127.0.0.1:9", "worker_id": "\\ud800"}'),
+                           ("/v1/workers", b'{"url": "http://127.0.0.1:9", "models": ["\\udc80"]}'),
+                           ("/v1/workers/w0/failure", b'{"error": "\\ud800"}')):
+            resp = await client.post(path, data=body, headers=auth)
+            assert resp.status == 400, (path, body[:60], await resp.text())
+            assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+        async with httpx.AsyncClient() as raw_client:  # sends the header's bytes as given
+            resp = await raw_client.post(str(client.make_url("/v1/workers")), content=b'{"url": "http://127.0.0.1:9"}',
+                                         headers={"Authorization": b"Bearer \xff"})
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+        assert set(svc.registry.workers) == {"w0"}
+        assert (await client.get("/metrics")).status == 200
+        assert (await client.post("/v1/schedule", json={"model": "m"})).status == 200
 
 
 def test_metrics_and_health(cluster):
