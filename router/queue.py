@@ -188,8 +188,9 @@ class AdmissionQueue:
 
     def settle(self, model: str, flow: str, charged: float, prompt_tokens: int,
                output_tokens: int) -> None:
-        """A request charged `charged` ended: count what it used instead."""
-        ledger = self.ledger(model)
+        """A request charged `charged` ended: count what it used instead (nothing for a model
+        never charged: its requests went by the fallback)."""
+        ledger = self._ledgers.get(model)
         if ledger is not None:
             ledger.settle(flow, charged, prompt_tokens, output_tokens)
 

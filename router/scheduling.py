@@ -160,12 +160,14 @@ class Scheduling:
                 route = None
             if route is not None:
                 return self._charged(route, body, flow)
+        # Fallback picks are not charged: without the scheduler nothing queues, and the model
+        # may be one no worker serves (the counters would keep every name a client makes up).
         if self.fallback_active:
-            return self._charged(self._fallback_pick(model, exclude, pin, pinned_url), body, flow)
+            return self._fallback_pick(model, exclude, pin, pinned_url)
         async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow):
             while True:
                 if self.fallback_active:
-                    return self._charged(self._fallback_pick(model, exclude, pin, pinned_url), body, flow)
+                    return self._fallback_pick(model, exclude, pin, pinned_url)
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     raise QueueTimeout
