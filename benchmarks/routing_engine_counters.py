@@ -10,6 +10,10 @@ done (the workers still run), summed over label sets:
 - computed prompt tokens: prompt tokens the engines actually prefilled
   (`vllm:prompt_tokens_by_source_total{source="local_compute"}`), the prefill work the
   placement cost.
+- sim stretch %: for sim workers, how much slower than modelled their "GPU" ran because the
+  host's CPU was busy (`sim:stretch_seconds_total + sim:late_seconds_total` over
+  `sim:modelled_seconds_total`, inference_worker/sim/metrics.py). Real GPUs do not slow down
+  so; a router whose parts (or scrapes) take the workers' CPU shows here, not in routing.
 
 And from our gateway (not the peers, which publish no such series), how long requests were held
 before a worker was chosen (`router_queue_wait_seconds`): a policy that holds requests when every
@@ -34,6 +38,9 @@ COUNTERS: dict[str, str] = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:prompt_tokens_by_source_total": "computed_prompt_tokens",
+    "sim:modelled_seconds_total": "sim_modelled_s",
+    "sim:stretch_seconds_total": "sim_stretch_s",
+    "sim:late_seconds_total": "sim_late_s",
 }
 
 
@@ -106,8 +113,8 @@ async def read_engine_counters(worker_urls: list[str]) -> list[dict[str, float]]
 
 def engine_table(engines: dict[str, list[dict[str, float]]]) -> str:
     """Markdown: one row per policy, the cluster's totals."""
-    lines = ["| policy | preemptions | prefix cache hit % | computed prompt tokens | prompt tokens |",
-             "|---|---|---|---|---|"]
+    lines = ["| policy | preemptions | prefix cache hit % | computed prompt tokens | prompt tokens "
+             "| sim stretch % |", "|---|---|---|---|---|---|"]
     for name, workers in engines.items():
         total: dict[str, float] = {}
         for w in workers:
@@ -117,6 +124,9 @@ def engine_table(engines: dict[str, list[dict[str, float]]]) -> str:
         hit = f"{100.0 * total.get('prefix_hit_tokens', 0.0) / queried:.1f}" if queried else "-"
         computed = total.get("computed_prompt_tokens")
         computed_text = "-" if computed is None else f"{computed:.0f}"
+        modelled = total.get("sim_modelled_s")
+        slowed = total.get("sim_stretch_s", 0.0) + total.get("sim_late_s", 0.0)
+        stretch = f"{100.0 * slowed / modelled:.2f}" if modelled else "-"  # not sim workers: -
         lines.append(f"| {name} | {total.get('preemptions', 0):.0f} | {hit} | {computed_text} | "
-                     f"{total.get('prompt_tokens', 0):.0f} |")
+                     f"{total.get('prompt_tokens', 0):.0f} | {stretch} |")
     return "\n".join(lines)

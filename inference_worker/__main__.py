@@ -54,6 +54,11 @@ def attach_stat_loggers(engine, config: WorkerConfig, registry: CollectorRegistr
     )
     engine.add_stat_logger(prometheus)
     engine.add_stat_logger(LoggingStatLogger())
+    if config.backend == "sim":  # how far the host's CPU slowed the modelled GPU
+        from inference_worker.sim.metrics import SimTimelineCollector
+
+        labels = {"engine": "0", "model_name": config.model_name}
+        registry.register(SimTimelineCollector(engine.engine.runner.stats, labels))
     return prometheus
 
 

@@ -331,6 +331,9 @@ class LLMEngine:
 
     def record_idle(self) -> None:
         """Report the idle state once, so gauges (running, waiting, KV usage) drop to 0."""
+        idle = getattr(self.runner, "idle", None)  # the sim's timeline (sim/runner.py) restarts
+        if idle is not None:
+            idle()
         stats = self.scheduler_stats()
         for logger in self.stat_loggers:
             logger.record(stats, None)

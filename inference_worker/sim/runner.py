@@ -12,9 +12,11 @@ simulated time: it stands in for the modelled per-step overhead, up to `credit` 
 profile's step_overhead_s x time scale), and sleep overshoot is absorbed the same way.
 After an idle period the next step is credited the full overhead (the engine spent at
 least that long scheduling it). When the engine is slower than the model (Python work
-per step above the credit), the simulated timeline stretches; `stats.gap_s` counts that
-excess (plus idle time) so a benchmark under sustained load can tell when a larger
---time-scale is needed.
+per step above the credit, or the process's other threads holding the GIL: HTTP, metrics
+scrapes), the simulated timeline stretches; `stats.gap_s` counts that excess between steps
+of a busy engine (the engine says when it goes idle, and idle time is not counted), and
+`stats.late_s` the steps that ended after their modelled end. The worker publishes both
+(sim/metrics.py), so a benchmark can tell how far its CPU contention slowed the "GPU".
 
 Tokens. The next token is a hash of the last two tokens and the position, mapped onto the
 sim tokenizer's word list: it depends only on the sequence's content, so a sequence's
@@ -49,9 +51,8 @@ class RunnerStats:
     slept_s: float = 0.0  # time actually spent sleeping
     late_s: float = 0.0  # how far steps ended after their modelled end (runner itself too slow)
     late_steps: int = 0
-    # Time between the previous step's modelled end and this call, beyond the credit: the
-    # engine's Python time in excess of the modelled overhead when it is never idle (under
-    # sustained load), plus idle time otherwise.
+    # Time between the previous step's modelled end and this call, beyond the credit, while
+    # the engine was busy: its Python time (or GIL waits) in excess of the modelled overhead.
     gap_s: float = 0.0
 
 
@@ -163,6 +164,10 @@ class SimModelRunner:
         choices = [(word, math.log1p(-p_eos))] + ([(EOS_ID, math.log(p_eos))] if p_eos > 0 else [])
         choices.sort(key=lambda c: -c[1])
         return SampleLogprobs(dict(choices)[token], tuple(choices[:top_n]))
+
+    def idle(self) -> None:
+        """The engine has nothing to run: the wait until its next step is not a stretch."""
+        self._end = float("-inf")
 
     @property
     def lag_fraction(self) -> float:

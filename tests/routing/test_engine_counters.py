@@ -21,6 +21,7 @@ def test_counters_from_a_real_vllm_page():
 def test_counters_sum_label_sets_and_ignore_other_series():
     page = "\n".join([
         '# HELP vllm:num_preemptions_total x',
+        'sim:stretch_seconds_total{engine="0",model_name="m"} 0.25',
         'vllm:num_preemptions_total{engine="0"} 3.0',
         'vllm:num_preemptions_total{engine="1"} 4.0',
         'vllm:num_preemptions_created{engine="0"} 1.7e+09',
@@ -28,7 +29,8 @@ def test_counters_sum_label_sets_and_ignore_other_series():
         'vllm:prompt_tokens_by_source_total{source="local_compute"} 10.0',
         'vllm:prompt_tokens_cached_total 90.0',
     ])
-    assert parse_counters(page) == {"preemptions": 7.0, "computed_prompt_tokens": 10.0}
+    assert parse_counters(page) == {"preemptions": 7.0, "computed_prompt_tokens": 10.0,
+                                    "sim_stretch_s": 0.25}
 
 
 def test_table_totals_the_cluster_per_policy():
@@ -39,9 +41,12 @@ def test_table_totals_the_cluster_per_policy():
                       "computed_prompt_tokens": 70, "prompt_tokens": 100}],
         "peer": [{}, {}],  # pages that could not be read
     }
+    engines["baseline"][0].update(sim_modelled_s=60.0, sim_stretch_s=0.5, sim_late_s=0.1)
+    engines["baseline"][1].update(sim_modelled_s=40.0, sim_stretch_s=0.4, sim_late_s=0.0)
     rows = engine_table(engines).splitlines()
-    assert rows[2] == "| baseline | 6 | 25.0 | 150 | 200 |"
-    assert rows[3] == "| peer | 0 | - | - | 0 |"
+    # 1.0 s of 100 modelled: the sim's "GPU" ran 1 % slower than modelled.
+    assert rows[2] == "| baseline | 6 | 25.0 | 150 | 200 | 1.00 |"
+    assert rows[3] == "| peer | 0 | - | - | 0 | - |"
 
 
 def test_queue_wait_from_the_gateways_own_page():

@@ -166,3 +166,20 @@ def test_time_scale_stretches_real_step_time():
 
     ratio = wall(4.0) / wall(1.0)
     assert 3.0 < ratio < 5.0
+
+
+def test_idle_time_is_not_a_stretch_of_the_timeline():
+    """The engine says when it goes idle (LLMEngine.record_idle): the wait for the next
+    request is not engine time, so it does not count in gap_s (sim:stretch_seconds_total)."""
+    fake = FakeTime()
+    runner, _ = make_runner(fake=fake)
+    credit = runner.latency.params.step_overhead_s
+    batch = StepBatch([seq(1, list(range(1, 60)), 58, 1)])
+    runner.execute(batch)
+    runner.idle()
+    fake.now += 10.0  # nothing to run for ten seconds
+    runner.execute(batch)
+    assert runner.stats.gap_s == 0.0
+    fake.now += credit * 3  # busy: the engine's Python time past the credit is a stretch
+    runner.execute(batch)
+    assert runner.stats.gap_s == pytest.approx(2 * credit)

@@ -144,6 +144,23 @@ def test_metrics_name_filter_serves_only_the_asked_series(worker, path):
     assert len(part.content) * 5 < len(whole.content)
 
 
+def test_the_sim_publishes_how_far_its_timeline_stretched(worker):
+    """sim:* counters: the modelled step time, and the stretch of a busy engine's timeline
+    beyond it (CPU contention on the host, which a GPU would not suffer). An idle second is
+    not a stretch."""
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        before = parse_samples(client.get("/metrics").text)
+        time.sleep(1.0)
+        assert client.post("/v1/completions", json=body).status_code == 200
+        after = parse_samples(client.get("/metrics").text)
+    assert sample(after, "sim:steps_total") > sample(before, "sim:steps_total") > 0
+    assert sample(after, "sim:modelled_seconds_total") > sample(before, "sim:modelled_seconds_total")
+    assert sample(after, "sim:stretch_seconds_total") - sample(before, "sim:stretch_seconds_total") < 0.5
+    assert sample(after, "sim:late_seconds_total") >= 0
+
+
 def _decode_seconds(scale: str) -> tuple[float, float]:
     """(simulated decode seconds from /metrics, wall seconds) of one 60-token request."""
     with launch_worker("--backend", "sim", "--sim-profile", "tiny", "--time-scale", scale, model=MODEL) as w:
