@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 
@@ -53,8 +54,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-num-seqs must be at least 1")
     if (args.sim_profile or args.time_scale) and args.backend != "sim":
         p.error("--sim-profile and --time-scale need --backend sim")
-    if args.time_scale is not None and args.time_scale <= 0:
-        p.error("--time-scale must be > 0")
+    # Finite (a nan passed every comparison: --grace-period nan killed at once, --startup-timeout
+    # nan failed every stage with no reason given).
+    if args.time_scale is not None and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        p.error("--time-scale must be a finite number > 0")
+    if not (args.startup_timeout > 0 and math.isfinite(args.startup_timeout)):
+        p.error("--startup-timeout must be a finite number of seconds > 0")
+    if not (args.grace_period >= 0 and math.isfinite(args.grace_period)):
+        p.error("--grace-period must be a finite number of seconds >= 0")
+    # A port out of range was an OverflowError traceback (checking it is free); 0 (any free
+    # port) left the launcher waiting for /health on port 0 until --startup-timeout.
+    for flag, port in (("--gateway-port", args.gateway_port), ("--scheduler-port", args.scheduler_port),
+                       ("--base-worker-port", args.base_worker_port)):
+        if not 1 <= port <= 65535:
+            p.error(f"{flag} must be from 1 to 65535")
+    if args.base_worker_port + args.workers - 1 > 65535:
+        p.error(f"--base-worker-port {args.base_worker_port} leaves no room for {args.workers} workers "
+                "below port 65536")
     args.served_model_name = args.served_model_name or args.model
     return args
 

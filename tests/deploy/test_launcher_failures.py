@@ -61,6 +61,22 @@ def test_bad_flags_are_refused_by_the_launcher():
     assert out.returncode == 2 and "need --backend sim" in out.stderr
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    # A port out of range was an OverflowError traceback; 0 waited for /health on port 0.
+    (["--gateway-port", "70000"], "--gateway-port must be from 1 to 65535"),
+    (["--scheduler-port", "0"], "--scheduler-port must be from 1 to 65535"),
+    (["--base-worker-port", "65535", "--workers", "2"], "leaves no room for 2 workers"),
+    # nan passed every comparison: SIGKILL at once, every stage failed with no reason given.
+    (["--grace-period", "nan"], "--grace-period must be a finite number"),
+    (["--startup-timeout", "nan"], "--startup-timeout must be a finite number"),
+    (["--time-scale", "inf"], "--time-scale must be a finite number"),
+])
+def test_bad_numbers_are_one_message_before_anything_starts(flags, message):
+    out = run_launcher(*flags, timeout_s=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "started" not in out.stdout
+
+
 def test_a_child_that_cannot_start_is_named_with_its_last_log_lines():
     gateway, scheduler, worker = free_ports(3)
     out = run_launcher("--workers", "1", "--sim-profile", "no-such-profile", "--gateway-port", str(gateway),
