@@ -32,7 +32,15 @@ async def serve(cfg: SchedulerConfig) -> None:
     runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # a port in use, a host that does not resolve or is not this machine's
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await scraper.stop()
+        await runner.cleanup()
+        raise SystemExit(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
     port = site._server.sockets[0].getsockname()[1] if site._server else cfg.port
     log.info("scheduler listening on http://%s:%d policy=%s workers=%d", cfg.host, port, cfg.policy,
              len(cfg.worker_urls))

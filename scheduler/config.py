@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -29,7 +30,10 @@ class SchedulerConfig(BaseSettings):
     # Discovery
     workers: str = Field("", description="static worker URLs, comma-separated")
     registration_token: str | None = Field(None, description="shared token for POST /v1/workers")
-    registration_ttl_s: float = Field(10.0, gt=0, description="a registration expires without heartbeats")
+    # Finite: an infinite TTL went out as the registration answer's heartbeat_interval_s,
+    # `Infinity`, which is no JSON.
+    registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
+                                      description="a registration expires without heartbeats")
     worker_max_running: dict[str, int] = Field(
         default_factory=dict,
         description="running-request cap per worker (its --max-num-seqs / --max-running-requests), "
@@ -69,8 +73,10 @@ class SchedulerConfig(BaseSettings):
         default_factory=dict,
         description="knobs per policy name (YAML or JSON); the chosen policy's entry applies, "
         "under policy_params")
-    lease_ttl_s: float = Field(600.0, gt=0, description="a lease never released expires after this")
-    visibility_lag_ms: float = Field(50.0, ge=0, description="leases this close before a scrape: unseen")
+    lease_ttl_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+                               description="a lease never released expires after this")
+    visibility_lag_ms: float = Field(50.0, ge=0, allow_inf_nan=False,
+                                     description="leases this close before a scrape: unseen")
     retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")
     followup_hold_ms: float = Field(
         0.0, ge=0, le=5000,
@@ -85,6 +91,14 @@ class SchedulerConfig(BaseSettings):
         description="a gateway's first-token report drains its worker's prefill backlog only while "
         "the worker's KV usage is below this (1.0: always); above it the prompt counter drains it "
         "at the next scrape")
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        # Checked here: logging.basicConfig raised it as a traceback after the config was taken.
+        if v.upper() not in logging.getLevelNamesMapping():
+            raise ValueError("log_level must be one of debug, info, warning, error, critical")
+        return v
 
     @field_validator("policy")
     @classmethod
@@ -131,6 +145,14 @@ class SchedulerConfig(BaseSettings):
             problem = http_url_problem(url) if url else None
             if problem:
                 raise ValueError(f"worker URL {problem}")
+        return v
+
+    @field_validator("k8s_api_server")
+    @classmethod
+    def _check_api_server(cls, v: str | None) -> str | None:
+        problem = http_url_problem(v) if v else None  # else every watch failed, retried forever
+        if problem:
+            raise ValueError(f"URL {problem}")
         return v
 
     @field_validator("worker_max_running")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -81,6 +82,57 @@ def test_unparseable_values_are_one_line_too(tmp_path, args, env, needle):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    # Each was a traceback: logging's own check of the level, and the listener's bind.
+    (["--log-level", "loud"], "log-level"),
+    (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
+    (["--port", "BUSY"], "address already in use"),
+    # Taken, then useless: an infinite TTL was answered to registrations as `Infinity` (no
+    # JSON); an API server URL that is none failed every watch, retried for ever.
+    (["--registration-ttl-s", "inf"], "registration-ttl-s"),
+    (["--k8s-namespace", "n", "--k8s-label-selector", "a=b", "--k8s-api-server", "api:443"],
+     "k8s-api-server"),
+])
+def test_start_up_errors_are_one_line(args, needle):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
+        proc = subprocess.run([sys.executable, "-m", "scheduler", "--port", "0", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert needle in _one_line_error(proc)
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"\xff\xfe policy: x\n", "cannot read config file"),  # a UnicodeDecodeError traceback
+    (b"{1: 2}\n", "got the key 1"),  # an AttributeError traceback
+])
+def test_config_files_that_are_no_mapping_of_names_are_one_line(tmp_path, content, needle):
+    cfg_file = tmp_path / "s.yaml"
+    cfg_file.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "scheduler", "--config", str(cfg_file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert needle in _one_line_error(proc)
+
+
+def test_config_file_from_the_environment(tmp_path, monkeypatch):
+    """SCHEDULER_CONFIG was taken as the field's value and the file never read."""
+    cfg_file = tmp_path / "s.yaml"
+    cfg_file.write_text("scrape_interval_ms: 250\n")
+    monkeypatch.setenv("SCHEDULER_CONFIG", str(cfg_file))
+    assert load_scheduler_config([]).scrape_interval_ms == 250
+    monkeypatch.setenv("SCHEDULER_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(SystemExit, match="cannot read config file"):
+        load_scheduler_config([])
 
 
 def test_busy_is_not_dead_but_refused_connections_are():
