@@ -246,15 +246,27 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     gw = Gateway(cfg)
     app = build_app(gw)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **HEADER_LIMITS)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
-    await site.start()
     runners = [runner]
-    if cfg.allow_metrics and cfg.metrics_port is not None:
-        mrunner = web.AppRunner(build_metrics_app(gw), access_log=None)
-        await mrunner.setup()
-        await web.TCPSite(mrunner, cfg.host, cfg.metrics_port).start()
-        runners.append(mrunner)
+    port = cfg.port
+    try:
+        await runner.setup()  # gw.start: a --tokenizer that does not load ends start-up here
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
+        await site.start()
+        if cfg.allow_metrics and cfg.metrics_port is not None:
+            port = cfg.metrics_port
+            mrunner = web.AppRunner(build_metrics_app(gw), access_log=None)
+            runners.append(mrunner)
+            await mrunner.setup()
+            await web.TCPSite(mrunner, cfg.host, cfg.metrics_port).start()
+    except (OSError, SystemExit) as exc:
+        # One line and out: a port in use or a host that does not resolve was a traceback, and
+        # the sessions gw.start opened were logged as unclosed after the message.
+        for r in runners:
+            await r.cleanup()
+        if isinstance(exc, SystemExit):
+            await gw.stop()  # a startup that failed has no cleanup of its own
+            raise
+        raise SystemExit(f"error: cannot listen on {cfg.host}:{port}: {exc.strerror or exc}") from None
     log.info(
         "gateway listening on http://%s:%d%s (scheduler %s, %d static workers)",
         cfg.host,

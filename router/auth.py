@@ -11,15 +11,25 @@ import hmac
 from pathlib import Path
 
 
+def _key_bytes(key: str) -> bytes:
+    try:
+        return key.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate a YAML escape spelled: no client sends it
+        return key.encode("utf-8", "surrogatepass")
+
+
 def load_api_keys(path: str | None, inline: str = "") -> list[bytes]:
-    keys: list[str] = [k.strip() for k in inline.split(",") if k.strip()]
+    # Keys are compared as bytes (bearer_token): taken as bytes here too, as the file holds them
+    # and as the environment gave them (surrogateescape). A byte that is not UTF-8, in the file
+    # or in ROUTER_API_KEYS, stopped start-up with a traceback.
+    keys = [_key_bytes(k.strip()) for k in inline.split(",") if k.strip()]
     if path:
         try:
-            text = Path(path).read_text()
+            lines = Path(path).read_bytes().splitlines()
         except OSError as exc:
             raise SystemExit(f"error: cannot read api-key-file {path}: {exc}") from None
-        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    return [k.encode() for k in keys]
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith(b"#")]
+    return keys
 
 
 def bearer_token(header: str | None) -> bytes | None:

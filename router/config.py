@@ -6,6 +6,8 @@ wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -151,6 +153,14 @@ class RouterConfig(BaseSettings):
     log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
     log_level: str = "INFO"
 
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        # Checked here: logging.basicConfig raised it as a traceback after the config was taken.
+        if v.upper() not in logging.getLevelNamesMapping():
+            raise ValueError("log_level must be one of debug, info, warning, error, critical")
+        return v
+
     @field_validator("scheduler", "workers")
     @classmethod
     def _http_urls(cls, v: str | None) -> str | None:
@@ -175,11 +185,30 @@ class RouterConfig(BaseSettings):
     def cors_origins(self) -> list[str]:
         return [o.strip() for o in self.cors_allowed_origins.split(",") if o.strip()]
 
+    @field_validator("fairness_header")
+    @classmethod
+    def _header_name(cls, v: str) -> str:
+        # No request carries a header whose name holds a space or a control character: a typo
+        # like that silently keyed every flow by API key.
+        if v and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
+            raise ValueError(f"{v!r} is not an HTTP header name ('' for flows by API key only)")
+        return v
+
     @field_validator("base_path")
     @classmethod
     def _base_path(cls, v: str) -> str:
         if v and not v.startswith("/"):
             raise ValueError("must start with '/'")
+        if v:
+            # Its {name} parts are aiohttp's route variables: one it cannot parse ("/{x") was a
+            # traceback when the routes were added, after the config was taken.
+            from aiohttp import web
+
+            try:
+                for route in ("/v1/models/{model_id}", "/v1/{tail:.+}"):  # as build_app adds them
+                    web.UrlDispatcher().add_resource(v.rstrip("/") + route)
+            except ValueError as exc:
+                raise ValueError(f"not a usable path ({exc})") from None
         return v.rstrip("/")
 
     @model_validator(mode="after")

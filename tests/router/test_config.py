@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from router.auth import load_api_keys
 from router.config import load_router_config
 from tests.router.procs import REPO
 
@@ -48,6 +50,48 @@ def test_bad_values_stop_start_up_naming_the_field(argv, field):
                        timeout=60)
     assert r.returncode != 0
     assert field in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        # Tracebacks: logging's check of the level, the listeners' bind, aiohttp's route parser.
+        (["--log-level", "loud"], "log-level"),
+        (["--port", "BUSY"], "address already in use"),
+        (["--metrics-port", "BUSY"], "address already in use"),
+        (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
+        (["--base-path", "/{x"], "base-path"),
+        # Its message was followed by asyncio's "Unclosed client session" lines.
+        (["--tokenizer", "/no/such/tokenizer.json"], "cannot load tokenizer"),
+        # Taken, and then no request ever carried it: every flow keyed by API key instead.
+        (["--fairness-header", "x tenant"], "fairness-header"),
+    ],
+)
+def test_start_up_errors_are_one_line(argv, needle):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        r = subprocess.run([sys.executable, "-m", "router", "--scheduler", "http://127.0.0.1:9",
+                            "--port", "0", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_api_keys_that_are_not_utf8_are_taken_as_their_bytes(tmp_path):
+    """A key file byte that is not UTF-8 (or one in ROUTER_API_KEYS) stopped start-up with a
+    traceback; a client sends such a key as those bytes (auth.bearer_token)."""
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(b"# comment\nsk-\xff\n\n")
+    assert load_api_keys(str(key_file), "k\udcfe, k2") == [b"k\xfe", b"k2", b"sk-\xff"]
+
+
+def test_config_file_from_the_environment(tmp_path, monkeypatch):
+    """ROUTER_CONFIG was taken as the field's value and the file never read."""
+    y = tmp_path / "gateway.yaml"
+    y.write_text("scheduler: http://127.0.0.1:9000\n")
+    monkeypatch.setenv("ROUTER_CONFIG", str(y))
+    assert load_router_config([]).scheduler == "http://127.0.0.1:9000"
 
 
 def test_scheduler_channel_from_flag_and_env(monkeypatch):
