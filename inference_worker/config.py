@@ -79,7 +79,10 @@ class WorkerConfig(BaseSettings):
 
     # Sim backend
     sim_profile: str = Field("tiny", description="profile name or path to a profile YAML")
-    time_scale: float = Field(1.0, gt=0, description="stretch every simulated duration by this factor")
+    # Finite: an infinite stretch was taken (its engine clock, monotonic / time_scale, stands
+    # still at 0, and a simulated step lasts forever).
+    time_scale: float = Field(1.0, gt=0, allow_inf_nan=False,
+                              description="stretch every simulated duration by this factor")
 
     @field_validator("register_with", "advertise_url")
     @classmethod
@@ -95,6 +98,14 @@ class WorkerConfig(BaseSettings):
             raise ValueError(f"{v!r} is not a valid URL ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{v!r} is not an http(s) URL with a host")
+        # What the scheduler refuses (scheduler/urls.py), refused here too rather than warned
+        # about at every registration.
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(f"{v!r} has credentials in it (user:password@), which a base URL must not hold")
+        if parts.query or parts.fragment or v.rstrip("/").endswith(("?", "#")):
+            raise ValueError(f"{v!r} has a query or a fragment, which a base URL cannot have")
+        if any(c.isspace() or not c.isprintable() for c in v):
+            raise ValueError(f"{v!r} has a space or a control character in it")
         return v
 
     @model_validator(mode="after")

@@ -26,21 +26,27 @@ def _yaml_values(path: str | None) -> dict:
         return {}
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
         reason = " ".join(str(exc).split())  # YAML errors span lines; the contract is one
         raise SystemExit(f"error: cannot read config file {path}: {reason}") from None
     if not isinstance(data, dict):
         raise SystemExit(f"error: config file {path} must hold a mapping of field: value")
+    keys = [k for k in data if not isinstance(k, str)]
+    if keys:  # YAML keys may be numbers, lists, ...: `{1: 2}` was an AttributeError traceback
+        raise SystemExit(f"error: config file {path} must hold a mapping of field: value "
+                         f"(got the key {keys[0]!r})")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
-def _config_path(argv: list[str]) -> str | None:
+def _config_path(argv: list[str], env_var: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             return argv[i + 1]
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
-    return None
+    # Like every field, the path may be given in the environment (WORKER_CONFIG): it was
+    # taken as the field's value and the file never read.
+    return os.environ.get(env_var) or None
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -52,7 +58,8 @@ def format_validation_error(exc: ValidationError) -> str:
 def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> SettingsT:
     """Parse settings; exits with a one-line message on any invalid value."""
     argv = sys.argv[1:] if argv is None else argv
-    yaml_values = _yaml_values(_config_path(argv))
+    prefix = str(model.model_config.get("env_prefix", "")).upper()
+    yaml_values = _yaml_values(_config_path(argv, f"{prefix}CONFIG"))
     try:
         return CliApp.run(model, cli_args=argv, **_yaml_as_init(model, yaml_values))
     except ValidationError as exc:

@@ -124,7 +124,11 @@ def load_profile(name_or_path: str) -> SimProfile:
         path = Path(name_or_path)
         if not path.is_file():
             raise ProfileError(f"sim profile file not found: {name_or_path}")
-        return parse_profile(path.read_text(encoding="utf-8"), source=str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:  # else the message named the codec, not the file
+            raise ProfileError(f"{path}: not UTF-8 text ({exc})") from None
+        return parse_profile(text, source=str(path))
     resource = resources.files("inference_worker") / PROFILES_DIR / f"{name_or_path}.yaml"
     if not resource.is_file():
         known = ", ".join(bundled_profiles())
@@ -136,7 +140,8 @@ def parse_profile(text: str, source: str = "profile") -> SimProfile:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ProfileError(f"{source}: not valid YAML: {exc}") from None
+        reason = " ".join(str(exc).split())  # YAML errors span lines; a start-up error is one
+        raise ProfileError(f"{source}: not valid YAML: {reason}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: expected a mapping at the top level")
     try:

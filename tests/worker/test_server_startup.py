@@ -66,3 +66,39 @@ def test_port_in_use_is_one_line() -> None:
         port = taken.getsockname()[1]
         result = run_worker("--backend", "sim", "--sim-profile", "tiny", "--port", str(port))
     assert_one_line_error(result, "cannot listen", str(port))
+
+
+@pytest.mark.parametrize(
+    ("flag", "url"),
+    # The scheduler refuses these (scheduler/urls.py): warned about at every registration.
+    [("--advertise-url", "http://worker-0:8001/?x=1"), ("--register-with", "http://u:p@scheduler:8090")],
+)
+def test_registration_urls_the_scheduler_refuses_stop_start_up(flag, url) -> None:
+    assert_one_line_error(run_worker(flag, url), flag.removeprefix("--"), repr(url))
+
+
+def test_infinite_time_scale_is_refused() -> None:
+    # Taken before: the engine clock (monotonic / time_scale) stood still.
+    assert_one_line_error(run_worker("--backend", "sim", "--time-scale", "inf"), "time-scale")
+
+
+@pytest.mark.skipif(not SIM_AVAILABLE, reason=SIM_SKIP_REASON)
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    # YAML's error spans lines; a file that is not UTF-8 was named by its codec, not its path.
+    [(b"name: x\n  bad: : indent\n", "not valid YAML"), (b"\xff\xfe name: x\n", "not UTF-8")],
+)
+def test_unreadable_sim_profile_file_is_one_line(tmp_path, content, needle) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_bytes(content)
+    result = run_worker("--backend", "sim", "--sim-profile", str(profile), "--port", "1")
+    assert_one_line_error(result, needle, str(profile))
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_config_file_from_the_environment(tmp_path) -> None:
+    """WORKER_CONFIG was taken as the field's value and the file never read."""
+    env = {**os.environ, "WORKER_CONFIG": str(tmp_path / "missing.yaml")}
+    result = subprocess.run([sys.executable, "-m", "inference_worker"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "cannot read config file", "missing.yaml")
