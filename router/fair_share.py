@@ -87,6 +87,8 @@ class FlowLedger:
         """A request charged `charged` ended having used these tokens."""
         account = self._account(flow)
         account.served += prompt_tokens + self.output_token_weight * output_tokens - charged
+        if not (prompt_tokens or output_tokens):
+            return  # refused, or failed before its worker took it: no answer length to learn
         for owner in (account, self):
             mean = owner.mean_output
             owner.mean_output = (output_tokens if mean is None

@@ -378,6 +378,8 @@ def test_token_counters_lift_a_returning_tenant_and_learn_answer_lengths():
     assert ledger.served("a") == 1100
     assert ledger.charge("a", 500, None) == 500 + 2 * 300
     assert ledger.charge("a", 500, 50) == 500 + 2 * 50  # never above max_tokens
+    ledger.settle("a", 600, 0, 0)  # a request refused by its worker: no charge, nothing learnt
+    assert ledger.charge("a", 0, None) == 2 * 300
     # A flow first seen learns from everybody's answers, and starts where the last pick was.
     assert ledger.pick(["a"]) == "a" and ledger.level == ledger.served("a")
     assert ledger.served("new") == ledger.level
