@@ -12,20 +12,21 @@ The bound is global: past `max_size` waiting requests, a newcomer is refused (42
 A request cancelled while waiting (its client went away) leaves the line and wakes
 its successor.
 
-Order: a request's `priority` first (vLLM's field: lower is served first, 0 by default),
-so that under saturation the gateway's queue does not undo what engines running priority
+Order: a request's `priority` first (vLLM's field: lower is served first, 0 by default), so
+that under saturation the gateway's queue does not undo what engines running priority
 scheduling do. Within a priority, the flows (tenants: a fairness id or API key, see
-router/fairness.py) take turns, round robin, as the Gateway API Inference Extension's flow
-control does: a tenant that floods the queue gets one place in each round, not all the places
-ahead of everybody else's. Within a flow, with `ms_per_prompt_token` 0 the line is FIFO. Above
-0, a request's place is its arrival time plus its prompt length times that many milliseconds:
-after a burst, short prompts go first (shortest-job-first is what minimises the mean time to
-first token when the workers drain a backlog), and the delay a long prompt can suffer from
-later, shorter ones of its flow is bounded by its own length times the factor. With one flow
-(no fairness ids, no keys) the line is as it was without flows. Priorities are strict: a
-lower one waits while higher ones keep coming.
+router/fairness.py) take turns (see below for whose turn it is): a tenant that floods the
+queue does not get all the places ahead of everybody else's. Within a flow, with
+`ms_per_prompt_token` 0 the line is FIFO. Above 0, a request's place is its arrival time plus
+its prompt length times that many milliseconds: after a burst, short prompts go first
+(shortest-job-first is what minimises the mean time to first token when the workers drain a
+backlog), and the delay a long prompt can suffer from later, shorter ones of its flow is
+bounded by its own length times the factor. With one flow (no fairness ids, no keys) the line
+is as it was without flows. Priorities are strict: a lower one waits while higher ones keep
+coming.
 
-Turns are one request each with `fair_share="requests"` (this class's default). With
+Turns are one request each, round robin as the Gateway API Inference Extension's flow control
+does, with `fair_share="requests"` (this class's default). With
 `fair_share="tokens"` (the gateway's default) the flow served the fewest tokens goes next
 (router/fair_share.py: a virtual token counter per flow and model, charged as requests get
 their workers and settled with what they used), so a tenant of long prompts and long answers
