@@ -21,6 +21,7 @@ class RequestRecord:
         "detached",
         "error",
         "fair_charge",
+        "fair_settled",
         "flow",
         "id",
         "method",
@@ -58,8 +59,10 @@ class RequestRecord:
         # The worker goes on with the request after its answer (a background response).
         self.detached = False
         self.flow = ""  # its tenant in the admission queue (router/fairness.py)
-        # What its flow was charged in the queue's token turns (None: it got no worker).
+        # What its flow was charged in the queue's token turns (None: it got no worker), and
+        # the (prompt, output) tokens already settled against it (a WebSocket's answers).
         self.fair_charge: float | None = None
+        self.fair_settled = (0, 0)
 
     @property
     def served(self) -> bool:

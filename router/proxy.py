@@ -174,6 +174,20 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             return SHARED_FLOW
         return flow_of(request.headers, self.cfg.fairness_header)
 
+    def settle_fair(self, rec: RequestRecord) -> None:
+        """Its flow's charge in the queue's token turns (router/fair_share.py) gives way to what
+        it used since the last settlement: at its end, and on a WebSocket at each answer's end
+        too (a socket can carry a tenant's requests for hours, charged once when placed)."""
+        if rec.fair_charge is None:
+            return
+        used = rec.served
+        prompt = rec.prompt_tokens * rec.choices if used else 0
+        output = rec.output_tokens if used else 0
+        settled_prompt, settled_output = rec.fair_settled
+        self.sched.queue.settle(rec.model, rec.flow, rec.fair_charge, prompt - settled_prompt,
+                                output - settled_output)
+        rec.fair_charge, rec.fair_settled = 0.0, (prompt, output)
+
     def request_id(self, request: web.Request, kind: str) -> str:
         """The client's X-Request-Id when it is usable as one (tracing through the gateway to
         the engine, which takes it as its own, as vLLM and our worker do), else a new one."""
@@ -204,11 +218,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 ttft_h.observe(rec.ttft_ms / 1000)
                 if rec.output_tokens > 1:
                     tpot_h.observe((e2e - rec.ttft_ms / 1000) / (rec.output_tokens - 1))
-        if rec.fair_charge is not None:  # the estimates give way to what it used
-            used = rec.served
-            self.sched.queue.settle(rec.model, rec.flow, rec.fair_charge,
-                                    rec.prompt_tokens * rec.choices if used else 0,
-                                    rec.output_tokens if used else 0)
+        self.settle_fair(rec)
         self.stats.add(rec)
         if self.access_log is not None:
             self.access_log.add(rec)

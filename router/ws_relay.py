@@ -205,6 +205,7 @@ class WsRelay:
                             continue
                         if pending:
                             pending.popleft()
+                        self.proxy.settle_fair(self.rec)
                     await client.send_str(data)
                     if self.sessions.closing and await self.session.going_away_if_idle():
                         return  # the last answer owed is out: the client reconnects elsewhere

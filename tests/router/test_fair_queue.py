@@ -8,7 +8,9 @@ A's next turn's end, not after A's whole backlog."""
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import httpx
 import pytest
 
@@ -145,3 +147,32 @@ def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster
     finally:
         by_requests.stop()
     assert last_b >= 11, order
+
+
+async def _ws_tenant_counter(gateway: str) -> float:
+    """Three answers of 20 tokens on one WebSocket, then the tenant's counter while the socket
+    is still open."""
+    headers = {"x-gateway-inference-fairness-id": "ws"}
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway + "/v1/ws", headers=headers) as ws:
+        for _ in range(3):
+            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 20,
+                                          "ignore_eos": True}))
+            while True:
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg.get("type") == "done" or "error" in msg:
+                    break
+            assert msg.get("type") == "done", msg
+        async with s.get(gateway + "/admin/state") as r:
+            state = await r.json()
+    return state["token_counters"]["m"]["most_served"]["id:ws"]
+
+
+def test_a_websocket_tenant_is_counted_as_its_answers_end(cluster):
+    """A socket is placed (and charged) once, but can carry a tenant's requests for hours: each
+    answer's tokens count as it ends, not when the socket closes."""
+    proc, url = start_gateway("--scheduler", cluster)
+    try:
+        counter = asyncio.run(_ws_tenant_counter(url))
+    finally:
+        proc.stop()
+    assert counter >= 2 * 3 * 20  # three answers of 20 output tokens, weighing 2 each
