@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -206,3 +207,25 @@ async def test_websocket_worker_killed_mid_answer_client_gets_an_error():
     finally:
         g.stop()
         w.stop()
+
+
+def test_a_malformed_http_request_is_one_warning_line_not_a_traceback():
+    """What scanners send (a control byte in a header, a Content-Length that is no number) is
+    refused with a 400 by aiohttp's parser before any handler runs; the gateway logs it as one
+    WARNING line, not an ERROR with a traceback per request."""
+    proc, url = start_gateway("--workers", "http://127.0.0.1:9")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        for raw in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(raw)
+                assert s.recv(4096).startswith(b"HTTP/1.0 400")
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        time.sleep(0.2)
+        log = proc.output()
+    finally:
+        proc.stop()
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert log.count("WARNING aiohttp.server: malformed HTTP request from 127.0.0.1") == 2, log
+    assert "Invalid character in Content-Length" in log
