@@ -25,7 +25,10 @@ SHARED_FLOW = ""
 def flow_of(headers: Mapping[str, str], fairness_header: str) -> str:
     value = headers.get(fairness_header) if fairness_header else None
     if value and value.strip():
-        return "id:" + value.strip()[:MAX_ID_CHARS]
+        # aiohttp hands header bytes that are not UTF-8 on as lone surrogates, which no UTF-8
+        # encoder takes (the id is a metrics label and an /admin/state key): spelled out instead.
+        value = value.strip()[:MAX_ID_CHARS].encode("utf-8", "backslashreplace").decode()
+        return "id:" + value
     token = bearer_token(headers.get("Authorization"))
     if token is not None:
         return "key:" + hashlib.blake2b(token, digest_size=8).hexdigest()

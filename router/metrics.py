@@ -18,6 +18,9 @@ disable_created_metrics()
 
 MAX_SERIES = 2000  # request-counter label sets kept before new ones are counted as model "other"
 MAX_MODELS = 200
+# Tenants (the queue's flows) with series of their own; later ones are counted as "other". A
+# fairness id is the client's word, so the bound keeps made-up ids from growing the page.
+MAX_TENANTS = 200
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _SCHED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5)
@@ -55,6 +58,19 @@ class RouterMetrics:
             "router_generation_tokens_total",
             "Generated tokens (from the worker's usage)",
             ["model"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "router_tenant_requests_total",
+            "Requests served, by tenant (the queue's flow: id:<fairness header>, key:<API key "
+            f"digest>, shared without either; other past {MAX_TENANTS} tenants)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "router_tenant_tokens_total",
+            "Tokens served, by tenant and kind (prompt, output; from the worker's usage)",
+            ["tenant", "kind"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -135,6 +151,7 @@ class RouterMetrics:
         )
         self._req_children: dict[tuple[str, str, str], Counter] = {}
         self._model_children: dict[str, tuple] = {}
+        self._tenant_children: dict[str, tuple] = {}
         self._sched_children = {
             c: self.scheduler_latency.labels(c) for c in ("schedule", "wait", "workers")
         }
@@ -162,6 +179,23 @@ class RouterMetrics:
                 self.ttft.labels(model),
                 self.tpot.labels(model),
                 self.e2e.labels(model),
+            )
+        return children
+
+    def per_tenant(self, flow: str) -> tuple:
+        """(requests, prompt_tokens, output_tokens) children for a flow (router/fairness.py)."""
+        children = self._tenant_children.get(flow)
+        if children is None:
+            if len(self._tenant_children) >= MAX_TENANTS:
+                flow = "\0other"  # kept under a key no flow has: the table stops growing
+                children = self._tenant_children.get(flow)
+                if children is not None:
+                    return children
+            tenant = "other" if flow == "\0other" else flow or "shared"
+            children = self._tenant_children[flow] = (
+                self.tenant_requests.labels(tenant),
+                self.tenant_tokens.labels(tenant, "prompt"),
+                self.tenant_tokens.labels(tenant, "output"),
             )
         return children
 

@@ -209,6 +209,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         # A refusal counts in router_requests_total only (see RequestRecord.served); nor
         # does an invented model name open a label set of the per-model series.
         if rec.served and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):
+            tenant_requests, tenant_prompt, tenant_output = m.per_tenant(rec.flow)
+            tenant_requests.inc()
+            tenant_prompt.inc(rec.prompt_tokens)
+            tenant_output.inc(rec.output_tokens)
             prompt_c, gen_c, ttft_h, tpot_h, e2e_h = m.per_model(rec.model)
             e2e = time.perf_counter() - rec.start
             prompt_c.inc(rec.prompt_tokens)

@@ -158,6 +158,12 @@ def router_dashboard() -> dict:
             (f"sum(rate(router_prompt_tokens_total{m}[{RATE}]))", "IN (prompt tokens/s)"),
             (f"sum(rate(router_generation_tokens_total{m}[{RATE}]))", "OUT (generated tokens/s)")],
             "short", description="From the usage the workers return, counted at the gateway"),
+        panel(ts, "Tokens by tenant (top 10)", [
+            (f"topk(10, sum by (tenant) (rate(router_tenant_tokens_total[{RATE}])))", "{{tenant}}")],
+            "short", description="Prompt and output tokens per second of each tenant (the queue's "
+            "flow: id:<fairness header>, key:<API key digest>, shared without either; other past "
+            "200 tenants). Token turns (--fair-share tokens) share the cluster by these, output "
+            "tokens weighing 2"),
         row("Latency seen by clients (measured at the gateway)"),
         panel(ts, "Time to first token", max_avg_min("router_time_to_first_token_seconds", m), "s",
               description="Arrival at the gateway to the first streamed chunk (streamed requests); "

@@ -131,8 +131,12 @@ def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster
     try:
         last_b, order = asyncio.run(_small_tenants_last_place(url))
         state = httpx.get(url + "/admin/state").json()
+        served = {t: series_value(url, f'router_tenant_requests_total{{tenant="id:{t}"}}', 0.0)
+                  for t in "AB"}
+        b_output = series_value(url, 'router_tenant_tokens_total{kind="output",tenant="id:B"}', 0.0)
     finally:
         by_tokens.stop()
+    assert served == {"A": 10, "B": 6} and b_output == 6 * 3  # what the dashboard shows per tenant
     # What an operator sees of the counters: both tenants, A (10 x ~300 prompt tokens and 30
     # answer tokens) above B, which started level with A's first three requests (the lift)
     # and used a few tokens more.

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from router import fair_share
+from router import metrics as router_metrics
 from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
 from router.fair_share import FlowLedger
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
+from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueFull
 from router.sse import StreamTap, usage_of_body
 from router.tokens import (
@@ -401,6 +403,29 @@ def test_token_counters_forget_flows_past_the_bound(monkeypatch):
     for i in range(100):
         ledger.charge(f"f{i}", 10 + i, None)
     assert len(ledger) <= 8
+
+
+def test_tenant_series_are_bounded_and_name_the_shared_flow(monkeypatch):
+    monkeypatch.setattr(router_metrics, "MAX_TENANTS", 3)
+    m = RouterMetrics()
+    for flow in ("", "id:a", "key:0123", "id:made-up-1", "id:made-up-2", "id:a"):
+        requests, prompt, _ = m.per_tenant(flow)
+        requests.inc()
+        prompt.inc(10)
+    page = m.render().decode()
+    assert 'router_tenant_requests_total{tenant="shared"} 1.0' in page
+    assert 'router_tenant_requests_total{tenant="id:a"} 2.0' in page
+    assert 'router_tenant_requests_total{tenant="other"} 2.0' in page  # past the bound
+    assert 'router_tenant_tokens_total{kind="prompt",tenant="other"} 20.0' in page
+    assert "made-up" not in page and len(m._tenant_children) == 4
+
+
+def test_a_fairness_id_of_bytes_that_are_not_utf8_is_spelled_out():
+    """aiohttp hands such bytes on as lone surrogates: as a metrics label the id would break
+    the /metrics page."""
+    header = "x-gateway-inference-fairness-id"
+    flow = flow_of({header: "team-\udcff"}, header)
+    assert flow.startswith("id:team-") and flow.encode()  # encodable: no surrogate left
 
 
 def test_a_requests_flow_is_its_fairness_header_else_its_api_key():
