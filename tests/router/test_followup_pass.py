@@ -75,3 +75,29 @@ async def test_passing_stops_after_the_scheduler_says_it_holds_nothing():
     stub.room.set()
     routes = await asyncio.gather(head, *followers)
     assert {r.lease_id for r in routes} == {f"l{i}" for i in range(1, 7)}
+
+
+class AlwaysRoom:
+    async def schedule_raw(self, body: dict, wait_ms: int) -> tuple[int, dict]:
+        return 200, {"worker_id": "w0", "url": "http://127.0.0.1:1", "lease_id": "l1"}
+
+
+async def test_token_turns_charge_scheduled_routes_and_not_fallback_picks():
+    """--fair-share tokens: a route the scheduler gave is charged to the request's flow; a
+    round-robin pick while the scheduler is away is not (its model may be a name no worker
+    serves, which the counters would keep)."""
+    sched = Scheduling(
+        AlwaysRoom(),  # type: ignore[arg-type]
+        FallbackRouter(["http://127.0.0.1:2"], 1.0),
+        AdmissionQueue(16, fair_share="tokens"),
+        RouterMetrics(),
+        wait_schedule_timeout_s=1.0, try_period_s=0.1, probe_period_s=1.0, schedule_wait_ms=5000,
+        workers_refresh_s=60.0,
+    )
+    deadline = time.monotonic() + 10
+    route = await sched.acquire({"model": "m", "prompt_tokens": 100}, [], deadline, flow="id:a")
+    assert route.charge == 100 and sched.queue.ledger("m").served("id:a") == 100
+    sched.fallback_active = True
+    route = await sched.acquire({"model": "made-up", "prompt_tokens": 100}, [], deadline, flow="id:a")
+    assert route.fallback and route.charge == 0
+    assert set(sched.queue.fair_state()["token_counters"]) == {"m"}
