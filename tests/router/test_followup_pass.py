@@ -1,7 +1,8 @@
 """The gateway's queue passing (--followup-pass-ms) against a scheduler that makes no
 follow-up holds: after the first "holds_off" answer it stops asking. A unit test of the
 gateway's Scheduling with a scripted scheduler client; the scheduler's side of the answer is
-tested on the real service in tests/scheduler/test_reservations.py."""
+tested on the real service in tests/scheduler/test_reservations.py. Also: which routes the
+token turns (--fair-share tokens) charge."""
 
 from __future__ import annotations
 
