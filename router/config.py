@@ -6,7 +6,6 @@ wait_schedule_timeout 5000 ms, wait_schedule_try_period 500 ms).
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Literal
 from urllib.parse import urlsplit
@@ -15,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
+from scheduler.settings_loader import known_log_level
 from scheduler.urls import http_url_problem
 
 
@@ -156,10 +156,7 @@ class RouterConfig(BaseSettings):
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, v: str) -> str:
-        # Checked here: logging.basicConfig raised it as a traceback after the config was taken.
-        if v.upper() not in logging.getLevelNamesMapping():
-            raise ValueError("log_level must be one of debug, info, warning, error, critical")
-        return v
+        return known_log_level(v)
 
     @field_validator("scheduler", "workers")
     @classmethod

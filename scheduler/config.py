@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.running_cap import is_positive_int
-from scheduler.settings_loader import load_settings
+from scheduler.settings_loader import known_log_level, load_settings
 from scheduler.urls import http_url_problem
 
 
@@ -95,10 +94,7 @@ class SchedulerConfig(BaseSettings):
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, v: str) -> str:
-        # Checked here: logging.basicConfig raised it as a traceback after the config was taken.
-        if v.upper() not in logging.getLevelNamesMapping():
-            raise ValueError("log_level must be one of debug, info, warning, error, critical")
-        return v
+        return known_log_level(v)
 
     @field_validator("policy")
     @classmethod

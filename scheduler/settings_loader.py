@@ -9,6 +9,7 @@ this small loader of its own, a twin of the worker's.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,14 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsError
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+def known_log_level(value: str) -> str:
+    """A logging level's name, any case. Checked with the config: logging.basicConfig raised an
+    unknown one as a traceback after the config was taken."""
+    if value.upper() not in logging.getLevelNamesMapping():
+        raise ValueError("log_level must be one of debug, info, warning, error, critical")
+    return value
 
 
 def _yaml_values(path: str | None) -> dict:
