@@ -74,7 +74,11 @@ def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> Sett
     except ValidationError as exc:
         raise SystemExit(format_validation_error(exc)) from None
     except SettingsError as exc:  # a flag or variable that should hold JSON and does not parse
-        raise SystemExit(f"error: {exc}") from None
+        # From the environment the message names the field and source but not what is wrong:
+        # that is the error it was raised from (a JSONDecodeError's position, ...).
+        cause = str(exc.__cause__ or "")
+        reason = f": {cause}" if cause and cause not in str(exc) else ""
+        raise SystemExit(f"error: {exc}{reason}") from None
 
 
 def _yaml_as_init(model: type[BaseSettings], values: dict) -> dict:

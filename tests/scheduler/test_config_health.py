@@ -71,6 +71,9 @@ def test_invalid_value_is_one_line_naming_the_field(args, field):
 @pytest.mark.parametrize(("args", "env", "needle"), [
     (["--policy-params", "[1]"], {}, "policy_params"),  # JSON-valued flags that do not parse
     ([], {"SCHEDULER_WORKER_MAX_RUNNING": "not json"}, "worker_max_running"),
+    # From the environment the line also says what is wrong, not only which field.
+    ([], {"SCHEDULER_POLICY_PARAMS": "{bad"}, "policy_params\" from source \"EnvSettingsSource\": "
+                                              "Expecting property name"),
     (["--config", "BROKEN_YAML"], {}, "cannot read config file"),  # its parser's error spans lines
 ])
 def test_unparseable_values_are_one_line_too(tmp_path, args, env, needle):
