@@ -113,9 +113,14 @@ def _coerce(value: Any, type_name: Any, key: str) -> Any:
     t = str(type_name)
     try:
         if t.startswith("bool"):
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes", "on")
-            return bool(value)
+            # Spelled out both ways: anything else was taken as false, so a typo ("ture") in,
+            # say, hold_when_saturated turned the hold off without a word.
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
         if value is None and "None" in t:
             return None
         if t.startswith("int"):
