@@ -185,13 +185,12 @@ class RouterMetrics:
     def per_tenant(self, flow: str) -> tuple:
         """(requests, prompt_tokens, output_tokens) children for a flow (router/fairness.py)."""
         children = self._tenant_children.get(flow)
+        if children is None and len(self._tenant_children) >= MAX_TENANTS:
+            # One entry for the rest: no flow is named "other" (flows are id:..., key:... or "").
+            flow = "other"
+            children = self._tenant_children.get(flow)
         if children is None:
-            if len(self._tenant_children) >= MAX_TENANTS:
-                flow = "\0other"  # kept under a key no flow has: the table stops growing
-                children = self._tenant_children.get(flow)
-                if children is not None:
-                    return children
-            tenant = "other" if flow == "\0other" else flow or "shared"
+            tenant = flow or "shared"
             children = self._tenant_children[flow] = (
                 self.tenant_requests.labels(tenant),
                 self.tenant_tokens.labels(tenant, "prompt"),
