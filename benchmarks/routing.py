@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-interval", type=float, default=0.5, help="wall seconds between load samples")
     p.add_argument("--output", default="benchmarks/results/routing-homogeneous.json")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--keep-itls", action="store_true",
+                   help="keep every request's inter-chunk gaps in the JSON (large; off for committed runs)")
     p.add_argument("--timeline-policies", default="baseline,llm_aware")
     p.add_argument("--log-dir", default=None, help="process logs (default: <output stem>-logs in /tmp)")
     p.add_argument("--quick", action="store_true",
@@ -262,7 +264,7 @@ async def main_async(args: argparse.Namespace, previous: dict | None = None) -> 
         print(f"[routing] {policy}: starting {len(worker_profiles(args))} workers ...",
               file=sys.stderr, flush=True)
         result, samples, engines, gateway, cpu, wall = await run_policy(policy, args, log_dir, workload)
-        doc["policies"][policy] = slim_result(result)
+        doc["policies"][policy] = slim_result(result, args.keep_itls)
         doc["timelines"][policy] = samples
         doc["engines"][policy] = engines
         doc["gateway"][policy] = gateway

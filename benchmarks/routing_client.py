@@ -7,10 +7,16 @@ from __future__ import annotations
 DROP_KEYS = ("itls", "generated_texts")
 
 
-def slim_result(result: dict) -> dict:
+def slim_result(result: dict, keep_itls: bool = False) -> dict:
+    """The result without its bulkiest lists; `keep_itls` keeps each request's gaps between chunks
+    (rounded to 0.1 ms), for questions the summary cannot answer, such as when a proxy delivers
+    the first token."""
     from benchmarks.routing_plots import per_request_ms
 
-    slim = {k: v for k, v in result.items() if k not in DROP_KEYS}
+    dropped = tuple(k for k in DROP_KEYS if not (keep_itls and k == "itls"))
+    slim = {k: v for k, v in result.items() if k not in dropped}
+    if keep_itls and isinstance(slim.get("itls"), list):
+        slim["itls"] = [[round(g, 4) for g in gaps] for gaps in slim["itls"]]
     if "tpots" not in slim and "itls" in result:
         tpots_ms = per_request_ms(result, "tpot")
         slim["tpots"] = [round(t / 1000.0, 6) for t in tpots_ms]
