@@ -126,8 +126,11 @@ def _coerce(value: Any, type_name: Any, key: str) -> Any:
         if t.startswith("int"):
             return int(value)
         if t.startswith("float"):
+            # Infinity too: a weight of inf times a term of 0 is NaN, and a NaN score makes
+            # every comparison false, so picks would follow the workers' order, not their load.
+            # "No cap" is spelled 0 where a cap has that meaning.
             out = float(value)
-            if math.isnan(out):
+            if not math.isfinite(out):
                 raise ValueError
             return out
     except (TypeError, ValueError):

@@ -55,6 +55,7 @@ def test_params_by_policy_apply_to_the_chosen_policy_only(tmp_path, monkeypatch)
     (["--policy", "best"], "policy"),
     (["--policy-params", '{"w_nonsense": 1}'], "policy-params"),
     (["--policy-params", '{"hold_when_saturated": "ture"}'], "policy-params"),  # not taken as false
+    (["--policy-params", '{"w_prefix": Infinity}'], "policy-params"),  # inf x 0 would be a NaN score
     # Entries of policies not in use are checked too: a typo surfaces at start-up, not at a switch.
     (["--policy", "round_robin", "--params-by-policy", '{"llm_aware": {"w_nonsense": 1}}'],
      "params-by-policy"),
