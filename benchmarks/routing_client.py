@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 # Per-request lists that are too big to commit for thousands of requests; TPOT per request is
-# kept (derived from the ITLs) so the CDFs can be redrawn from the JSON.
+# kept (derived from the ITLs) so the CDFs can be redrawn from the JSON, and so are the first
+# gap and the TPOT from the second token (when each router delivers the first token).
 DROP_KEYS = ("itls", "generated_texts")
 
 
@@ -11,12 +12,15 @@ def slim_result(result: dict, keep_itls: bool = False) -> dict:
     """The result without its bulkiest lists; `keep_itls` keeps each request's gaps between chunks
     (rounded to 0.1 ms), for questions the summary cannot answer, such as when a proxy delivers
     the first token."""
+    from benchmarks.routing_first_tokens import compact_lists
     from benchmarks.routing_plots import per_request_ms
 
     dropped = tuple(k for k in DROP_KEYS if not (keep_itls and k == "itls"))
     slim = {k: v for k, v in result.items() if k not in dropped}
     if keep_itls and isinstance(slim.get("itls"), list):
         slim["itls"] = [[round(g, 4) for g in gaps] for gaps in slim["itls"]]
+    if isinstance(result.get("itls"), list):
+        slim["first_gaps"], slim["tpots_from_second"] = compact_lists(result["itls"])
     if "tpots" not in slim and "itls" in result:
         tpots_ms = per_request_ms(result, "tpot")
         slim["tpots"] = [round(t / 1000.0, 6) for t in tpots_ms]

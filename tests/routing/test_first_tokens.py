@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.routing_client import slim_result
 from benchmarks.routing_first_tokens import first_token_stats, main, table, windows_of
+from benchmarks.routing_report import policy_table, summary_table
 
 STEP = 0.05  # one decode step
 
@@ -71,9 +72,24 @@ def test_cli_prints_a_row_per_window_and_policy_and_refuses_a_json_without_gaps(
     assert "--keep-itls" in capsys.readouterr().err
 
 
-def test_slim_result_drops_the_gaps_unless_asked_to_keep_them():
-    result = {"itls": [[0.0412345678, 0.05]], "output_lens": [3], "ttfts": [0.1], "generated_texts": ["hi"]}
-    assert "itls" not in slim_result(result)
+def test_slim_result_drops_the_gaps_unless_asked_but_keeps_what_the_tables_need():
+    result = {"itls": [[0.0412345678, 0.05, 0.07], [0.03]], "output_lens": [4, 2], "ttfts": [0.1, 0.2],
+              "tpots": [0.054, 0.03], "start_times": [0.0, 1.0], "errors": ["", ""],
+              "generated_texts": ["hi", "yo"]}
+    slim = slim_result(result)
+    assert "itls" not in slim and "generated_texts" not in slim
+    assert slim["first_gaps"] == [0.0412, 0.03]
+    assert slim["tpots_from_second"] == [pytest.approx(0.06), None]
+    # The slim JSON answers the same as the full one.
+    assert first_token_stats(slim) == first_token_stats(result)
     kept = slim_result(result, keep_itls=True)
-    assert kept["itls"] == [[0.0412, 0.05]]
-    assert "generated_texts" not in kept
+    assert kept["itls"] == [[0.0412, 0.05, 0.07], [0.03]]
+
+
+def test_routing_tables_show_the_tpot_from_the_second_token_and_the_held_first_chunks():
+    held = result_of([stream(0.0, 0.25, [0.0, STEP, STEP]), stream(1.0, 0.2, [STEP, STEP, STEP])])
+    on_time = result_of([stream(0.0, 0.2, [STEP, STEP, STEP]), stream(1.0, 0.2, [STEP, STEP, STEP])])
+    table_md = summary_table({"baseline": on_time, "peer:x": held})
+    assert "| mean TPOT from the 2nd token (ms) | 50.0 | 50.0 (+0%) |" in table_md
+    assert "| first two tokens delivered together (%) | 0.0 | 50.0 |" in table_md
+    assert "| mean TPOT from the 2nd token | n/a |" in policy_table("x", {}, held)

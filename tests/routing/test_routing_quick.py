@@ -32,6 +32,10 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
         table = sections[f"{name} vs baseline"]
         for row in ROWS:
             assert f"| {row.label} |" in table, (name, row.label)
+        # The derived rows have values, from the per-request lists the JSON keeps.
+        for label in ("mean TPOT from the 2nd token", "first two tokens delivered together"):
+            cells = next(line for line in table.splitlines() if line.startswith(f"| {label} |")).split("|")
+            assert "n/a" not in cells[2] and "n/a" not in cells[3], (name, label, cells)
     assert any(title.startswith("steady state") for title in sections)
     assert "throughput kept vs baseline" in proc.stdout
     assert any(title.startswith("what the engines did") for title in sections)
@@ -45,7 +49,8 @@ def test_quick_run_produces_tables_json_and_figures(tmp_path: Path):
         assert result["completed"] == 24, (name, result.get("errors"))
         assert result.get("failed", 0) == 0, name
         for key in ("duration", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-                    "mean_tpot_ms", "p99_tpot_ms", "total_input_tokens", "ttfts"):
+                    "mean_tpot_ms", "p99_tpot_ms", "total_input_tokens", "ttfts",
+                    "first_gaps", "tpots_from_second"):
             assert key in result, (name, key)
         # The load sampler saw every worker while the run was going.
         samples = doc["timelines"][name]
