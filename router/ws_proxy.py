@@ -110,9 +110,14 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         return client
     finally:
         sessions.remove(session)
-        if relay is not None:
-            await relay.close()
-        if not client.closed:
-            await client.close()
-        proxy.metrics.in_flight.dec()
-        proxy._finish(rec)
+        try:
+            if relay is not None:
+                await relay.close()
+            if not client.closed:
+                await client.close()
+        finally:
+            # Also when the closes above are cancelled: a client that drops the connection
+            # instead of answering our close frame cancels this handler right there, and the
+            # gauge and the request's accounting must not wait for what never comes.
+            proxy.metrics.in_flight.dec()
+            proxy._finish(rec)
