@@ -98,6 +98,12 @@ class WsRelay:
                 exclude.append(route.worker_id)
                 log.info("ws id=%s worker %s unreachable (%r); retrying", rec.id, route.worker_id, exc)
                 continue
+            except asyncio.CancelledError:
+                # The client left while the worker's handshake was under way: the lease is not
+                # yet the relay's to give back (close() releases self.route), and unreleased it
+                # would count as load on that worker until it expired.
+                proxy._release(route, rec, ok=True, held_kv=False)
+                raise
             self.route = route
             rec.worker = route.worker_id
             return None
@@ -227,10 +233,12 @@ class WsRelay:
             return
 
     async def close(self) -> None:
+        # The lease first: the close below waits for the worker, and a cancel meanwhile (the
+        # client dropped the connection) would skip what comes after it.
+        if self.route is not None:
+            self.proxy._release(self.route, self.rec, ok=True)
         if self.upstream is not None:
             await self.upstream.close()
-            if self.route is not None:
-                self.proxy._release(self.route, self.rec, ok=True)
 
 
 def _prompt_tokens(proxy: Proxy, data: str) -> int:

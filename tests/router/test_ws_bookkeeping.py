@@ -104,3 +104,18 @@ async def test_a_client_that_drops_instead_of_answering_the_close_still_leaves_t
     await _until(lambda: series_value(gw, 'router_tenant_requests_total{tenant="shared"}', 0) == 3)
     assert _open_leases(scheduler) == 0
 
+
+async def test_a_client_that_leaves_while_its_worker_is_being_connected_gives_the_lease_back(stack):
+    """The socket has its worker and lease, and the gateway is in the worker's WebSocket
+    handshake when the client leaves: the lease was not yet the relay's, so nobody released
+    it, and it counted as load on that worker until it expired (10 minutes by default)."""
+    worker, scheduler, gw = stack
+    worker.stall.set()
+    async with aiohttp.ClientSession() as s:
+        ws = await s.ws_connect(gw + "/v1/ws")
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
+        await _until(lambda: _open_leases(scheduler) == 1)  # placed, now connecting
+        assert ws._response is not None and ws._response.connection is not None
+        ws._response.connection.transport.abort()
+    await _until(lambda: _open_leases(scheduler) == 0)
+    await _until(lambda: series_value(gw, "router_requests_in_flight") == 0)
