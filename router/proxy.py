@@ -404,6 +404,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 else:
                     self._failed(route, r.reason, rec)
                 exclude.append(route.worker_id)
+                # No worker holds the request until the next attempt is placed: a client that
+                # leaves meanwhile was served by none (its prompt is no input a worker took).
+                rec.worker = "-"
                 if attempt < self.cfg.retry_count:
                     rec.retries += 1
                     self.metrics.retries.labels(r.reason).inc()
@@ -414,6 +417,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                         last_failure,
                     )
         rec.error = last_failure
+        rec.worker = exclude[-1]  # the last to fail it, for the access log and the error counts
         if overloaded:
             # The last worker tried was full: a client should come back, as from a full queue.
             self.metrics.rejected.labels("workers_overloaded").inc()
