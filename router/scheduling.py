@@ -192,9 +192,7 @@ class Scheduling:
         t0 = time.perf_counter()
         try:
             if wait_ms == 0 and self.pipe is not None:
-                status, payload = await self.pipe.schedule_raw(body)
-            elif wait_ms == 0:
-                status, payload = await self.client.schedule_raw(body, 0)
+                status, payload = await self.pipe.schedule_raw(body)  # gives back orphans itself
             else:
                 status, payload = await self._long_poll(body, wait_ms)
         except SchedulerUnavailableError as exc:
@@ -235,9 +233,10 @@ class Scheduling:
         return None
 
     async def _long_poll(self, body: dict[str, Any], wait_ms: int) -> tuple[int, dict]:
-        """A held schedule call. If our client leaves meanwhile, the call is not cut off (the
-        scheduler might hand out a lease to a closed connection, which would then count as
-        load until it expires): it finishes in the background and its lease is given back."""
+        """A schedule call over HTTP, held (wait_ms > 0) or not. If our client leaves meanwhile,
+        the call is not cut off (the scheduler may have issued the lease already, or issue it to
+        a closed connection, and it would then count as load until it expires): it finishes in
+        the background and its lease is given back."""
         task = asyncio.ensure_future(self.client.schedule_raw(dict(body), wait_ms))
         try:
             return await asyncio.shield(task)

@@ -69,8 +69,10 @@ async def test_passing_stops_after_the_scheduler_says_it_holds_nothing():
 
     head = asyncio.create_task(sched.acquire(body(), [], deadline))
     await until(lambda: sched.queue.has_waiters("m"))
-    followers = [asyncio.create_task(sched.acquire(body(), [], deadline)) for _ in range(5)]
-    await until(lambda: sched.queue.size == 6)
+    followers = []
+    for queued in range(2, 7):  # one after another (a scheduler's answer takes a loop turn at least)
+        followers.append(asyncio.create_task(sched.acquire(body(), [], deadline)))
+        await until(lambda queued=queued: sched.queue.size == queued)
     # Five arrivals found a queue; only the first asked for held room.
     assert stub.reserved_only_calls == 1
     stub.room.set()
