@@ -123,9 +123,12 @@ class StreamTap:
                 if usage is not None:
                     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
                     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-                    if isinstance(prompt, int):
+                    # A count the worker got wrong (negative, or a boolean) is not taken: it would
+                    # run the gateway's token counters backwards (a reset to Prometheus) and credit
+                    # its tenant in the queue's token turns.
+                    if _is_count(prompt):
                         self.prompt_tokens = prompt
-                    if isinstance(completion, int):
+                    if _is_count(completion):
                         self.completion_tokens = completion
                     if self.strip_usage and not obj.get("choices"):
                         self.events -= 1
@@ -140,6 +143,10 @@ class StreamTap:
             self.prompt_tokens = int(p.group(1))
         if c:
             self.completion_tokens = int(c.group(1))
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _usage_of_event(obj: object) -> dict | None:

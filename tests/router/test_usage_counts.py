@@ -1,0 +1,29 @@
+"""Usage counts the gateway takes from a worker's stream: only counts. A negative one (or a
+boolean, which JSON's true is to Python's int check) ran the token counters backwards, which
+Prometheus reads as a counter reset, and credited the tenant in the queue's token turns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.sse import StreamTap
+
+
+@pytest.mark.parametrize("bad", [-5, True, 1.5, "7"])
+def test_a_stream_usage_that_is_no_count_is_not_taken(bad):
+    usage = {"prompt_tokens": bad, "completion_tokens": bad}
+    tap = StreamTap(strip_usage=True)
+    tap.feed(b"data: " + json.dumps({"choices": [{"text": "a"}]}).encode() + b"\n\n")
+    tap.feed(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+    tap.flush()
+    assert (tap.prompt_tokens, tap.completion_tokens) == (None, None)
+    assert tap.content_events == 1  # the stand-in the gateway counts instead
+
+
+def test_a_zero_count_is_a_count():
+    tap = StreamTap(strip_usage=False)
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    tap.feed(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+    assert (tap.prompt_tokens, tap.completion_tokens) == (0, 0)
