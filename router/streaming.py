@@ -88,7 +88,10 @@ class StreamForwarding:
                 "text/event-stream"
             ):
                 # An error (4xx) or a worker that answered without streaming: pass it through.
-                data = await up.read()
+                try:
+                    data = await up.read()
+                except UPSTREAM_ERRORS as exc:  # cut off mid-body: nothing reached the client yet
+                    raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
                 rec.status = up.status
                 self._release(route, rec, ok=up.status < 400)
                 h = self._response_headers(route, rec)

@@ -110,3 +110,53 @@ async def test_a_client_that_leaves_while_its_request_waits_for_a_retry_was_serv
     state = (await asyncio.to_thread(httpx.get, gw + "/admin/state")).json()
     ledger = state["token_counters"]["m"]["most_served"]
     assert ledger.get("id:x", 0) == 0
+
+
+async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gives_its_lease_back():
+    """A streamed request its worker answers without a stream (an error, here a 400) and breaks
+    off mid-body: nothing reached the client, so it is one more failed attempt. The read's error
+    used to escape: the client got aiohttp's plain-text 500, the lease stayed open on the
+    scheduler until its expiry, and the request counted as served."""
+    echo = EchoWorker("m", 0.0, "w")
+
+    async def cut_short(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(status=400, headers={"Content-Type": "application/json",
+                                                       "Content-Length": "1000"})
+        await resp.prepare(request)
+        await resp.write(b'{"error": {"message": "bad')
+        await asyncio.sleep(0.05)  # the head and the start of the body go out first
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", cut_short)
+    app.router.add_get("/health", echo.health)
+    app.router.add_get("/metrics", echo.metrics)
+    app.router.add_get("/v1/models", echo.models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    procs = []
+    try:
+        s, su = await asyncio.to_thread(start_scheduler, [f"http://127.0.0.1:{port}"],
+                                        "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gw = await asyncio.to_thread(start_gateway, "--scheduler", su)
+        procs.append(g)
+        async with aiohttp.ClientSession() as session, session.post(
+            gw + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_failed"
+
+        def open_leases() -> int:
+            return sum(w["in_flight_leases"] for w in httpx.get(su + "/v1/workers").json()["workers"])
+
+        await _until(lambda: open_leases() == 0)
+        assert _tenant(gw, "shared") == (0, 0)
+    finally:
+        for p in procs:
+            p.stop()
+        await runner.cleanup()
