@@ -117,7 +117,7 @@ class StreamTap:
                 payload = event[event.find(b"data:") + 5 :] if b"data:" in event else b""
                 try:
                     obj = json.loads(payload)
-                except ValueError:
+                except (ValueError, RecursionError):  # the last: nested deeper than the parser goes
                     obj = None
                 usage = _usage_of_event(obj)
                 if usage is not None:

@@ -27,3 +27,12 @@ def test_a_zero_count_is_a_count():
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
     tap.feed(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
     assert (tap.prompt_tokens, tap.completion_tokens) == (0, 0)
+
+
+def test_a_usage_event_nested_too_deeply_to_parse_is_passed_on_uncounted():
+    """json.loads meets it with a RecursionError, which escaped the stream's relay: the client's
+    stream broke off with a 500 and the lease stayed open until it expired."""
+    tap = StreamTap(strip_usage=True)
+    deep = b'data: {"choices": [], "usage": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}\n\n"
+    assert tap.feed(deep) == deep
+    assert (tap.prompt_tokens, tap.completion_tokens) == (None, None)
