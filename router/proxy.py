@@ -416,6 +416,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                         route.worker_id,
                         last_failure,
                     )
+            except Exception:
+                # Anything else is a gateway bug or an answer nothing here expected (the client
+                # gets a 500): the lease goes back now rather than count as load until it expires.
+                rec.status, rec.error = 500, "gateway_error"
+                self._release(route, rec, ok=False, error="gateway_error")
+                raise
         rec.error = last_failure
         rec.worker = exclude[-1]  # the last to fail it, for the access log and the error counts
         if overloaded:

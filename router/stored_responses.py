@@ -57,7 +57,12 @@ class Owner:
 
 def response_id_in(data: bytes) -> str | None:
     found = _RESPONSE_ID.search(data)
-    return found.group(1).decode() if found else None
+    if found is None:
+        return None
+    try:
+        return found.group(1).decode()
+    except UnicodeDecodeError:  # no id a client could send back (what a worker sends is not trusted)
+        return None
 
 
 def not_found_message(response_id: str) -> str:

@@ -7,6 +7,7 @@ behind a real scheduler and gateway on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -112,26 +113,14 @@ async def test_a_client_that_leaves_while_its_request_waits_for_a_retry_was_serv
     assert ledger.get("id:x", 0) == 0
 
 
-async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gives_its_lease_back():
-    """A streamed request its worker answers without a stream (an error, here a 400) and breaks
-    off mid-body: nothing reached the client, so it is one more failed attempt. The read's error
-    used to escape: the client got aiohttp's plain-text 500, the lease stayed open on the
-    scheduler until its expiry, and the request counted as served."""
+
+@contextlib.asynccontextmanager
+async def _one_worker(path: str, handler) -> AsyncIterator[tuple[str, str]]:
+    """A worker answering POST `path` with `handler` (and the echo worker's /health and
+    /metrics), a scheduler over it and a gateway: yields (scheduler, gateway)."""
     echo = EchoWorker("m", 0.0, "w")
-
-    async def cut_short(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(status=400, headers={"Content-Type": "application/json",
-                                                       "Content-Length": "1000"})
-        await resp.prepare(request)
-        await resp.write(b'{"error": {"message": "bad')
-        await asyncio.sleep(0.05)  # the head and the start of the body go out first
-        assert request.transport is not None
-        request.transport.abort()
-        return resp
-
     app = web.Application()
-    app.router.add_post("/v1/completions", cut_short)
+    app.router.add_post(path, handler)
     app.router.add_get("/health", echo.health)
     app.router.add_get("/metrics", echo.metrics)
     app.router.add_get("/v1/models", echo.models)
@@ -146,17 +135,54 @@ async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gi
         procs.append(s)
         g, gw = await asyncio.to_thread(start_gateway, "--scheduler", su)
         procs.append(g)
-        async with aiohttp.ClientSession() as session, session.post(
-            gw + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
-        ) as r:
-            assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_failed"
-
-        def open_leases() -> int:
-            return sum(w["in_flight_leases"] for w in httpx.get(su + "/v1/workers").json()["workers"])
-
-        await _until(lambda: open_leases() == 0)
-        assert _tenant(gw, "shared") == (0, 0)
+        yield su, gw
     finally:
         for p in procs:
             p.stop()
         await runner.cleanup()
+
+
+def _open_leases(scheduler: str) -> int:
+    return sum(w["in_flight_leases"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"])
+
+
+async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gives_its_lease_back():
+    """A streamed request its worker answers without a stream (an error, here a 400) and breaks
+    off mid-body: nothing reached the client, so it is one more failed attempt. The read's error
+    used to escape: the client got aiohttp's plain-text 500, the lease stayed open on the
+    scheduler until its expiry, and the request counted as served."""
+
+    async def cut_short(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(status=400, headers={"Content-Type": "application/json",
+                                                       "Content-Length": "1000"})
+        await resp.prepare(request)
+        await resp.write(b'{"error": {"message": "bad')
+        await asyncio.sleep(0.05)  # the head and the start of the body go out first
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    async with _one_worker("/v1/completions", cut_short) as (scheduler, gw), aiohttp.ClientSession() as s:
+        async with s.post(gw + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+            assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_failed"
+        await _until(lambda: _open_leases(scheduler) == 0)
+        assert _tenant(gw, "shared") == (0, 0)
+
+
+async def test_an_answer_whose_response_id_is_not_utf8_is_passed_on_and_settles():
+    """A Responses API answer whose `resp_` id is not UTF-8: learning where it is stored raised
+    out of the relay, so the client got a 500 and the lease stayed open until it expired. The id
+    is not learnt now (no client could send it back); any other such error gives the lease back."""
+
+    async def odd_id(request: web.Request) -> web.Response:
+        await request.read()
+        body = b'{"id": "resp_\xff", "object": "response", "usage": {"input_tokens": 3, "output_tokens": 2}}'
+        return web.Response(body=body, content_type="application/json")
+
+    async with _one_worker("/v1/responses", odd_id) as (scheduler, gw), aiohttp.ClientSession() as s:
+        async with s.post(gw + "/v1/responses", json={"model": "m", "input": "x"}) as r:
+            assert r.status == 200
+            assert (await r.read()).startswith(b'{"id": "resp_\xff"')
+        await _until(lambda: _open_leases(scheduler) == 0)
+        assert _tenant(gw, "shared") == (1, 3)
