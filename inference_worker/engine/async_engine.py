@@ -51,8 +51,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._inbox_add: list[tuple[str, list[int], SamplingParams, float]] = []
-        self._inbox_abort: list[str] = []
+        # Adds (request id, prompt, params, arrival) and aborts (request id), in the order they
+        # were posted: an abort posted for a request the engine has just finished must not reach
+        # a new request under the same id posted after it, as it would if adds went first.
+        self._inbox: list[tuple[str, list[int], SamplingParams, float] | str] = []
         self._stop = False
         self._error: BaseException | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -127,7 +129,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         with self._cond:
             arrival = self.engine.clock() if arrival_time is None else arrival_time
-            self._inbox_add.append((request_id, list(prompt_token_ids), params, arrival))
+            self._inbox.append((request_id, list(prompt_token_ids), params, arrival))
             self._cond.notify()
         finished = False
         try:
@@ -160,7 +162,7 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _post_abort(self, request_id: str) -> None:
         with self._cond:
-            self._inbox_abort.append(request_id)
+            self._inbox.append(request_id)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -171,9 +173,7 @@ class AsyncEngine:
             with self._step_context():
                 while True:
                     with self._cond:
-                        while not (
-                            self._stop or self._inbox_add or self._inbox_abort or engine.has_unfinished
-                        ):
+                        while not (self._stop or self._inbox or engine.has_unfinished):
                             if not idle_reported:
                                 engine.record_idle()
                                 idle_reported = True
@@ -183,15 +183,16 @@ class AsyncEngine:
                             self._cond.wait(timeout)
                         if self._stop:
                             return
-                        adds, self._inbox_add = self._inbox_add, []
-                        aborts, self._inbox_abort = self._inbox_abort, []
-                    for request_id, prompt, params, arrival in adds:
+                        inbox, self._inbox = self._inbox, []
+                    for item in inbox:
+                        if isinstance(item, str):
+                            engine.abort_request(item)
+                            continue
+                        request_id, prompt, params, arrival = item
                         try:
                             engine.add_request(request_id, prompt, params, arrival_time=arrival)
                         except EngineRequestError as exc:  # e.g. an id reused before its abort landed
                             self._loop.call_soon_threadsafe(self._fail_one, request_id, exc)
-                    for request_id in aborts:
-                        engine.abort_request(request_id)
                     if engine.has_unfinished:
                         outputs = engine.step()
                         idle_reported = False

@@ -6,6 +6,9 @@ is tested in test_engine_model.py.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 
 from inference_worker.engine.block_manager import BlockManager
@@ -460,5 +463,39 @@ async def test_engine_loop_death_fails_open_requests_and_reports_unhealthy():
         with pytest.raises(EngineDeadError):  # later requests fail fast instead of hanging
             async for _ in aengine.generate("y", [5, 6, 7], greedy(3)):
                 pass
+    finally:
+        await aengine.shutdown()
+
+
+async def test_a_late_abort_of_a_finished_request_spares_a_new_one_under_its_id():
+    """A consumer cancelled with its last output still queued (a client gone as its answer
+    ended) aborts an id the engine has already finished; a retry under the same id that
+    reaches the engine thread in the same turn must not be the one aborted."""
+    from inference_worker.engine.async_engine import AsyncEngine
+
+    engine, _, logger = make_engine()
+    aengine = AsyncEngine(engine, "m")
+    await aengine.start()
+    try:
+        old = aengine.generate("r", [5, 6, 7], greedy(1))
+        reader = asyncio.ensure_future(anext(old))
+        await asyncio.sleep(0)  # the request is in the engine's inbox
+        with aengine._cond:  # the engine thread takes nothing until both are posted
+            for _ in range(500):  # let it finish "r" (its output is then on its way to the loop)
+                if logger.finished:
+                    break
+                aengine._cond.wait(0.01)
+            assert logger.finished and not engine.has_unfinished
+            reader.cancel()  # before the loop hands it the output: its generator aborts "r"
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            retry = aengine.generate("r", [5, 6, 7], greedy(4))
+            first = asyncio.ensure_future(anext(retry))
+            await asyncio.sleep(0)  # the retry's add is posted after the stale abort
+        outs = [await first]
+        async for out in retry:
+            outs.append(out)
+        assert outs[-1].finish_reason is FinishReason.LENGTH
+        assert sum(len(o.token_ids) for o in outs) == 4
     finally:
         await aengine.shutdown()
