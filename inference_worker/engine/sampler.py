@@ -1,10 +1,10 @@
 """Turn the logits of one step into one token per sequence.
 
 Rows whose request sets penalties, a logit bias or min_tokens are adjusted first
-(logits_adjust.py). Greedy rows (temperature 0 or top_k 1) are then an argmax, over the
-whole batch at once where nothing was adjusted. Random rows apply temperature, then
-min-p, top-k and top-p (vLLM's order), then draw. A seeded request draws from a
-generator seeded with (seed, number of tokens generated so far), so its stream is
+(logits_adjust.py). Greedy rows (temperature 0, or below 1e-5 as in vLLM, or top_k 1) are
+then an argmax, over the whole batch at once where nothing was adjusted. Random rows apply
+temperature, then min-p, top-k and top-p (vLLM's order), then draw. A seeded request draws
+from a generator seeded with (seed, number of tokens generated so far), so its stream is
 reproducible whatever it was batched with and even after a preemption (the runner does
 not need to keep generator state across steps). Logprobs are the model's own
 (`logprobs_of`), computed only for the rows that ask.
@@ -60,8 +60,8 @@ def sample(
     adjusted = [
         i for i, p in enumerate(params) if needs_adjusting(p, num_output_tokens[i])
     ]
-    # A non-positive temperature cannot scale logits: treat it as greedy rather than fail the step.
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy or p.temperature <= 0]
+    # A temperature too small to scale logits (non-positive included) is greedy (SamplingParams.greedy).
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == n and not adjusted:
         return logits.argmax(dim=-1).tolist()
     rows: dict[int, torch.Tensor] = {}

@@ -16,6 +16,11 @@ from typing import Any, Protocol
 
 from inference_worker.engine.errors import EngineShutdownError
 
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing logits by a tinier
+# one (the API takes any value >= 0, e.g. 1e-40) overflows them to inf and the softmax to NaN,
+# which torch.multinomial refuses: the engine step, and with it the engine loop, would fail.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class FinishReason(enum.StrEnum):
     """Values of vLLM's `finished_reason` label and of OpenAI's `finish_reason`."""
@@ -83,7 +88,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -412,19 +412,21 @@ def test_sampler_filters_and_edge_parameters():
 
     from inference_worker.engine.sampler import sample
 
-    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0, 4.8]] * 6)
     params = [
         SamplingParams(max_tokens=1, temperature=0.0),  # greedy
         SamplingParams(max_tokens=1, temperature=1.0, top_k=1),  # greedy via top_k
         SamplingParams(max_tokens=1, temperature=-1.0),  # invalid temperature: greedy, not a crash
+        # Too small to divide logits by (they overflow to inf, the softmax to NaN): greedy, as in vLLM.
+        SamplingParams(max_tokens=1, temperature=1e-40, seed=3),
         SamplingParams(max_tokens=1, temperature=1.0, top_p=0.0, seed=3),  # only the top token survives
         SamplingParams(max_tokens=1, temperature=1.0, top_k=2, seed=3),
         SamplingParams(max_tokens=1, temperature=5.0, top_p=0.5, seed=3),
     ]
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0, 4.8]] * len(params))
     for _ in range(20):
-        out = sample(logits, params, [0] * 6)
-        assert out[:4] == [1, 1, 1, 1]
-        assert out[4] in (1, 2) and out[5] in (1, 2)
+        out = sample(logits, params, [0] * len(params))
+        assert out[:5] == [1, 1, 1, 1, 1]
+        assert out[5] in (1, 2) and out[6] in (1, 2)
     # min_p: tokens below min_p x the top probability never come out (at temperature 1 here,
     # 4.8 is e^-0.2 = 0.82 of the top and 0.0 is e^-5 of it); min_p 0 leaves them all possible.
     kept = SamplingParams(max_tokens=1, temperature=1.0, min_p=0.8)
