@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.serve import prepare_workload, run_benchmark
-from router.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT
+from scheduler.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT
 from router.fairness import DEFAULT_FAIRNESS_HEADER
 
 TENANTS = ("documents", "chat")

@@ -175,7 +175,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         return flow_of(request.headers, self.cfg.fairness_header)
 
     def settle_fair(self, rec: RequestRecord) -> None:
-        """Its flow's charge in the queue's token turns (router/fair_share.py) gives way to what
+        """Its flow's charge in the queue's token turns (scheduler/fair_share.py) gives way to what
         it used since the last settlement: at its end, and on a WebSocket at each answer's end
         too (a socket can carry a tenant's requests for hours, charged once when placed)."""
         if rec.fair_charge is None:

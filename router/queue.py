@@ -28,7 +28,7 @@ coming.
 Turns are one request each, round robin as the Gateway API Inference Extension's flow control
 does, with `fair_share="requests"` (this class's default). With
 `fair_share="tokens"` (the gateway's default) the flow served the fewest tokens goes next
-(router/fair_share.py: a virtual token counter per flow and model, charged as requests get
+(scheduler/fair_share.py: a virtual token counter per flow and model, charged as requests get
 their workers and settled with what they used), so a tenant of long prompts and long answers
 does not take most of the GPUs by taking as many turns as a tenant of short ones.
 
@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
 
-from router.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT, FlowLedger
+from scheduler.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT, FlowLedger
 
 FairShare = Literal["requests", "tokens"]
 

@@ -138,6 +138,10 @@ class Scheduling:
         line = model if pin is None else f"{model}\0{pin}"
         if exclude:
             body["exclude"] = exclude
+        if self.queue.fair_share == "tokens":
+            # The scheduler keeps the same counters over every replica's traffic and orders the
+            # replicas' held calls by them (scheduler/service.py).
+            body["flow"] = flow
         if not self.fallback_active:
             if not self.queue.has_waiters(line):
                 route = await self._try_schedule(body, 0)

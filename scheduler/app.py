@@ -158,7 +158,7 @@ async def list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     # The parameters in force (defaults filled in), so an operator can see what the policy runs.
     body = {"policy": svc.policy.name, "policy_params": dataclasses.asdict(svc.policy.p),
-            "workers": svc.workers_view()}
+            "workers": svc.workers_view(), "fair_share": svc.fair_state()}
     return web.Response(body=_dumps(body), content_type="application/json")
 
 

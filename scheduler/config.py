@@ -91,6 +91,18 @@ class SchedulerConfig(BaseSettings):
         "the worker's KV usage is below this (1.0: always); above it the prompt counter drains it "
         "at the next scrape")
 
+    # Why in the scheduler too: each gateway replica orders only its own queue. Tenants whose
+    # connections land on different replicas meet here, where the replicas' held calls wait for
+    # room; in arrival order each replica's head got one turn per request, whatever it cost.
+    fair_share: bool = Field(
+        True, description="hand freed room to the held call whose flow (the tenant the gateway "
+        "names, with its --fair-share tokens) has been served the fewest weighted tokens over "
+        "every gateway's traffic; off: in arrival order (scheduler/fair_share.py)")
+    fair_output_token_weight: float = Field(
+        2.0, ge=0, le=100, allow_inf_nan=False,
+        description="an output token's weight against a prompt token's in the flows' counters "
+        "(the gateways' --fair-output-token-weight)")
+
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, v: str) -> str:

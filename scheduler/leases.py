@@ -15,12 +15,13 @@ from __future__ import annotations
 import itertools
 import os
 
+from scheduler.fair_share import FlowLedger
 from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "issued_at", "lease_id", "prefilled", "prefix_key", "prompt", "tokens",
-                 "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "fair", "fair_open", "issued_at", "lease_id", "prefilled", "prefix_key",
+                 "prompt", "tokens", "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
                  tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
@@ -35,6 +36,10 @@ class Lease:
         self.prefilled = False  # the gateway reported its first token
         # The request's last prefix fingerprint: its follow-up's prompt carries it.
         self.prefix_key = prefix_key
+        # (ledger, flow, estimate) when its flow was charged (scheduler/fair_share.py): settled
+        # with what it used at release; an expired or dropped lease keeps the estimate.
+        self.fair: tuple[FlowLedger, str, float] | None = None
+        self.fair_open = False  # counted among its flow's open requests (scheduler/service.py)
 
 
 class LeaseTable:

@@ -1,15 +1,26 @@
 """The decision core: candidates for a request, the policy's pick, leases, and holding
-requests while every candidate is saturated (woken by events, never by polling)."""
+requests while every candidate is saturated (woken by events, never by polling).
+
+Held calls of a model are woken, when something may have freed room, in the order of their
+flows' token counters (scheduler/fair_share.py: the tenant served the fewest weighted tokens
+over every gateway's traffic first), arrival order among equals and for calls without a flow;
+calls of different models keep their arrival order between them (their counters do not
+compare). Each gateway sends only the head of its own queue, so this orders the replicas'
+heads: without it a tenant alone on one replica got one turn per request against the tenants
+of the others, whatever its requests cost."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections import Counter
 
 from scheduler.config import SchedulerConfig
+from scheduler.fair_share import FlowLedger
 from scheduler.health import HALF_OPEN
-from scheduler.leases import LeaseTable
+from scheduler.leases import Lease, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
 from scheduler.protocol import MAX_TOKENS_COUNTED, LeaseRelease
@@ -32,6 +43,21 @@ class Wait:
         self.reason = reason
 
 
+class _Held:
+    """A schedule call held until something may have freed room."""
+
+    __slots__ = ("flow", "future", "ledger", "seq")
+
+    def __init__(self, seq: int, ledger: FlowLedger | None, flow: str | None) -> None:
+        self.seq = seq  # arrival order
+        self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
+        self.flow = flow
+        self.future: asyncio.Future | None = None
+
+    def turn(self) -> tuple[float, int]:
+        return (self.ledger.served(self.flow) if self.ledger is not None else 0.0, self.seq)
+
+
 class SchedulerService:
     def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
         self.cfg = config
@@ -43,7 +69,13 @@ class SchedulerService:
         self.metrics = metrics or SchedulerMetrics(self)
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
-        self._changed: asyncio.Future | None = None
+        # Held calls waiting for the next event that may free room, in arrival order.
+        self._held: list[_Held] = []
+        self._held_seq = itertools.count()
+        self._ledgers: dict[str, FlowLedger] = {}  # by model key: the flows' token counters
+        # Open leases per (counters, flow): a flow with requests running is not arriving anew
+        # when its gateway's next request asks, so it is not lifted then (see schedule()).
+        self._open_flows: Counter[tuple[FlowLedger, str]] = Counter()
         # Workers on probation: each gets one trial request before any policy choice.
         self.half_open: set[str] = set()
         # model -> routable workers serving it; rebuilt lazily after any health or membership
@@ -58,15 +90,34 @@ class SchedulerService:
     # ---- events that can free capacity -----------------------------------------------
 
     def capacity_changed(self) -> None:
-        fut = self._changed
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-        self._changed = None
+        """Wake the held calls. Each decides again as it resumes, in the order woken (tasks
+        resume in the order their futures complete), and waits again if still saturated."""
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        if any(h.ledger is not None for h in held):
+            held = _fair_order(held)
+        for h in held:
+            if h.future is not None and not h.future.done():
+                h.future.set_result(None)
 
-    def _change_future(self) -> asyncio.Future:
-        if self._changed is None or self._changed.done():
-            self._changed = asyncio.get_running_loop().create_future()
-        return self._changed
+    def _ledger_of(self, req: Request) -> FlowLedger | None:
+        """The counters of the request's model (or LoRA, as decide() routes it), when it
+        names a flow and fair_share is on."""
+        if req.flow is None or not self.cfg.fair_share:
+            return None
+        key = req.lora if req.lora and req.lora in self.registry.by_model else req.model
+        ledger = self._ledgers.get(key)
+        if ledger is None:
+            ledger = self._ledgers[key] = FlowLedger(self.cfg.fair_output_token_weight)
+        return ledger
+
+    def fair_state(self, limit: int = 20) -> dict[str, dict]:
+        """Per model: the level, how many flows have counters, the most served (/v1/workers)."""
+        return {model: {"level": round(ledger.level, 1), "flows": len(ledger),
+                        "most_served": ledger.most_served(limit)}
+                for model, ledger in self._ledgers.items()}
 
     def refresh(self, w: WorkerState) -> None:
         self.policy.refresh(w)
@@ -116,6 +167,8 @@ class SchedulerService:
         w = self.registry.remove(worker_id, source)
         if w is None:
             return False
+        for lease in list(w.leases.values()):
+            self._lease_ended(lease)
         self.leases.drop_worker(w)
         self.reservations.forget_worker(w)
         self.half_open.discard(w.worker_id)
@@ -172,6 +225,12 @@ class SchedulerService:
                                   prefix_key=req.prefix_hashes[-1] if req.prefix_hashes else None)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
+        if req.flow is not None and self.cfg.fair_share:
+            ledger = self._ledger_of(req)
+            ledger.pick((req.flow,))  # the flow served last sets the level new flows start at
+            lease.fair = (ledger, req.flow, ledger.charge(req.flow, req.prompt_tokens, req.max_tokens))
+            self._open_flows[ledger, req.flow] += 1
+            lease.fair_open = True
         self.policy.on_issued(req, w, now)
         self.policy.refresh(w)
         snap = w.snapshot
@@ -233,22 +292,59 @@ class SchedulerService:
             return out
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
+        ledger = self._ledger_of(req)
+        held = _Held(next(self._held_seq), ledger, req.flow)
+        if ledger is not None and self._idle(ledger, req.flow):
+            # The flow arrives: no lower than the flows waiting beside it (no credit banked
+            # while away; scheduler/fair_share.py). Not while it has requests running or held:
+            # each gateway asks for its queue's head only, so a busy tenant's next request
+            # asks anew after each placement, and lifting it then to the heavy tenant's counter
+            # would undo every turn it had.
+            ledger.lift(req.flow, (h.flow for h in self._held if h.ledger is ledger))
+        loop = asyncio.get_running_loop()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.wait_done(False, time.monotonic() - now)
                 return out
+            held.future = loop.create_future()
+            self._held.append(held)
             try:
-                await asyncio.wait([self._change_future()], timeout=remaining)
+                await asyncio.wait([held.future], timeout=remaining)
             except asyncio.CancelledError:
                 # The caller hung up (the HTTP handler is cancelled): deciding later would hand
                 # a lease to nobody, counted as load on a worker until it expired.
+                self._unhold(held)
                 self.metrics.wait_cancelled(time.monotonic() - now)
                 raise
+            self._unhold(held)  # woken (it left the list then) or timed out (it is still in it)
             out = self.decide(req, time.monotonic())
             if not isinstance(out, Wait):
                 self.metrics.wait_done(True, time.monotonic() - now)
                 return out
+
+    def _idle(self, ledger: FlowLedger, flow: str) -> bool:
+        if (ledger, flow) in self._open_flows:
+            return False
+        return not any(h.ledger is ledger and h.flow == flow for h in self._held)
+
+    def _lease_ended(self, lease: Lease) -> None:
+        """Released, handed off, expired or dropped with its worker: its flow has one request
+        fewer running here."""
+        if lease.fair is None or not lease.fair_open:
+            return  # not charged, or ended already (a handed-off lease can still expire)
+        lease.fair_open = False
+        key = (lease.fair[0], lease.fair[1])
+        left = self._open_flows[key] - 1
+        if left > 0:
+            self._open_flows[key] = left
+        else:
+            del self._open_flows[key]
+
+    def _unhold(self, held: _Held) -> None:
+        if held.future is not None and not held.future.done():
+            held.future.cancel()
+            self._held.remove(held)
 
     # ---- lease ends and failure reports -------------------------------------------------
 
@@ -264,6 +360,7 @@ class SchedulerService:
             lease = self.leases.close(lease_id, used_tokens)
         if lease is None:
             return False
+        self._lease_ended(lease)
         w = lease.worker
         if lease.trial:
             self._routable.clear()
@@ -284,8 +381,16 @@ class SchedulerService:
         output held, count the outcome. False: unknown or expired lease."""
         handed_off = rel.handed_off and rel.ok and not rel.error
         # Clamped (protocol.MAX_TOKENS_COUNTED); a negative count frees nothing.
-        used = min(max(0, rel.prompt_tokens) + max(0, rel.output_tokens), MAX_TOKENS_COUNTED)
-        found = self.release(rel.lease_id, rel.ok, rel.error, used, handed_off)
+        prompt = min(max(0, rel.prompt_tokens), MAX_TOKENS_COUNTED)
+        output = min(max(0, rel.output_tokens), MAX_TOKENS_COUNTED)
+        lease = self.leases.leases.get(rel.lease_id)
+        found = self.release(rel.lease_id, rel.ok, rel.error, min(prompt + output, MAX_TOKENS_COUNTED),
+                             handed_off)
+        if found and lease is not None and lease.fair is not None and not handed_off:
+            # The estimate gives way to what it used. A handed-off request goes on in its
+            # worker: its usage is not known here, so it keeps the estimate.
+            ledger, flow, charged = lease.fair
+            ledger.settle(flow, charged, prompt, output)
         if not found:
             outcome = "unknown"  # expired, released already, or never granted
         elif handed_off:
@@ -320,6 +425,7 @@ class SchedulerService:
     def expire_leases(self, now: float) -> int:
         expired = self.leases.expire(now)
         for lease in expired:
+            self._lease_ended(lease)
             self.policy.refresh(lease.worker)
         if expired:
             self._routable.clear()  # an expired trial lease lets the next trial through
@@ -330,3 +436,13 @@ class SchedulerService:
     def workers_view(self) -> list[dict]:
         now = time.monotonic()
         return [w.view(now) for w in self.registry.workers.values()]
+
+
+def _fair_order(held: list[_Held]) -> list[_Held]:
+    """Each model's calls in their flows' order, in the places its calls had in arrival order
+    (a model's counters say nothing about another model's)."""
+    by_ledger: dict[int, list[_Held]] = {}
+    for h in held:
+        by_ledger.setdefault(id(h.ledger), []).append(h)
+    turns = {key: iter(sorted(calls, key=_Held.turn)) for key, calls in by_ledger.items()}
+    return [next(turns[id(h.ledger)]) for h in held]

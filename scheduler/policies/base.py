@@ -20,13 +20,13 @@ from scheduler.registry import WorkerState
 class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
-    __slots__ = ("cached_tokens", "exclude", "lora", "max_tokens", "model", "pin", "prefix_hashes",
-                 "prompt_tokens", "reserved_only")
+    __slots__ = ("cached_tokens", "exclude", "flow", "lora", "max_tokens", "model", "pin",
+                 "prefix_hashes", "prompt_tokens", "reserved_only")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
                  exclude: frozenset[str] | None = None, reserved_only: bool = False,
-                 pin: str | None = None, cached_tokens: int = 0) -> None:
+                 pin: str | None = None, cached_tokens: int = 0, flow: str | None = None) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -40,6 +40,9 @@ class Request:
         self.pin = pin
         # Of prompt_tokens, those its worker already holds: no prefill work (ScheduleRequest).
         self.cached_tokens = cached_tokens
+        # Its tenant in the gateway's queue, when the gateway counts token turns
+        # (ScheduleRequest.flow): held calls go in the order of their flows' counters.
+        self.flow = flow
 
 
 class Pick(NamedTuple):

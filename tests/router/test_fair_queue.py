@@ -153,6 +153,51 @@ def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster
     assert last_b >= 11, order
 
 
+async def _small_tenants_last_place_across(heavy_gateway: str, small_gateway: str) -> tuple[int, list[str]]:
+    """As _small_tenants_last_place, with each tenant's requests through its own gateway (its
+    connections all landed on one replica), both gateways in front of one scheduler."""
+    order: list[str] = []
+
+    async def one(client: httpx.AsyncClient, gateway: str, who: str, prompt: str, max_tokens: int) -> None:
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        r = await client.post(gateway + "/v1/completions", json=body,
+                              headers={"x-gateway-inference-fairness-id": who})
+        assert r.status_code == 200, r.text
+        order.append(who)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        flood = [asyncio.ensure_future(one(client, heavy_gateway, "A", "long text " * 150, 30))
+                 for _ in range(10)]
+        await asyncio.sleep(0.3)
+        small = [asyncio.ensure_future(one(client, small_gateway, "B", "hi", 3)) for _ in range(6)]
+        await asyncio.gather(*flood, *small)
+    return max(i for i, who in enumerate(order) if who == "B"), order
+
+
+def test_token_turns_hold_across_gateway_replicas(cluster):
+    """Each replica's queue holds one tenant here, so only the scheduler can give turns: it hands
+    freed room to the held call of the flow served fewest tokens over both replicas' traffic.
+    Without flows (--fair-share requests) it goes in arrival order: the replicas' heads alternate."""
+    def counters() -> dict[str, float]:  # what the scheduler counted, per tenant
+        state = httpx.get(cluster + "/v1/workers").json()["fair_share"]
+        return state["m"]["most_served"] if state else {}
+
+    for mode, check in (("tokens", lambda last: last <= 9), ("requests", lambda last: last >= 11)):
+        before = counters()
+        heavy, heavy_url = start_gateway("--scheduler", cluster, "--fair-share", mode)
+        small, small_url = start_gateway("--scheduler", cluster, "--fair-share", mode)
+        try:
+            last_b, order = asyncio.run(_small_tenants_last_place_across(heavy_url, small_url))
+        finally:
+            heavy.stop()
+            small.stop()
+        assert check(last_b), (mode, order)
+        if mode == "tokens":
+            after = counters()
+            # Both counted there (B's counter also lifted to A's as it arrived: no banked credit).
+            assert all(after[f"id:{t}"] > before.get(f"id:{t}", 0.0) for t in "AB"), (before, after)
+
+
 async def _ws_tenant_counter(gateway: str) -> float:
     """Three answers of 20 tokens on one WebSocket, then the tenant's counter while the socket
     is still open."""

@@ -13,7 +13,7 @@ from router import fair_share
 from router import metrics as router_metrics
 from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
-from router.fair_share import FlowLedger
+from scheduler.fair_share import FlowLedger
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics

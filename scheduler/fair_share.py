@@ -17,8 +17,12 @@ Counting:
   (none waiting: the counter of the flow served last), so a tenant idle for an hour does not
   bank an hour of turns to spend ahead of everybody at once (VTC's lift). A flow seen for the
   first time starts there too.
-Counters are per model (one model's workers are not another's) and per gateway replica (each
-replica shares out the traffic it sees).
+Counters are per model (one model's workers are not another's). Each gateway replica keeps its
+own, for the turns in its queue (router/queue.py); the scheduler keeps the same counters over
+every replica's traffic, and when every worker is saturated it hands freed room to the held call
+of the flow served least (scheduler/service.py). So a tenant whose connections all land on one
+replica gets no more of the cluster than one spread over all of them. It lives here, in the
+lower part, because both use it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class _Account:
 
 
 class FlowLedger:
-    """One model's flows' counters (router/queue.py asks it which flow goes next)."""
+    """One model's flows' counters (router/queue.py asks it which flow goes next; the scheduler
+    which held call does)."""
 
     def __init__(self, output_token_weight: float = DEFAULT_OUTPUT_TOKEN_WEIGHT) -> None:
         self.output_token_weight = output_token_weight
