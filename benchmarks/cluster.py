@@ -111,6 +111,8 @@ class ClusterSpec:
     # Tell the scheduler each worker's running cap (its --max-num-seqs in worker_args) up front,
     # as an operator's config would, instead of leaving it to be learnt.
     declare_running_caps: bool = False
+    # Our gateway's replicas, all in front of the one scheduler (as behind a load balancer).
+    gateways: int = 1
     log_dir: Path = Path("/tmp/routing-logs")
     startup_timeout_s: float = 120.0
 
@@ -126,6 +128,9 @@ class Cluster:
         self.scheduler_url: str | None = None
         self.gateway: ManagedProcess | None = None
         self.gateway_url: str | None = None
+        # Every replica of our gateway, the first being `gateway` (spec.gateways).
+        self.gateways: list[ManagedProcess] = []
+        self.gateway_urls: list[str] = []
 
     def _extra_worker_args(self, index: int) -> list[str]:
         args = self.spec.worker_args
@@ -216,13 +221,16 @@ class Cluster:
         if spec.declare_running_caps:
             sargv += ["--worker-max-running", json.dumps(self._declared_caps())]
         self.scheduler = ManagedProcess("scheduler", sargv + spec.scheduler_args, log_dir / "scheduler.log")
-        gport = free_port()
-        self.gateway_url = f"http://{HOST}:{gport}"
-        gargv = [sys.executable, "-m", "router", "--host", HOST, "--port", str(gport),
-                 "--scheduler", self.scheduler_url, "--workers", ",".join(self.worker_urls)]
-        self.gateway = ManagedProcess("gateway", gargv + spec.gateway_args, log_dir / "gateway.log")
+        for i in range(max(1, spec.gateways)):
+            gport = free_port()
+            gargv = [sys.executable, "-m", "router", "--host", HOST, "--port", str(gport),
+                     "--scheduler", self.scheduler_url, "--workers", ",".join(self.worker_urls)]
+            name = "gateway" if i == 0 else f"gateway{i}"
+            self.gateways.append(ManagedProcess(name, gargv + spec.gateway_args, log_dir / f"{name}.log"))
+            self.gateway_urls.append(f"http://{HOST}:{gport}")
+        self.gateway, self.gateway_url = self.gateways[0], self.gateway_urls[0]
         return [(self.scheduler, f"{self.scheduler_url}/health"),
-                (self.gateway, f"{self.gateway_url}/health")]
+                *((g, f"{url}/health") for g, url in zip(self.gateways, self.gateway_urls, strict=True))]
 
     async def _start_all(self, ready: list[tuple[ManagedProcess, str]],
                          session: aiohttp.ClientSession) -> None:
@@ -254,7 +262,7 @@ class Cluster:
         if self.scheduler is not None:
             parts["scheduler"] = [self.scheduler]
         if self.gateway is not None:
-            parts["gateway"] = [self.gateway]
+            parts["gateway"] = self.gateways or [self.gateway]
         out: dict[str, float] = {}
         for name, procs in parts.items():
             # A vLLM worker's engine runs in child processes: count the whole tree.
@@ -265,7 +273,7 @@ class Cluster:
 
     async def stop(self) -> None:
         # Front to back, so no process sees its upstream vanish while it still takes traffic.
-        for proc in (self.gateway, self.scheduler):
+        for proc in (*(self.gateways or [self.gateway]), self.scheduler):
             if proc is not None:
                 await proc.stop()
         await asyncio.gather(*(w.stop() for w in self.workers))

@@ -12,11 +12,18 @@ Together they keep more requests in flight than the workers run, so the gateway 
 - `requests`: each client names its flow (x-gateway-inference-fairness-id); a turn is one
   request (`--fair-share requests`, the default);
 - `tokens`: the same flows, the flow served the fewest tokens goes next (`--fair-share tokens`:
-  prompt tokens + 2 x output tokens).
+  prompt tokens + 2 x output tokens), in each gateway's queue and, across gateways, in the
+  scheduler's order of held calls;
+- `tokens-local`: as `tokens` with the scheduler's `--no-fair-share`: only each gateway's own
+  queue counts tokens, and the scheduler serves the gateways' held calls in arrival order.
+With `--gateways 2` the gateway has two replicas in front of the one scheduler, and each
+tenant's requests all go through its own replica (its connections landed there), so only the
+scheduler can give them turns.
 Printed per tenant: requests completed, tokens per second (prompt, output, and weighted as the
 queue counts them), its share of the weighted tokens, TTFT.
 
     python -m benchmarks.tenant_share --workers 2 --concurrency 40 --seconds 90
+    python -m benchmarks.tenant_share --gateways 2 --modes requests,tokens-local,tokens
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.serve import prepare_workload, run_benchmark
-from scheduler.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT
 from router.fairness import DEFAULT_FAIRNESS_HEADER
+from scheduler.fair_share import DEFAULT_OUTPUT_TOKEN_WEIGHT
 
 TENANTS = ("documents", "chat")
-MODES = {"one-line": None, "requests": "requests", "tokens": "tokens"}
+# mode -> (the gateways' --fair-share, the scheduler's fair share of held calls)
+MODES = {"one-line": (None, True), "requests": ("requests", True), "tokens": ("tokens", True),
+         "tokens-local": ("tokens", False)}
 
 
 def weighted(result: dict) -> float:
@@ -57,17 +66,20 @@ def summary(by_tenant: dict[str, dict]) -> dict[str, dict]:
 
 
 async def run_mode(args: argparse.Namespace, mode: str, workloads: dict[str, list]) -> dict[str, dict]:
-    fair_share = MODES[mode]
+    fair_share, scheduler_fair = MODES[mode]
     spec = ClusterSpec(profiles=[args.profile] * args.workers, policy=args.policy, model=args.model,
                        time_scale=args.time_scale, log_dir=Path(args.log_dir) / mode,
-                       gateway_args=["--fair-share", fair_share] if fair_share else [])
+                       gateway_args=["--fair-share", fair_share] if fair_share else [],
+                       scheduler_args=[] if scheduler_fair else ["--no-fair-share"],
+                       gateways=args.gateways)
     async with Cluster(spec) as cluster:
         stop = asyncio.Event()
 
         def client(name: str):
             headers = {DEFAULT_FAIRNESS_HEADER: name} if fair_share else None
+            gateway = cluster.gateway_urls[TENANTS.index(name) % len(cluster.gateway_urls)]
             return run_benchmark(
-                base_urls=[cluster.gateway_url], model=args.model, workload=workloads[name],
+                base_urls=[gateway], model=args.model, workload=workloads[name],
                 num_prompts=len(workloads[name]), max_concurrency=args.concurrency, seed=args.seed,
                 time_scale=args.time_scale, show_progress=False, print_summary=False,
                 stop_event=stop, deadline=args.seconds * args.time_scale + 120,
@@ -95,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="llama2-7b-a10")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--policy", default="llm_aware")
+    p.add_argument("--gateways", type=int, default=1, choices=(1, 2),
+                   help="gateway replicas; with 2, each tenant's requests all go through its own")
     p.add_argument("--model", default="llama2")
     p.add_argument("--concurrency", type=int, default=40, help="requests in flight per tenant")
     p.add_argument("--seconds", type=float, default=90.0, help="simulated seconds per mode")
