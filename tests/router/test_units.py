@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from router import fair_share
 from router import metrics as router_metrics
 from router.access_log import RequestRecord, Stats
 from router.auth import KeyChecker, bearer_token
-from scheduler.fair_share import FlowLedger
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
@@ -28,6 +26,8 @@ from router.tokens import (
     render_prompt,
     schedule_request,
 )
+from scheduler import fair_share
+from scheduler.fair_share import FlowLedger
 
 
 def test_render_and_estimate_chat_and_completion():
