@@ -45,6 +45,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _bounded(row: torch.Tensor) -> torch.Tensor:
+    """An adjusted or temperature-scaled row with +inf at float32's largest value and NaN at -inf.
+
+    A tiny repetition_penalty (the API takes any value > 0, e.g. 1e-39) divides positive logits
+    past float32's range, an infinite one makes 0 x inf; the softmax of such a row is NaN, which
+    torch.multinomial refuses: the step, and with it the engine loop, would fail."""
+    return torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -78,10 +87,12 @@ def sample(
     for i, p in enumerate(params):
         if i in greedy_set:
             if i in rows:
-                out[i] = int(rows[i].argmax())
+                out[i] = int(_bounded(rows[i]).argmax())
             continue
         row = rows[i] if i in rows else logits[i].float()
         row = row / p.temperature
+        if i in rows:
+            row = _bounded(row)
         if p.min_p > 0.0:
             row = _filter_min_p(row, p.min_p)
         row = _filter_top_k_top_p(row, p.top_k, p.top_p)

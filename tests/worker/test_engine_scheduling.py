@@ -435,6 +435,13 @@ def test_sampler_filters_and_edge_parameters():
     assert {sample(logits[:1], [hot], [k])[0] for k in range(400)} == {0, 1, 2, 3, 4}
     narrow = SamplingParams(max_tokens=1, temperature=5.0, min_p=0.99)  # only the top survives
     assert {sample(logits[:1], [narrow], [k])[0] for k in range(50)} == {1}
+    # A repetition penalty so small (or so large) that penalized logits leave float32's range
+    # (inf, or 0 x inf = NaN for token 0) still samples: a tiny one puts the seen tokens with
+    # positive logits first, an infinite one leaves them 0 and the negative ones impossible.
+    seen = [0, 1, 3, 4]
+    for penalty, possible in ((1e-39, {1, 4}), (float("inf"), {1, 2, 4})):
+        penalized = SamplingParams(max_tokens=1, temperature=1.0, repetition_penalty=penalty)
+        assert {sample(logits[:1], [penalized], [k], [seen])[0] for k in range(30)} <= possible
     # Seeded draws depend on (seed, output index) only.
     row = torch.randn(1, 1000)
     p = [SamplingParams(max_tokens=1, temperature=1.0, seed=11)]
