@@ -177,8 +177,9 @@ class SchedulerClient:
         self._spawn(self.prefilled(lease_id))
 
     async def report_failure(self, worker_id: str, error: str) -> None:
-        """The gateway saw a connection-level failure: the worker leaves rotation at once.
-        Never raises."""
+        """The gateway saw a request fail on this worker (`error`: its failure kind). A
+        connection failure takes the worker out of rotation at once, other failures after a
+        streak (scheduler/health.py). Never raises."""
         url = f"{self._workers_url}/{worker_id}/failure"
         try:
             status, raw = await self._post(url, to_json({"error": error}), self.timeout_s)

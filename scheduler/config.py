@@ -51,6 +51,11 @@ class SchedulerConfig(BaseSettings):
     scrape_interval_ms: int = Field(100, ge=5, le=600_000)
     scrape_timeout_ms: int = Field(2000, ge=10, description="per scrape; generous: busy is not dead")
     fail_streak: int = Field(3, ge=1, description="connection failures in a row that take a worker out")
+    failure_report_streak: int = Field(
+        3, ge=1, description="gateway reports in a row of requests a worker failed with an answer "
+        "(HTTP 5xx) or a timeout that take it out (a connection failure a gateway reports takes it "
+        "out at once); one request the engine cannot serve must not take out every worker it is "
+        "retried on")
     recover_streak: int = Field(2, ge=1, description="successes in a row before a half-open trial")
     dead_after_ms: int = Field(10_000, ge=100, description="no success for this long: out (silent host)")
     stale_after_ms: int = Field(2000, ge=10, description="older load data: treat the worker as saturated")

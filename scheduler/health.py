@@ -1,8 +1,10 @@
 """Per-worker health: a small circuit breaker driven by scrapes, probes and gateway reports.
 
 States: unknown (never reached) -> up; up -> down after `fail_streak` consecutive
-connection-level failures, at once on a gateway failure report, or when nothing
-succeeded for `dead_after_s` (a silent host); down -> half_open after
+connection-level failures, at once on a gateway's report of a connection-level failure, after
+`report_streak` gateway reports in a row of requests the worker failed otherwise (an HTTP 5xx,
+a timeout; an ok request in between resets it), or when nothing succeeded for `dead_after_s`
+(a silent host); down -> half_open after
 `recover_streak` consecutive successful scrapes; half_open admits a single trial
 lease: released ok -> up, failed -> down. Timeouts alone never evict quickly:
 a busy worker answers slowly, it is not dead (its data ages and the policy treats
@@ -15,7 +17,8 @@ UNKNOWN, UP, DOWN, HALF_OPEN = "unknown", "up", "down", "half_open"
 
 
 class Health:
-    __slots__ = ("consecutive_failures", "consecutive_successes", "ever_up", "last_error", "last_ok", "state")
+    __slots__ = ("consecutive_failures", "consecutive_successes", "ever_up", "last_error", "last_ok",
+                 "request_failures", "state")
 
     def __init__(self) -> None:
         self.state = UNKNOWN
@@ -24,6 +27,8 @@ class Health:
         self.last_ok: float | None = None
         self.last_error: str | None = None
         self.ever_up = False
+        # Requests in a row a gateway reported failed with an answer (5xx) or a timeout.
+        self.request_failures = 0
 
     @property
     def routable(self) -> bool:
@@ -64,10 +69,27 @@ class Health:
             return True
         return False
 
+    def on_request_failed(self, error: str, report_streak: int) -> bool:
+        """A gateway saw a request fail without a connection failure. One is no verdict: a
+        request the engine cannot serve fails on every worker it is retried on, and would take
+        each out. A streak is: a worker that fails everything while its scrapes answer would
+        otherwise look idle, and draw the most requests. Returns True when the state changed."""
+        self.last_error = error
+        self.request_failures += 1
+        if self.state != DOWN and self.request_failures >= report_streak:
+            self.state = DOWN
+            self.consecutive_successes = 0
+            return True
+        return False
+
+    def on_request_ok(self) -> None:
+        self.request_failures = 0
+
     def force_down(self, error: str) -> bool:
         """Gateway saw a connection failure: out of rotation at once."""
         self.last_error = error
         self.consecutive_successes = 0
+        self.request_failures = 0
         changed = self.state != DOWN
         self.state = DOWN
         return changed

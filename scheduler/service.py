@@ -31,6 +31,10 @@ from scheduler.scrape.snapshot import LoadSnapshot
 log = logging.getLogger(__name__)
 
 UNKNOWN_MODEL = "unknown_model"
+# The gateway's failure kinds that say the worker's connection failed (router/streaming.py:
+# refused, reset or cut, closed before a byte); its others (http_5xx, timeout, idle_timeout)
+# say a request failed on a worker that answered, or was slow.
+CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
 
 
 class Wait:
@@ -362,6 +366,8 @@ class SchedulerService:
             return False
         self._lease_ended(lease)
         w = lease.worker
+        if ok and not error:
+            w.health.on_request_ok()
         if lease.trial:
             self._routable.clear()
         if ok and not error and not handed_off and lease.prefix_key is not None and not lease.unseen:
@@ -415,10 +421,17 @@ class SchedulerService:
         return True
 
     def report_failure(self, worker_id: str, error: str) -> bool:
+        """A gateway's report: `error` is its failure kind (router/streaming.py). A connection
+        that was refused, reset or closed empty takes the worker out at once; anything else
+        (an HTTP 5xx, a timeout) only after cfg.failure_report_streak in a row."""
         w = self.registry.workers.get(worker_id)
         if w is None:
             return False
-        if w.health.force_down(f"gateway: {error}"):
+        if error in CONNECTION_FAILURES:
+            changed = w.health.force_down(f"gateway: {error}")
+        else:
+            changed = w.health.on_request_failed(f"gateway: {error}", self.cfg.failure_report_streak)
+        if changed:
             self.on_health_change(w)
         return True
 

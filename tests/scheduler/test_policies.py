@@ -228,6 +228,33 @@ def test_gateway_failure_report_then_half_open_single_trial():
     assert w1.health.state == UP
 
 
+@pytest.mark.parametrize("kind", ["http_500", "timeout", "idle_timeout", "http_503"])
+def test_a_request_failure_with_an_answer_takes_a_worker_out_only_after_a_streak(kind):
+    """A request the engine cannot serve fails on every worker it is retried on: one report of
+    it must not take each out. A worker failing request after request (its scrapes fine, so
+    it looks idle and draws the most) goes out at the streak; an ok request resets it."""
+    svc = make_service("round_robin", config={"failure_report_streak": 3})
+    w1 = worker(svc, "w1")
+    for _ in range(2):
+        assert svc.report_failure("w1", kind)
+    assert w1.health.state == UP
+    ok = next(d for d in (decide(svc) for _ in range(3)) if d["worker_id"] == "w1")
+    svc.release(ok["lease_id"], True)  # a request it served: the streak starts again
+    for _ in range(2):
+        svc.report_failure("w1", kind)
+    assert w1.health.state == UP
+    svc.report_failure("w1", kind)
+    assert w1.health.state == DOWN and w1.health.last_error == f"gateway: {kind}"
+    assert "w1" not in {decide(svc)["worker_id"] for _ in range(6)}
+
+
+@pytest.mark.parametrize("kind", ["connect", "connection", "empty_stream"])
+def test_a_connection_failure_report_takes_a_worker_out_at_once(kind):
+    svc = make_service("round_robin")
+    assert svc.report_failure("w1", kind)
+    assert worker(svc, "w1").health.state == DOWN
+
+
 def test_failed_trial_goes_back_down():
     svc = make_service("round_robin")
     w1 = worker(svc, "w1")
