@@ -18,12 +18,12 @@ import pytest
 from aiohttp import web
 
 from benchmarks.echo_worker import EchoWorker
-from tests.router.procs import free_port, start_gateway, start_scheduler
+from tests.router.stand_ins import StandIn, stand_ins_behind_router
 
 _POISON = "poison"
 
 
-async def _worker() -> tuple[web.AppRunner, str]:
+def _poisoned() -> StandIn:
     """An echo worker that answers 500 to every `_POISON` prompt."""
     echo = EchoWorker("m", 0.01, "w")
 
@@ -33,36 +33,14 @@ async def _worker() -> tuple[web.AppRunner, str]:
             return web.json_response({"error": {"message": "cannot serve this"}}, status=500)
         return await echo.completions(request)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", echo.health)
-    app.router.add_get("/metrics", echo.metrics)
-    app.router.add_get("/v1/models", echo.models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return [("POST", "/v1/completions", completions)], echo
 
 
 @pytest.fixture
 async def stack() -> AsyncIterator[tuple[str, str]]:
-    runners, urls, procs = [], [], []
-    try:
-        for _ in range(2):
-            runner, url = await _worker()
-            runners.append(runner)
-            urls.append(url)
-        s, su = await asyncio.to_thread(start_scheduler, urls, "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = await asyncio.to_thread(start_gateway, "--scheduler", su, "--retry-count", "2")
-        procs.append(g)
-        yield su, gu
-    finally:
-        for p in procs:
-            p.stop()
-        for runner in runners:
-            await runner.cleanup()
+    async with stand_ins_behind_router([_poisoned(), _poisoned()],
+                                       gateway_args=("--retry-count", "2")) as (scheduler, gateway):
+        yield scheduler, gateway
 
 
 def _states(scheduler: str) -> list[str]:

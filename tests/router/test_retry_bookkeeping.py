@@ -7,8 +7,6 @@ behind a real scheduler and gateway on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -17,14 +15,15 @@ import pytest
 from aiohttp import web
 
 from benchmarks.echo_worker import EchoWorker
-from tests.router.procs import free_port, series_value, start_gateway, start_scheduler
+from tests.router.procs import series_value
+from tests.router.stand_ins import StandIn, open_leases, stand_ins_behind_router, until
 
 _FAIL = "fail me"
 
 
-async def _worker(refused: set[str]) -> tuple[web.AppRunner, str]:
-    """An echo worker (50 ms a token) that answers 500 to a `_FAIL` prompt the first time
-    either worker sees its request id."""
+def _failing_once(refused: set[str]) -> StandIn:
+    """An echo worker (50 ms a token) that answers 500 to a `_FAIL` prompt the first
+    time either worker sees its request id."""
     echo = EchoWorker("m", 0.05, "w")
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -35,47 +34,18 @@ async def _worker(refused: set[str]) -> tuple[web.AppRunner, str]:
             return web.json_response({"error": "boom"}, status=500)
         return await echo.completions(request)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", echo.health)
-    app.router.add_get("/metrics", echo.metrics)
-    app.router.add_get("/v1/models", echo.models)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return [("POST", "/v1/completions", completions)], echo
 
 
 @pytest.fixture
 async def stack() -> AsyncIterator[str]:
     """Two workers of one running request each, a scheduler that knows it, a gateway."""
     refused: set[str] = set()
-    runners, urls = [], []
-    procs = []
-    try:
-        for _ in range(2):
-            runner, url = await _worker(refused)
-            runners.append(runner)
-            urls.append(url)
-        s, su = await asyncio.to_thread(start_scheduler, urls, "--scrape-interval-ms", "100",
-                                        "--worker-max-running", '{"*": 1}')
-        procs.append(s)
-        g, gu = await asyncio.to_thread(start_gateway, "--scheduler", su, "--retry-count", "2")
-        procs.append(g)
-        yield gu
-    finally:
-        for p in procs:
-            p.stop()
-        for runner in runners:
-            await runner.cleanup()
-
-
-async def _until(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() < deadline, "never happened"
-        await asyncio.sleep(0.05)
+    async with stand_ins_behind_router([_failing_once(refused), _failing_once(refused)],
+                                       gateway_args=("--retry-count", "2"),
+                                       scheduler_args=("--worker-max-running", '{"*": 1}'),
+                                       handler_cancellation=True) as (_, gw):
+        yield gw
 
 
 def _tenant(gw: str, tenant: str) -> tuple[float, float]:
@@ -93,18 +63,18 @@ async def test_a_client_that_leaves_while_its_request_waits_for_a_retry_was_serv
         busy = asyncio.ensure_future(s.post(
             gw + "/v1/completions", json={"model": "m", "prompt": "busy", "max_tokens": 40},
             headers={"x-gateway-inference-fairness-id": "busy"}))
-        await _until(lambda: series_value(gw, "router_requests_in_flight") == 1)
+        await until(lambda: series_value(gw, "router_requests_in_flight") == 1)
         retried = asyncio.ensure_future(s.post(
             gw + "/v1/completions", json={"model": "m", "prompt": _FAIL, "max_tokens": 4},
             headers={"x-gateway-inference-fairness-id": "x"}))
         # Failed once, and now queued for the busy worker.
-        await _until(lambda: httpx.get(gw + "/admin/state").json()["queued"] == 1)
+        await until(lambda: httpx.get(gw + "/admin/state").json()["queued"] == 1)
         retried.cancel()
-        await _until(lambda: httpx.get(gw + "/admin/state").json()["queued"] == 0)
+        await until(lambda: httpx.get(gw + "/admin/state").json()["queued"] == 0)
         answer = await busy
         assert answer.status == 200
         answer.release()
-    await _until(lambda: series_value(gw, "router_requests_in_flight") == 0)
+    await until(lambda: series_value(gw, "router_requests_in_flight") == 0)
     assert _tenant(gw, "id:busy")[0] == 1
     assert _tenant(gw, "id:x") == (0, 0)
     assert series_value(gw, 'router_requests_total{model="m",status="499",worker="-"}') == 1
@@ -114,36 +84,10 @@ async def test_a_client_that_leaves_while_its_request_waits_for_a_retry_was_serv
 
 
 
-@contextlib.asynccontextmanager
-async def _one_worker(path: str, handler) -> AsyncIterator[tuple[str, str]]:
-    """A worker answering POST `path` with `handler` (and the echo worker's /health and
-    /metrics), a scheduler over it and a gateway: yields (scheduler, gateway)."""
-    echo = EchoWorker("m", 0.0, "w")
-    app = web.Application()
-    app.router.add_post(path, handler)
-    app.router.add_get("/health", echo.health)
-    app.router.add_get("/metrics", echo.metrics)
-    app.router.add_get("/v1/models", echo.models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    procs = []
-    try:
-        s, su = await asyncio.to_thread(start_scheduler, [f"http://127.0.0.1:{port}"],
-                                        "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gw = await asyncio.to_thread(start_gateway, "--scheduler", su)
-        procs.append(g)
-        yield su, gw
-    finally:
-        for p in procs:
-            p.stop()
-        await runner.cleanup()
-
-
-def _open_leases(scheduler: str) -> int:
-    return sum(w["in_flight_leases"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"])
+def _one_worker(path: str, handler):
+    """A worker answering POST `path` with `handler`, a scheduler over it and a gateway:
+    enters as (scheduler, gateway)."""
+    return stand_ins_behind_router([([("POST", path, handler)], None)])
 
 
 async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gives_its_lease_back():
@@ -166,7 +110,7 @@ async def test_a_stream_whose_worker_breaks_off_a_plain_answer_is_retried_and_gi
     async with _one_worker("/v1/completions", cut_short) as (scheduler, gw), aiohttp.ClientSession() as s:
         async with s.post(gw + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
             assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_failed"
-        await _until(lambda: _open_leases(scheduler) == 0)
+        await until(lambda: open_leases(scheduler) == 0)
         assert _tenant(gw, "shared") == (0, 0)
 
 
@@ -184,5 +128,5 @@ async def test_an_answer_whose_response_id_is_not_utf8_is_passed_on_and_settles(
         async with s.post(gw + "/v1/responses", json={"model": "m", "input": "x"}) as r:
             assert r.status == 200
             assert (await r.read()).startswith(b'{"id": "resp_\xff"')
-        await _until(lambda: _open_leases(scheduler) == 0)
+        await until(lambda: open_leases(scheduler) == 0)
         assert _tenant(gw, "shared") == (1, 3)

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
-import httpx
 import pytest
 from aiohttp import web
 
 from benchmarks.echo_worker import EchoWorker
-from tests.router.procs import free_port, series_value, start_gateway, start_scheduler
+from tests.router.procs import series_value
+from tests.router.stand_ins import open_leases, stand_ins_behind_router, until
 
 _CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
 
@@ -48,38 +47,9 @@ class MisbehavingWorker:
 @pytest.fixture
 async def stack() -> AsyncIterator[tuple[MisbehavingWorker, str, str]]:
     worker = MisbehavingWorker()
-    app = web.Application()
-    app.router.add_get("/v1/ws", worker.ws)
-    app.router.add_get("/health", worker.echo.health)
-    app.router.add_get("/metrics", worker.echo.metrics)
-    app.router.add_get("/v1/models", worker.echo.models)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    procs = []
-    try:
-        s, su = await asyncio.to_thread(start_scheduler, [f"http://127.0.0.1:{port}"],
-                                        "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = await asyncio.to_thread(start_gateway, "--scheduler", su)
-        procs.append(g)
-        yield worker, su, gu
-    finally:
-        for p in procs:
-            p.stop()
-        await runner.cleanup()
-
-
-def _open_leases(scheduler: str) -> int:
-    return sum(w["in_flight_leases"] for w in httpx.get(scheduler + "/v1/workers").json()["workers"])
-
-
-async def _until(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() < deadline, "never settled"
-        await asyncio.sleep(0.05)
+    async with stand_ins_behind_router([([("GET", "/v1/ws", worker.ws)], worker.echo)],
+                                       handler_cancellation=True) as (scheduler, gateway):
+        yield worker, scheduler, gateway
 
 
 async def test_a_client_that_drops_instead_of_answering_the_close_still_leaves_the_gauge(stack):
@@ -100,9 +70,9 @@ async def test_a_client_that_drops_instead_of_answering_the_close_still_leaves_t
             assert msg.type == aiohttp.WSMsgType.CLOSE, msg
             assert ws._response is not None and ws._response.connection is not None
             ws._response.connection.transport.abort()  # no close frame back
-    await _until(lambda: series_value(gw, "router_requests_in_flight") == 0)
-    await _until(lambda: series_value(gw, 'router_tenant_requests_total{tenant="shared"}', 0) == 3)
-    assert _open_leases(scheduler) == 0
+    await until(lambda: series_value(gw, "router_requests_in_flight") == 0)
+    await until(lambda: series_value(gw, 'router_tenant_requests_total{tenant="shared"}', 0) == 3)
+    assert open_leases(scheduler) == 0
 
 
 async def test_a_client_that_leaves_while_its_worker_is_being_connected_gives_the_lease_back(stack):
@@ -114,8 +84,8 @@ async def test_a_client_that_leaves_while_its_worker_is_being_connected_gives_th
     async with aiohttp.ClientSession() as s:
         ws = await s.ws_connect(gw + "/v1/ws")
         await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
-        await _until(lambda: _open_leases(scheduler) == 1)  # placed, now connecting
+        await until(lambda: open_leases(scheduler) == 1)  # placed, now connecting
         assert ws._response is not None and ws._response.connection is not None
         ws._response.connection.transport.abort()
-    await _until(lambda: _open_leases(scheduler) == 0)
-    await _until(lambda: series_value(gw, "router_requests_in_flight") == 0)
+    await until(lambda: open_leases(scheduler) == 0)
+    await until(lambda: series_value(gw, "router_requests_in_flight") == 0)
