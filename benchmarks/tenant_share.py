@@ -69,7 +69,8 @@ async def run_mode(args: argparse.Namespace, mode: str, workloads: dict[str, lis
     fair_share, scheduler_fair = MODES[mode]
     spec = ClusterSpec(profiles=[args.profile] * args.workers, policy=args.policy, model=args.model,
                        time_scale=args.time_scale, log_dir=Path(args.log_dir) / mode,
-                       gateway_args=["--fair-share", fair_share] if fair_share else [],
+                       gateway_args=(["--fair-share", fair_share] if fair_share else [])
+                       + ["--queue-askers", str(args.queue_askers)],
                        scheduler_args=[] if scheduler_fair else ["--no-fair-share"],
                        gateways=args.gateways)
     async with Cluster(spec) as cluster:
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="llama2-7b-a10")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--policy", default="llm_aware")
+    p.add_argument("--queue-askers", type=int, default=1,
+                   help="each gateway's --queue-askers: how many of its queue's best ask the scheduler")
     p.add_argument("--gateways", type=int, default=1, choices=(1, 2),
                    help="gateway replicas; with 2, each tenant's requests all go through its own")
     p.add_argument("--model", default="llama2")
