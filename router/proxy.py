@@ -417,11 +417,17 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                         last_failure,
                     )
             except Exception:
-                # Anything else is a gateway bug or an answer nothing here expected (the client
-                # gets a 500): the lease goes back now rather than count as load until it expires.
+                # Anything else is a gateway bug or an answer nothing here expected: the lease
+                # goes back now rather than count as load until it expires.
                 rec.status, rec.error = 500, "gateway_error"
                 self._release(route, rec, ok=False, error="gateway_error")
-                raise
+                if request.writer.output_size:
+                    raise  # a stream had started: aiohttp logs it and cuts the connection
+                # Nothing was sent yet: the client gets a 500 in the OpenAI shape it can parse,
+                # not aiohttp's plain text, and the log one line with the traceback.
+                log.exception("id=%s gateway error forwarding to worker %s", rec.id, route.worker_id)
+                return error_response(500, "the gateway failed to relay the worker's answer",
+                                      "internal_error", code="gateway_error")
         rec.error = last_failure
         rec.worker = exclude[-1]  # the last to fail it, for the access log and the error counts
         if overloaded:
