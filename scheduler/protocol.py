@@ -57,10 +57,11 @@ class ScheduleRequest(BaseModel):
     # Of prompt_tokens, those the worker already holds (a stored conversation's history on the
     # worker it is pinned to): KV the request takes, but no prefill work.
     cached_tokens: int = Field(0, ge=0)
-    # The tenant the gateway's queue counts it under (router/fairness.py; at most ~140
-    # characters there). With it, held calls of a model are served in the order of their
-    # flows' token counters over every gateway (scheduler/fair_share.py), not in arrival order.
-    flow: str | None = Field(None, max_length=256)
+    # The tenant the gateway's queue counts it under (router/fairness.py: "id:" and up to 128
+    # characters of the header, each spelled out in up to 6 when its bytes are not UTF-8, so
+    # under 800). With it, held calls of a model are served in the order of their flows' token
+    # counters over every gateway (scheduler/fair_share.py), not in arrival order.
+    flow: str | None = Field(None, max_length=1024)
 
 
 class ScheduleDecision(BaseModel):

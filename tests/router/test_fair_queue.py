@@ -198,6 +198,21 @@ def test_token_turns_hold_across_gateway_replicas(cluster):
             assert all(after[f"id:{t}"] > before.get(f"id:{t}", 0.0) for t in "AB"), (before, after)
 
 
+def test_the_longest_fairness_id_a_client_can_send_reaches_the_scheduler(cluster):
+    """128 bytes that are not UTF-8 (each spelled out by the gateway) make the longest flow id;
+    the scheduler takes it with the schedule call instead of refusing the call (a 400 to the
+    client)."""
+    proc, url = start_gateway("--scheduler", cluster)
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                       headers={"x-gateway-inference-fairness-id": b"\xff" * 200}, timeout=30)
+    finally:
+        proc.stop()
+    assert r.status_code == 200, r.text
+    counters = httpx.get(cluster + "/v1/workers").json()["fair_share"]["m"]["most_served"]
+    assert any(len(flow) > 700 for flow in counters), list(counters)
+
+
 async def _ws_tenant_counter(gateway: str) -> float:
     """Three answers of 20 tokens on one WebSocket, then the tenant's counter while the socket
     is still open."""
