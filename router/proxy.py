@@ -47,6 +47,7 @@ from router.streaming import (
 )
 from router.tokens import RESPONSES_PATH, TokenCounter, schedule_request
 from scheduler.client import SchedulerRequestError, UnknownModelError
+from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.proxy")
 
@@ -392,7 +393,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             except asyncio.CancelledError:
                 # The client went away: the worker was not at fault; give the lease back (a
                 # background response goes on without its client).
-                self._release(route, rec, ok=True, handed_off=rec.detached)
+                self._release(route, rec, ok=True, handed_off=rec.detached,
+                              error=None if rec.detached else CLIENT_LEFT)
                 raise
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason

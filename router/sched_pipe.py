@@ -50,6 +50,7 @@ from router.sched_wire import (
     ws_frame,
 )
 from scheduler.client import SchedulerRequestError, SchedulerUnavailableError, UnknownModelError
+from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.sched_pipe")
 
@@ -237,7 +238,8 @@ class SchedulerPipe:
             lease_id = (_loads(answer) if isinstance(answer, bytes) else answer)["lease_id"]
         except (ValueError, KeyError, TypeError):
             return
-        self.release_nowait({"lease_id": lease_id, "ok": True, "prompt_tokens": 0, "output_tokens": 0})
+        self.release_nowait({"lease_id": lease_id, "ok": True, "prompt_tokens": 0, "output_tokens": 0,
+                             "error": CLIENT_LEFT})
 
     def close(self) -> None:
         if self._watchdog is not None:

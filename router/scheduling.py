@@ -25,6 +25,7 @@ from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
 from router.sched_pipe import SchedulerPipe
 from scheduler.client import SchedulerClient, SchedulerUnavailableError
+from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.scheduling")
 # How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
@@ -254,7 +255,8 @@ class Scheduling:
         status, payload = task.result()
         if status == 200 and isinstance(payload, dict) and payload.get("lease_id"):
             self.release_nowait(
-                {"lease_id": payload["lease_id"], "ok": True, "prompt_tokens": 0, "output_tokens": 0}
+                {"lease_id": payload["lease_id"], "ok": True, "prompt_tokens": 0, "output_tokens": 0,
+                 "error": CLIENT_LEFT}
             )
 
     def _fallback_pick(self, model: str, exclude: list[str], pin: str | None = None,

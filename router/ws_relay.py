@@ -34,6 +34,7 @@ from router.scheduling import NoWorkerError, Route
 from router.tokens import render_prompt
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
 from scheduler.client import SchedulerError
+from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.ws")
 
@@ -102,7 +103,7 @@ class WsRelay:
                 # The client left while the worker's handshake was under way: the lease is not
                 # yet the relay's to give back (close() releases self.route), and unreleased it
                 # would count as load on that worker until it expired.
-                proxy._release(route, rec, ok=True, held_kv=False)
+                proxy._release(route, rec, ok=True, error=CLIENT_LEFT, held_kv=False)
                 raise
             self.route = route
             rec.worker = route.worker_id

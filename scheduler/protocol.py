@@ -77,6 +77,11 @@ class ScheduleWait(BaseModel):
     retry_after_ms: int
 
 
+# A release's `error` when the request's client left (or nobody took the lease): ok, since the
+# worker failed nothing, but it served nothing either, so it proves nothing about the worker.
+CLIENT_LEFT = "client_disconnected"
+
+
 class LeaseRelease(BaseModel):
     lease_id: str
     ok: bool

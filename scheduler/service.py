@@ -23,7 +23,7 @@ from scheduler.health import HALF_OPEN
 from scheduler.leases import Lease, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
-from scheduler.protocol import MAX_TOKENS_COUNTED, LeaseRelease
+from scheduler.protocol import CLIENT_LEFT, MAX_TOKENS_COUNTED, LeaseRelease
 from scheduler.registry import Registry, WorkerState
 from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
@@ -374,7 +374,13 @@ class SchedulerService:
             # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
             # unseen_tokens on close, and were never in the scrape's usage.
             self.reservations.hold(lease.prefix_key, w, used_tokens)
-        if lease.trial and w.health.trial_result(ok and not error):
+        if lease.trial and ok and error == CLIENT_LEFT:
+            # The trial's client left: no verdict. The worker stays half open and the next
+            # request is its trial (it left the candidates while this one was out).
+            self._routable.clear()
+            self.policy.refresh(w)
+            self.capacity_changed()
+        elif lease.trial and w.health.trial_result(ok and not error):
             self.on_health_change(w)
         else:
             self.policy.refresh(w)

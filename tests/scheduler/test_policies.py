@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.health import DOWN, HALF_OPEN, UP
 from scheduler.policies import POLICIES, Request
-from scheduler.protocol import LeaseRelease
+from scheduler.protocol import CLIENT_LEFT, LeaseRelease
 from scheduler.service import UNKNOWN_MODEL, Wait
 from tests.scheduler.helpers import feed, make_service, worker
 
@@ -253,6 +253,23 @@ def test_a_connection_failure_report_takes_a_worker_out_at_once(kind):
     svc = make_service("round_robin")
     assert svc.report_failure("w1", kind)
     assert worker(svc, "w1").health.state == DOWN
+
+
+def test_a_trial_whose_client_left_is_no_verdict_and_the_next_request_is_the_trial():
+    """A client leaving proves nothing about the worker: it stays half open (it used to pass the
+    trial and come back up without having served anything)."""
+    svc = make_service("round_robin")
+    w1 = worker(svc, "w1")
+    svc.report_failure("w1", "connect")
+    w1.health.on_success(time.monotonic(), 1)
+    svc.on_health_change(w1)
+    trial = next(d for d in (decide(svc) for _ in range(3)) if d["worker_id"] == "w1")
+    assert svc.release_reported(LeaseRelease(lease_id=trial["lease_id"], ok=True, error=CLIENT_LEFT))
+    assert w1.health.state == HALF_OPEN
+    again = [d for d in (decide(svc) for _ in range(6)) if d["worker_id"] == "w1"]
+    assert len(again) == 1  # a new trial, one at a time
+    svc.release(again[0]["lease_id"], True)
+    assert w1.health.state == UP
 
 
 def test_failed_trial_goes_back_down():
