@@ -103,22 +103,24 @@ def test_a_full_queue_refuses_the_flooding_tenant_not_the_newcomer(cluster):
     assert displaced == 1
 
 
-async def _small_tenants_last_place(gateway: str) -> tuple[int, list[str]]:
+async def _small_tenants_last_place(gateway: str, small_gateway: str | None = None) -> tuple[int, list[str]]:
     """Tenant A floods the queue with 10 requests of ~400-token prompts and 30-token answers;
-    tenant B then sends 6 of a few tokens each. Where B's last request ends in the order."""
+    tenant B then sends 6 of a few tokens each (through `small_gateway` if given: each tenant's
+    connections landed on its own replica). Where B's last request ends in the order."""
     order: list[str] = []
 
-    async def one(client: httpx.AsyncClient, who: str, prompt: str, max_tokens: int) -> None:
+    async def one(client: httpx.AsyncClient, via: str, who: str, prompt: str, max_tokens: int) -> None:
         body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        r = await client.post(gateway + "/v1/completions", json=body,
+        r = await client.post(via + "/v1/completions", json=body,
                               headers={"x-gateway-inference-fairness-id": who})
         assert r.status_code == 200, r.text
         order.append(who)
 
     async with httpx.AsyncClient(timeout=120) as client:
-        flood = [asyncio.ensure_future(one(client, "A", "long text " * 150, 30)) for _ in range(10)]
+        flood = [asyncio.ensure_future(one(client, gateway, "A", "long text " * 150, 30)) for _ in range(10)]
         await asyncio.sleep(0.3)
-        small = [asyncio.ensure_future(one(client, "B", "hi", 3)) for _ in range(6)]
+        small = [asyncio.ensure_future(one(client, small_gateway or gateway, "B", "hi", 3))
+                 for _ in range(6)]
         await asyncio.gather(*flood, *small)
     return max(i for i, who in enumerate(order) if who == "B"), order
 
@@ -153,27 +155,6 @@ def test_token_turns_put_a_tenant_of_small_requests_ahead_of_a_heavy_one(cluster
     assert last_b >= 11, order
 
 
-async def _small_tenants_last_place_across(heavy_gateway: str, small_gateway: str) -> tuple[int, list[str]]:
-    """As _small_tenants_last_place, with each tenant's requests through its own gateway (its
-    connections all landed on one replica), both gateways in front of one scheduler."""
-    order: list[str] = []
-
-    async def one(client: httpx.AsyncClient, gateway: str, who: str, prompt: str, max_tokens: int) -> None:
-        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        r = await client.post(gateway + "/v1/completions", json=body,
-                              headers={"x-gateway-inference-fairness-id": who})
-        assert r.status_code == 200, r.text
-        order.append(who)
-
-    async with httpx.AsyncClient(timeout=120) as client:
-        flood = [asyncio.ensure_future(one(client, heavy_gateway, "A", "long text " * 150, 30))
-                 for _ in range(10)]
-        await asyncio.sleep(0.3)
-        small = [asyncio.ensure_future(one(client, small_gateway, "B", "hi", 3)) for _ in range(6)]
-        await asyncio.gather(*flood, *small)
-    return max(i for i, who in enumerate(order) if who == "B"), order
-
-
 def test_token_turns_hold_across_gateway_replicas(cluster):
     """Each replica's queue holds one tenant here, so only the scheduler can give turns: it hands
     freed room to the held call of the flow served fewest tokens over both replicas' traffic.
@@ -187,7 +168,7 @@ def test_token_turns_hold_across_gateway_replicas(cluster):
         heavy, heavy_url = start_gateway("--scheduler", cluster, "--fair-share", mode)
         small, small_url = start_gateway("--scheduler", cluster, "--fair-share", mode)
         try:
-            last_b, order = asyncio.run(_small_tenants_last_place_across(heavy_url, small_url))
+            last_b, order = asyncio.run(_small_tenants_last_place(heavy_url, small_url))
         finally:
             heavy.stop()
             small.stop()

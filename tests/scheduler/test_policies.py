@@ -255,15 +255,21 @@ def test_a_connection_failure_report_takes_a_worker_out_at_once(kind):
     assert worker(svc, "w1").health.state == DOWN
 
 
-def test_a_trial_whose_client_left_is_no_verdict_and_the_next_request_is_the_trial():
-    """A client leaving proves nothing about the worker: it stays half open (it used to pass the
-    trial and come back up without having served anything)."""
+def _half_open_trial():
+    """w1 taken out by a gateway report, back half open after a scrape, and its trial lease."""
     svc = make_service("round_robin")
     w1 = worker(svc, "w1")
     svc.report_failure("w1", "connect")
     w1.health.on_success(time.monotonic(), 1)
     svc.on_health_change(w1)
     trial = next(d for d in (decide(svc) for _ in range(3)) if d["worker_id"] == "w1")
+    return svc, w1, trial
+
+
+def test_a_trial_whose_client_left_is_no_verdict_and_the_next_request_is_the_trial():
+    """A client leaving proves nothing about the worker: it stays half open (it used to pass the
+    trial and come back up without having served anything)."""
+    svc, w1, trial = _half_open_trial()
     assert svc.release_reported(LeaseRelease(lease_id=trial["lease_id"], ok=True, error=CLIENT_LEFT))
     assert w1.health.state == HALF_OPEN
     again = [d for d in (decide(svc) for _ in range(6)) if d["worker_id"] == "w1"]
@@ -273,12 +279,7 @@ def test_a_trial_whose_client_left_is_no_verdict_and_the_next_request_is_the_tri
 
 
 def test_failed_trial_goes_back_down():
-    svc = make_service("round_robin")
-    w1 = worker(svc, "w1")
-    svc.report_failure("w1", "connect")
-    w1.health.on_success(time.monotonic(), 1)
-    svc.on_health_change(w1)
-    trial = next(d for d in (decide(svc) for _ in range(3)) if d["worker_id"] == "w1")
+    svc, w1, trial = _half_open_trial()
     svc.release(trial["lease_id"], False, "connect")
     assert w1.health.state == DOWN
 
