@@ -33,6 +33,12 @@ class SchedulerConfig(BaseSettings):
     # `Infinity`, which is no JSON.
     registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
                                       description="a registration expires without heartbeats")
+    # Why a bound: every registered worker is scraped every scrape interval, so a registrar
+    # gone wrong (a leaked token, a crash loop minting new ids) would grow the scrape load
+    # without end; refused registrations say so instead.
+    max_registered_workers: int = Field(
+        1024, ge=1, description="self-registered workers kept at most; past it a new registration "
+        "is refused (429) until one leaves or expires (heartbeats of those kept still go through)")
     worker_max_running: dict[str, int] = Field(
         default_factory=dict,
         description="running-request cap per worker (its --max-num-seqs / --max-running-requests), "

@@ -75,6 +75,11 @@ def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool
         raise RegistrationError(409, f"worker {known.worker_id!r} is known at another URL, "
                                 f"{known.url!r}", "url")
     created = known is None or SOURCE not in known.sources
+    if created:
+        registered = sum(1 for w in service.registry.workers.values() if SOURCE in w.sources)
+        if registered >= service.cfg.max_registered_workers:
+            raise RegistrationError(429, f"the scheduler keeps at most {registered} registered workers "
+                                    "(max_registered_workers): retry once one has left")
     w = service.add_worker(
         WorkerState(url, worker_id=worker_id, models=models, engine=engine, source=SOURCE)
     )

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from scheduler.config import SchedulerConfig
-from scheduler.discovery.registration import RegistrationError, register
+from scheduler.discovery.registration import RegistrationError, deregister, register
 from scheduler.urls import http_url_problem
 from tests.scheduler.helpers import make_service
 
@@ -70,3 +70,17 @@ def test_a_running_cap_past_float_range_is_refused_and_leaves_the_worker_registr
     assert w.running_cap.cap == 8
     with pytest.raises(ValidationError, match="worker_max_running"):
         SchedulerConfig(worker_max_running={"*": 10**400})
+
+
+def test_registrations_past_the_bound_are_refused_until_one_leaves():
+    """Every registered worker is scraped every interval: a registrar minting ids without end
+    (a leaked token, a crash loop) is refused past the bound, and heartbeats still go through."""
+    svc = make_service(n=0, config={"registration_token": "t", "max_registered_workers": 2})
+    for port in (8001, 8002):
+        register(svc, {"url": f"http://127.0.0.1:{port}", "models": ["m"]})
+    with pytest.raises(RegistrationError) as err:
+        register(svc, {"url": "http://127.0.0.1:8003", "models": ["m"]})
+    assert err.value.status == 429 and "max_registered_workers" in str(err.value)
+    assert register(svc, {"url": "http://127.0.0.1:8001", "models": ["m"]})[1] is False  # a heartbeat
+    assert deregister(svc, "127.0.0.1:8002")
+    assert register(svc, {"url": "http://127.0.0.1:8003", "models": ["m"]})[1] is True
