@@ -229,8 +229,8 @@ class SchedulerService:
                                   prefix_key=req.prefix_hashes[-1] if req.prefix_hashes else None)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
-        if req.flow is not None and self.cfg.fair_share:
-            ledger = self._ledger_of(req)
+        ledger = self._ledger_of(req)
+        if ledger is not None:
             ledger.pick((req.flow,))  # the flow served last sets the level new flows start at
             lease.fair = (ledger, req.flow, ledger.charge(req.flow, req.prompt_tokens, req.max_tokens))
             self._open_flows[ledger, req.flow] += 1
@@ -374,13 +374,10 @@ class SchedulerService:
             # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
             # unseen_tokens on close, and were never in the scrape's usage.
             self.reservations.hold(lease.prefix_key, w, used_tokens)
-        if lease.trial and ok and error == CLIENT_LEFT:
-            # The trial's client left: no verdict. The worker stays half open and the next
-            # request is its trial (it left the candidates while this one was out).
-            self._routable.clear()
-            self.policy.refresh(w)
-            self.capacity_changed()
-        elif lease.trial and w.health.trial_result(ok and not error):
+        # A trial whose client left is no verdict: the worker stays half open, and (its
+        # candidates cleared above) the next request is its trial.
+        verdict = lease.trial and not (ok and error == CLIENT_LEFT)
+        if verdict and w.health.trial_result(ok and not error):
             self.on_health_change(w)
         else:
             self.policy.refresh(w)
@@ -460,8 +457,8 @@ class SchedulerService:
 def _fair_order(held: list[_Held]) -> list[_Held]:
     """Each model's calls in their flows' order, in the places its calls had in arrival order
     (a model's counters say nothing about another model's)."""
-    by_ledger: dict[int, list[_Held]] = {}
+    by_ledger: dict[FlowLedger | None, list[_Held]] = {}
     for h in held:
-        by_ledger.setdefault(id(h.ledger), []).append(h)
-    turns = {key: iter(sorted(calls, key=_Held.turn)) for key, calls in by_ledger.items()}
-    return [next(turns[id(h.ledger)]) for h in held]
+        by_ledger.setdefault(h.ledger, []).append(h)
+    turns = {ledger: iter(sorted(calls, key=_Held.turn)) for ledger, calls in by_ledger.items()}
+    return [next(turns[h.ledger]) for h in held]

@@ -77,8 +77,9 @@ def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool
     created = known is None or SOURCE not in known.sources
     if created:
         registered = sum(1 for w in service.registry.workers.values() if SOURCE in w.sources)
-        if registered >= service.cfg.max_registered_workers:
-            raise RegistrationError(429, f"the scheduler keeps at most {registered} registered workers "
+        bound = service.cfg.max_registered_workers
+        if registered >= bound:
+            raise RegistrationError(429, f"the scheduler keeps at most {bound} registered workers "
                                     "(max_registered_workers): retry once one has left")
     w = service.add_worker(
         WorkerState(url, worker_id=worker_id, models=models, engine=engine, source=SOURCE)
