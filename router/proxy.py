@@ -393,8 +393,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             except asyncio.CancelledError:
                 # The client went away: the worker was not at fault; give the lease back (a
                 # background response goes on without its client).
-                self._release(route, rec, ok=True, handed_off=rec.detached,
-                              error=None if rec.detached else CLIENT_LEFT)
+                self._release_client_left(route, rec)
                 raise
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
@@ -564,6 +563,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         if error:
             rel["error"] = error
         self.sched.release_nowait(rel)
+
+    def _release_client_left(self, route: Route, rec: RequestRecord) -> None:
+        """The client went away: no failure of the worker's. A background response goes on in
+        it (handed off); anything else is marked as a client that left, which is no verdict on
+        a half-open worker's trial."""
+        self._release(route, rec, ok=True, handed_off=rec.detached,
+                      error=None if rec.detached else CLIENT_LEFT)
 
     # ---- non-stream -----------------------------------------------------------------------
     async def _forward(

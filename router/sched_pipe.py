@@ -59,6 +59,13 @@ _loads = json.loads
 CHANNELS = ("auto", "ws", "http")
 
 
+def orphan_release(lease_id: str) -> dict:
+    """The release of a lease nobody took (its caller left before the decision came back): ok,
+    since no worker failed anything, nothing held, and marked as a client that left, which says
+    nothing about the worker (a half-open worker's trial stays open)."""
+    return {"lease_id": lease_id, "ok": True, "prompt_tokens": 0, "output_tokens": 0, "error": CLIENT_LEFT}
+
+
 class SchedulerPipe:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto") -> None:
         u = urlsplit(base_url)
@@ -238,8 +245,7 @@ class SchedulerPipe:
             lease_id = (_loads(answer) if isinstance(answer, bytes) else answer)["lease_id"]
         except (ValueError, KeyError, TypeError):
             return
-        self.release_nowait({"lease_id": lease_id, "ok": True, "prompt_tokens": 0, "output_tokens": 0,
-                             "error": CLIENT_LEFT})
+        self.release_nowait(orphan_release(lease_id))
 
     def close(self) -> None:
         if self._watchdog is not None:

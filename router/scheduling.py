@@ -23,9 +23,8 @@ import aiohttp
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
-from router.sched_pipe import SchedulerPipe
+from router.sched_pipe import SchedulerPipe, orphan_release
 from scheduler.client import SchedulerClient, SchedulerUnavailableError
-from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.scheduling")
 # How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
@@ -254,10 +253,7 @@ class Scheduling:
             return
         status, payload = task.result()
         if status == 200 and isinstance(payload, dict) and payload.get("lease_id"):
-            self.release_nowait(
-                {"lease_id": payload["lease_id"], "ok": True, "prompt_tokens": 0, "output_tokens": 0,
-                 "error": CLIENT_LEFT}
-            )
+            self.release_nowait(orphan_release(payload["lease_id"]))
 
     def _fallback_pick(self, model: str, exclude: list[str], pin: str | None = None,
                        pinned_url: str | None = None) -> Route:

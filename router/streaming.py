@@ -18,7 +18,6 @@ from router.errors import sse_error_event
 from router.scheduling import Route
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
-from scheduler.protocol import CLIENT_LEFT
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
@@ -163,8 +162,7 @@ class StreamForwarding:
                     self._learn_owner(tap, route, 0)
             if isinstance(exc, asyncio.CancelledError):
                 raise  # the caller gives the lease back
-            self._release(route, rec, ok=True, error=None if rec.detached else CLIENT_LEFT,
-                          handed_off=rec.detached)
+            self._release_client_left(route, rec)
             return resp if resp is not None else web.Response(status=499)
         finally:
             if complete:
