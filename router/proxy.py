@@ -522,11 +522,16 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         return h
 
     def _failed(self, route: Route, reason: str, rec: RequestRecord) -> None:
+        self.report_failed(route, reason)
+        self._release(route, rec, ok=False, error=reason)
+
+    def report_failed(self, route: Route, reason: str) -> None:
+        """The worker failed a request (`reason`: router/streaming.py's kinds): the fallback's
+        round robin passes it over, and the scheduler is told."""
         self.sched.fallback.mark_failed(route.url)
         client = self.sched.client
         if client is not None and not route.fallback:
             client.report_failure_nowait(route.worker_id, reason)
-        self._release(route, rec, ok=False, error=reason)
 
     def _prefilled(self, route: Route) -> None:
         """The first chunk of a stream comes after the worker prefilled the prompt: the
@@ -547,19 +552,26 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         before the next scrape shows it: none when the worker refused the request.
         `handed_off`: the worker goes on with the request (a background response), so nothing
         is freed and its load counts until a scrape shows it there."""
+        self.release_lease(route, ok, rec.prompt_tokens * rec.choices if held_kv else 0,
+                           rec.output_tokens if held_kv else 0, rec.ttft_ms, error, handed_off)
+
+    def release_lease(self, route: Route, ok: bool, prompt_tokens: int, output_tokens: int,
+                      ttft_ms: float | None = None, error: str | None = None,
+                      handed_off: bool = False) -> None:
+        """_release with the KV it held given apart (a WebSocket's requests each hold a lease)."""
         if route.lease_id is None or route.released or self.sched.client is None:
             return
         route.released = True
         rel: dict[str, Any] = {
             "lease_id": route.lease_id,
             "ok": ok,
-            "prompt_tokens": rec.prompt_tokens * rec.choices if held_kv else 0,
-            "output_tokens": rec.output_tokens if held_kv else 0,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
         }
         if handed_off:
             rel["handed_off"] = True
-        if rec.ttft_ms is not None:
-            rel["ttft_ms"] = round(rec.ttft_ms, 3)
+        if ttft_ms is not None:
+            rel["ttft_ms"] = round(ttft_ms, 3)
         if error:
             rel["error"] = error
         self.sched.release_nowait(rel)

@@ -24,7 +24,7 @@ from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
 from router.sched_pipe import SchedulerPipe, orphan_release
-from scheduler.client import SchedulerClient, SchedulerUnavailableError
+from scheduler.client import SchedulerClient, SchedulerError, SchedulerUnavailableError
 
 log = logging.getLogger("router.scheduling")
 # How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
@@ -180,6 +180,36 @@ class Scheduling:
                     # Charged before it leaves the line: the next turn (chosen as it leaves)
                     # counts it.
                     return self._charged(route, body, flow)
+
+    async def attach(self, body: dict[str, Any], bound: Route, flow: str = "") -> Route | None:
+        """A lease for a request already bound for `bound`'s worker (a WebSocket's next request,
+        on the connection the gateway holds to it): the scheduler counts it there whatever the
+        worker's load (ScheduleRequest.attach). None: no lease to be had (fallback mode, the
+        scheduler unreachable, or the worker gone from the pool); the request goes on unleased,
+        without slowing the socket down by the scheduler's fallback wait."""
+        if self.fallback_active or self.client is None or bound.fallback:
+            return None
+        body = {**body, "worker_id": bound.worker_id, "attach": True}
+        if self.queue.fair_share == "tokens":
+            body["flow"] = flow
+        t0 = time.perf_counter()
+        try:
+            if self.pipe is not None:
+                status, payload = await self.pipe.schedule_raw(body)
+            else:
+                status, payload = await self._long_poll(body, 0)
+        except SchedulerError:  # unreachable, or a model no worker serves now: unleased
+            self.metrics.scheduler_errors.labels("schedule").inc()
+            return None
+        self.metrics.observe_scheduler("schedule", time.perf_counter() - t0)
+        if status != 200:
+            return None
+        route = Route(payload["worker_id"], bound.url, payload["lease_id"], payload.get("policy", ""),
+                      payload.get("reason") or {})
+        if route.worker_id != bound.worker_id:  # a scheduler that knows no pin (older than attach)
+            self.release_nowait(orphan_release(route.lease_id))
+            return None
+        return route
 
     def _charged(self, route: Route, body: dict[str, Any], flow: str) -> Route:
         route.charge = self.queue.charge(body["model"], flow, body.get("prompt_tokens") or 0,

@@ -4,8 +4,9 @@ The worker's protocol: each client text message is a completions or chat body; t
 worker answers with chunk objects and a final end message. The gateway places the
 connection when the first message arrives (it names the model), connects to that
 worker, and from then on copies messages both ways untouched (router/ws_relay.py, which
-also moves the socket to another worker when its worker stops). The connection holds
-one lease until it closes. A worker that cannot be connected to is excluded and
+also moves the socket to another worker when its worker stops). Each request on it holds a
+lease on that worker while it is answered (the first one's places the socket; ws_relay.py). A
+worker that cannot be connected to is excluded and
 the placement retried, like an HTTP request before its first byte. A stopping gateway
 sends its sockets away once their answers are out (router/ws_sessions.py).
 """
@@ -21,7 +22,7 @@ from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy, is_name
 from router.ws_relay import WsRelay
-from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
+from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, WsTurn, ws_error
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
 # the subprotocol `openai-insecure-api-key.<key>` (OpenAI's convention for its Realtime API).
@@ -94,12 +95,13 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             await client.send_str(SHUTTING_DOWN)
             await client.close(code=WSCloseCode.GOING_AWAY, message=GOING_AWAY_MESSAGE)
             return client
-        session.pending.append(first.data)  # from here the socket is busy: placing it, then its answer
+        sched_body = proxy.schedule_body(rec, model, body)
+        # From here the socket is busy: placing it, then its answer.
+        session.pending.append(WsTurn(first.data, sched_body, rec.prompt_tokens * rec.choices))
         priority = body.get("priority")  # the first request's, as the connection is placed once
         if not isinstance(priority, int) or isinstance(priority, bool):
             priority = 0  # the worker answers a malformed one itself
-        relay = WsRelay(proxy, request, rec, session, sessions, proxy.schedule_body(rec, model, body),
-                        priority)
+        relay = WsRelay(proxy, request, rec, session, sessions, sched_body, priority)
         failed = await relay.place([])
         if failed is not None:
             await client.send_str(failed)

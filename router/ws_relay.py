@@ -14,6 +14,12 @@ cut at the worker's drain limit ends with its error, which goes to the client, a
 A cancel is for the request being answered, the oldest unanswered: the worker gets it when
 that request is in the worker; one that is held here is dropped and answered as the worker
 would (`done`, `cancelled`), since no worker has started it.
+
+Each request holds a lease of its own on the socket's worker, from its message to its answer's
+end (the first one's from placing the socket, the next ones attached to that worker:
+ScheduleRequest.attach), so the scheduler counts a socket's requests as they come and frees
+each one's KV as it ends; an idle socket holds none, whatever its age. A worker that drops the
+connection with answers owed is reported, as a stream cut mid-answer is.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from router.access_log import RequestRecord
 from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
-from router.tokens import render_prompt
-from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
+from router.tokens import schedule_request
+from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, WsTurn, ws_error
 from scheduler.client import SchedulerError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -52,6 +58,10 @@ _UPSTREAM_SEND_ERRORS = (ConnectionError, aiohttp.ClientError)
 # What the worker answers a cancel with (its websocket.py), for a request cancelled while held
 # here: no worker gave it an id.
 _CANCELLED_HERE = json.dumps({"type": "done", "id": None, "cancelled": True})
+# Close codes a worker sends about the client's message (not its own failure): unsupported
+# data, invalid payload, policy, too big. Reporting them would let one client's messages take
+# workers out of rotation.
+_CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
 
 
 class WsRelay:
@@ -63,8 +73,9 @@ class WsRelay:
         self.session = session
         self.client = session.client
         self.sessions = sessions
-        self.sched_body = sched_body
+        self.sched_body = sched_body  # the first request's: places the socket when none is owed
         self.priority = priority
+        # The placement of the socket on its worker (its lease is the turn's it was placed for).
         self.route: Route | None = None
         self.upstream: aiohttp.ClientWebSocketResponse | None = None
         # Requests wait in session.pending instead of going upstream: the worker refuses
@@ -75,12 +86,16 @@ class WsRelay:
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
-        """Lease a worker and connect to it; None, or the error message to send the client."""
+        """Lease a worker for the oldest request owed and connect to it; None, or the error
+        message to send the client."""
         proxy, rec = self.proxy, self.rec
+        owed = self.session.pending
+        turn = next((t for t in owed if t.sched_body is not None), None)
+        body = turn.sched_body if turn is not None else self.sched_body
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):
             try:
-                route = await proxy._acquire(rec, self.sched_body, exclude, deadline, priority=self.priority)
+                route = await proxy._acquire(rec, body, exclude, deadline, priority=self.priority)
             except (QueueFull, QueueTimeout):
                 rec.status = 429
                 return ws_error("no worker available, retry later", 429)
@@ -107,6 +122,10 @@ class WsRelay:
                 raise
             self.route = route
             rec.worker = route.worker_id
+            if turn is not None:
+                turn.route, turn.worker_id = route, route.worker_id
+            else:  # nothing owed (a socket moved while idle): no request holds the lease
+                proxy.release_lease(route, True, 0, 0, error=CLIENT_LEFT)
             return None
         rec.status = 502
         return ws_error("every worker attempt failed", 502)
@@ -117,22 +136,48 @@ class WsRelay:
         old = self.route
         assert old is not None and self.upstream is not None
         await self.upstream.close()
-        self.proxy._release(old, self.rec, ok=True)
+        pending = self.session.pending
+        for turn in pending:  # what is owed, the stopping worker refused: no KV held there
+            self._unlease(turn)
         self.route = self.upstream = None
         status = self.rec.status
         if await self.place([old.worker_id]) is not None:
             self.rec.status = status  # it was served until now
             return False
         log.info("ws id=%s moved from %s to %s with %d request(s) owed", self.rec.id,
-                 old.worker_id, self.route.worker_id, len(self.session.pending))
-        pending = self.session.pending
+                 old.worker_id, self.route.worker_id, len(pending))
         while self.outside:  # requests the client sends meanwhile join the end
+            turn = pending[len(pending) - self.outside]
+            if turn.worker_id != self.route.worker_id:
+                await self._lease(turn)
+                continue  # a cancel meanwhile may have taken it: look again
             # Counted in the worker before the send: a cancel sent meanwhile goes there too.
             self.outside -= 1
-            if not await self.send_upstream(pending[len(pending) - self.outside - 1]):
+            if not await self.send_upstream(turn.data):
                 return False
         self.held = False
         return True
+
+    # ---- each request's lease -----------------------------------------------------------
+    async def _lease(self, turn: WsTurn) -> None:
+        """Bind a request to the socket's worker, leased there when the scheduler can."""
+        bound = self.route
+        assert bound is not None
+        turn.worker_id = bound.worker_id
+        if turn.sched_body is not None:
+            turn.route = await self.proxy.sched.attach(turn.sched_body, bound, self.rec.flow)
+
+    def _unlease(self, turn: WsTurn) -> None:
+        """The request's lease goes back holding nothing: no worker took it (it was refused, or
+        the socket moved while it was being leased), or it was cancelled before it was sent."""
+        if turn.route is not None:
+            self.proxy.release_lease(turn.route, True, 0, 0, error=CLIENT_LEFT)
+        turn.route = turn.worker_id = None
+
+    def _answered(self, turn: WsTurn, ok: bool = True, error: str | None = None) -> None:
+        """The request's answer ended (or will not come): its lease frees what it held."""
+        if turn.route is not None:
+            self.proxy.release_lease(turn.route, ok, turn.prompt_tokens, turn.output_tokens, error=error)
 
     # ---- relaying ---------------------------------------------------------------------
     async def send_upstream(self, data: str | bytes) -> bool:
@@ -146,12 +191,20 @@ class WsRelay:
             return False  # it is still pending: the next worker gets it, or the socket ends
         return True
 
-    async def send_request(self, data: str | bytes) -> None:
-        self.session.pending.append(data)
-        if self.held:
-            self.outside += 1
-        else:
-            await self.send_upstream(data)
+    async def send_request(self, turn: WsTurn) -> None:
+        while not self.held:
+            bound = self.route
+            await self._lease(turn)
+            if self.client.closed:  # left while it was being leased: never sent
+                self._unlease(turn)
+                return
+            if self.route is bound and not self.held:
+                self.session.pending.append(turn)
+                await self.send_upstream(turn.data)
+                return
+            self._unlease(turn)  # the socket moved meanwhile: leased on the worker it left
+        self.session.pending.append(turn)
+        self.outside += 1
 
     async def cancel(self, data: str) -> None:
         """The client's cancel, of the oldest request not answered yet (if any)."""
@@ -160,7 +213,7 @@ class WsRelay:
             if self.upstream is not None and not self.upstream.closed:
                 await self.send_upstream(data)
         elif pending:  # held here: no worker started it
-            pending.popleft()
+            self._unlease(pending.popleft())
             self.outside -= 1
             await self.client.send_str(_CANCELLED_HERE)
 
@@ -184,10 +237,11 @@ class WsRelay:
                 elif self.sessions.closing:
                     await self.client.send_str(SHUTTING_DOWN)
                 else:
-                    self.rec.prompt_tokens += _prompt_tokens(self.proxy, msg.data)
-                    await self.send_request(msg.data)
+                    turn, prompt = turn_of(self.proxy, self.rec.model, msg.data)
+                    self.rec.prompt_tokens += prompt
+                    await self.send_request(turn)
             elif msg.type == aiohttp.WSMsgType.BINARY:
-                await self.send_request(msg.data)  # the worker answers it with an error
+                await self.send_request(WsTurn(msg.data))  # the worker answers it with an error
             else:
                 return
 
@@ -196,22 +250,25 @@ class WsRelay:
         client, pending = self.client, self.session.pending
         while True:
             assert self.upstream is not None and self.route is not None
-            first = True
             async for msg in self.upstream:
-                if first:  # the worker's first message: the request it answers is prefilled
-                    first = False
-                    self.proxy._prefilled(self.route)
                 if msg.type == aiohttp.WSMsgType.TEXT:
                     data = msg.data
+                    turn = pending[0] if pending else None  # the request being answered
                     if _CHOICE_CHUNK in data:
                         self.rec.output_tokens += 1
+                        if turn is not None:
+                            turn.output_tokens += 1
+                            if not turn.answering:  # its first token: its prompt is prefilled
+                                turn.answering = True
+                                if turn.route is not None:
+                                    self.proxy._prefilled(turn.route)
                     elif data.startswith(_TERMINAL_PREFIXES):
                         if _REFUSAL in data and not self.sessions.closing:
                             self.held = True  # the worker stops: this request, and the rest, wait
                             self.outside += 1
                             continue
-                        if pending:
-                            pending.popleft()
+                        if turn is not None:
+                            self._answered(pending.popleft())
                         self.proxy.settle_fair(self.rec)
                     await client.send_str(data)
                     if self.sessions.closing and await self.session.going_away_if_idle():
@@ -230,29 +287,51 @@ class WsRelay:
                 return
             # The worker went away while the client is still connected: say so before closing
             # (a request it was answering is not replayed elsewhere, like SSE).
+            self._worker_left()
             await client.send_str(ws_error("the worker closed the connection", "upstream_closed"))
             return
 
+    def _worker_left(self) -> None:
+        """The worker closed the socket (not for a rolling update): the answers it owed failed
+        there. Reported as a stream cut mid-answer is: a dropped connection ("connection", out
+        at once), a close it chose with answers owed ("upstream_closed", one failure of the
+        streak), nothing for a close about the client's message or with nothing owed."""
+        owed = [t for t in self.session.pending if t.route is not None and not t.route.released]
+        if not owed:
+            return
+        code = self.upstream.close_code if self.upstream is not None else None
+        if code in _CLIENTS_FAULT:
+            for turn in owed:
+                self._answered(turn, error=CLIENT_LEFT)
+            return
+        reason = "connection" if code in (None, WSCloseCode.ABNORMAL_CLOSURE) else "upstream_closed"
+        self.proxy.report_failed(owed[0].route, reason)
+        for turn in owed:
+            self._answered(turn, ok=False, error=reason)
+
     async def close(self) -> None:
-        # The lease first: the close below waits for the worker, and a cancel meanwhile (the
-        # client dropped the connection) would skip what comes after it.
-        if self.route is not None:
-            self.proxy._release(self.route, self.rec, ok=True)
+        # The leases first: the close below waits for the worker, and a cancel meanwhile (the
+        # client dropped the connection) would skip what comes after it. What is still owed,
+        # the worker aborts as the socket closes: its KV is freed, and no failure of the worker's.
+        for turn in self.session.pending:
+            self._answered(turn, error=CLIENT_LEFT)
         if self.upstream is not None:
             await self.upstream.close()
 
 
-def _prompt_tokens(proxy: Proxy, data: str) -> int:
-    """The prompt estimate of one more request on the socket (0 for a bad message, which the
-    worker answers itself), as the HTTP path counts a request without usage."""
+def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
+    """One more request on the socket, with what the scheduler is told of it (under the socket's
+    model: its worker is the one it goes to), and its prompt estimate, as the HTTP path counts a
+    request without usage. A message that is no JSON object takes no lease and counts no
+    prompt: the worker answers it with an error."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # the last: nested too deeply (the worker says so)
-        return 0
+        return WsTurn(data), 0
     if not isinstance(body, dict):
-        return 0
-    text, ids = render_prompt(body)
-    return proxy.tokens.count(text, ids) if text or ids else 0
+        return WsTurn(data), 0
+    sched_body, prompt, choices = schedule_request(proxy.tokens, model, body)
+    return WsTurn(data, sched_body, prompt * choices), prompt
 
 
 def _is_cancel(text: str) -> bool:

@@ -54,6 +54,11 @@ class ScheduleRequest(BaseModel):
     # reason says "pinned_worker_unavailable" while it is down and "pinned_worker_gone" once it
     # left the pool (the state went with it).
     worker_id: str | None = Field(None, min_length=1)
+    # With worker_id: the request is already bound for that worker, on a connection the gateway
+    # holds to it (a WebSocket's next request): the answer is a lease there whatever its load,
+    # not a choice, so that its load counts from now and its release frees what it held. A
+    # worker no longer in the pool is a wait, "pinned_worker_gone" (the request goes unleased).
+    attach: bool = False
     # Of prompt_tokens, those the worker already holds (a stored conversation's history on the
     # worker it is pinned to): KV the request takes, but no prefill work.
     cached_tokens: int = Field(0, ge=0)

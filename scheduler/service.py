@@ -186,6 +186,8 @@ class SchedulerService:
         """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light."""
         by_model = self.registry.by_model
         key = req.lora if req.lora and req.lora in by_model else req.model
+        if req.attach:
+            return self._attach(req, by_model.get(key), now)
         cands = self._routable.get(key)
         if cands is None:
             pool = by_model.get(key)
@@ -217,8 +219,23 @@ class SchedulerService:
             pick = self.policy.choose(req, cands, now)
         if pick is None:
             return Wait(self._retry_after_ms, "saturated")
+        return self._issue(req, pick, pick.worker.health.state == HALF_OPEN, len(cands), now)
+
+    def _attach(self, req: Request, pool: list[WorkerState] | None, now: float):
+        """A lease on the worker a request is already bound for (ScheduleRequest.attach): no
+        choice, whatever its load or health (the connection to it is open), and never its
+        trial (one request on a socket placed before says little about the worker)."""
+        if pool is None:
+            return UNKNOWN_MODEL
+        w = self.registry.workers.get(req.pin)
+        if w is None or w not in pool:
+            return Wait(self._retry_after_ms, "pinned_worker_gone")
+        self.policy.refresh(w)
+        return self._issue(req, Pick(w, w.score, {"attached": True}), False, 1, now)
+
+    def _issue(self, req: Request, pick: Pick, trial: bool, candidates: int, now: float) -> dict:
+        """The lease for a pick, its flow charged, and the decision that tells the gateway."""
         w = pick.worker
-        trial = w.health.state == HALF_OPEN
         # Prefill work: the prompt less what the worker holds: the part the gateway knows it
         # holds, and the chunks it likely holds in its prefix cache.
         prompt = max(0, req.prompt_tokens - req.cached_tokens)
@@ -240,7 +257,7 @@ class SchedulerService:
         snap = w.snapshot
         reason = {
             "score": round(pick.score, 3),
-            "candidates": len(cands),
+            "candidates": candidates,
             "running": snap.running if snap else None,
             "waiting": snap.waiting if snap else None,
             "kv": snap.kv_usage if snap else None,

@@ -20,13 +20,14 @@ from scheduler.registry import WorkerState
 class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
-    __slots__ = ("cached_tokens", "exclude", "flow", "lora", "max_tokens", "model", "pin",
+    __slots__ = ("attach", "cached_tokens", "exclude", "flow", "lora", "max_tokens", "model", "pin",
                  "prefix_hashes", "prompt_tokens", "reserved_only")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
                  exclude: frozenset[str] | None = None, reserved_only: bool = False,
-                 pin: str | None = None, cached_tokens: int = 0, flow: str | None = None) -> None:
+                 pin: str | None = None, cached_tokens: int = 0, flow: str | None = None,
+                 attach: bool = False) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -43,6 +44,8 @@ class Request:
         # Its tenant in the gateway's queue, when the gateway counts token turns
         # (ScheduleRequest.flow): held calls go in the order of their flows' counters.
         self.flow = flow
+        # Already bound for `pin` (ScheduleRequest.attach): a lease there, not a choice.
+        self.attach = attach
 
 
 class Pick(NamedTuple):

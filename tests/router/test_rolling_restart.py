@@ -17,6 +17,7 @@ import aiohttp
 import httpx
 
 from tests.router.procs import SimStack, sim_stack
+from tests.router.stand_ins import open_leases, until
 
 SLOW = ("--time-scale", "5")  # tiny profile: ~32 ms per decode step
 
@@ -85,6 +86,9 @@ async def _websocket_through_a_stopping_worker(stack: SimStack) -> list[dict]:
                 await ws.send_str(json.dumps({"model": "m", "prompt": "later", "max_tokens": 3,
                                               "ignore_eos": True}))
         assert not ws.closed
+        # Every answer's lease ended (the refused request's on the stopping worker too), and the
+        # socket, idle on its new worker, holds none.
+        await until(lambda: open_leases(stack.scheduler) == 0)
         return messages
 
 

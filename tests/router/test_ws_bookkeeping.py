@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 
@@ -23,12 +24,19 @@ from tests.router.stand_ins import open_leases, stand_ins_behind_router, until
 _CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
 
 
+_DONE = json.dumps({"type": "done", "id": "x"})
+
+
 class MisbehavingWorker:
-    """Its /v1/ws either stalls its handshake (`stall`, set) or answers two chunks and then
-    closes the socket mid-answer."""
+    """Its /v1/ws either stalls its handshake (`stall`, set) or answers two chunks and then, by
+    `mode`: closes the socket mid-answer ("close"), drops the connection without a close frame
+    ("drop"), closes with 1009 as if the client's message were too big ("too_big"), or ends each
+    answer once `go` is set and goes on with the next request ("serve")."""
 
     def __init__(self) -> None:
         self.stall = asyncio.Event()
+        self.go = asyncio.Event()
+        self.mode = "close"
         self.echo = EchoWorker("m", 0.0, "misbehaving")
 
     async def ws(self, request: web.Request) -> web.StreamResponse:
@@ -39,7 +47,17 @@ class MisbehavingWorker:
         async for _ in ws:
             for _ in range(2):
                 await ws.send_str(_CHUNK)
-            await ws.close()  # gone mid-answer
+            if self.mode == "serve":
+                await self.go.wait()
+                await ws.send_str(_DONE)
+                continue
+            if self.mode == "drop":
+                assert request.transport is not None
+                request.transport.abort()
+            elif self.mode == "too_big":
+                await ws.close(code=1009, message=b"message too big")
+            else:
+                await ws.close()  # gone mid-answer
             break
         return ws
 
@@ -89,3 +107,55 @@ async def test_a_client_that_leaves_while_its_worker_is_being_connected_gives_th
         ws._response.connection.transport.abort()
     await until(lambda: open_leases(scheduler) == 0)
     await until(lambda: series_value(gw, "router_requests_in_flight") == 0)
+
+
+def _worker_state(scheduler: str) -> str:
+    return httpx.get(scheduler + "/v1/workers").json()["workers"][0]["state"]
+
+
+async def test_each_request_on_a_socket_holds_its_own_lease_and_an_idle_socket_none(stack):
+    """The scheduler counts a socket's requests as they come (two in flight: two leases on its
+    worker) and each frees its KV as its answer ends. The socket held one lease for its whole
+    life before: its second request was never counted, and an idle socket counted as a request
+    for ever (least_request's load), until the lease expired with a warning after 10 minutes."""
+    worker, scheduler, gw = stack
+    worker.mode = "serve"
+    released = series_value(scheduler, 'scheduler_lease_releases_total{outcome="ok"}', 0)
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        for prompt in ("one", "two"):
+            await ws.send_str(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8}))
+        await until(lambda: open_leases(scheduler) == 2)
+        worker.go.set()
+        done = 0
+        while done < 2:
+            msg = await ws.receive(timeout=10)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            done += json.loads(msg.data).get("type") == "done"
+        await until(lambda: open_leases(scheduler) == 0)  # the socket stays open, idle
+        assert not ws.closed
+        await until(lambda: series_value(scheduler, 'scheduler_lease_releases_total{outcome="ok"}', 0)
+                    == released + 2)
+
+
+@pytest.mark.parametrize(("mode", "state"), [("drop", "down"), ("too_big", "up")])
+async def test_a_worker_that_drops_a_socket_mid_answer_is_reported(stack, mode, state):
+    """A worker whose connection drops with an answer owed has failed that request, as a stream
+    cut mid-answer has: the gateway reports it, and the worker leaves rotation at once. A worker
+    that closes over the client's message (1009: too big) failed nothing of its own: reporting
+    it would let one client's messages take the pool out. The request's lease ends either way."""
+    worker, scheduler, gw = stack
+    worker.mode = mode
+    await until(lambda: _worker_state(scheduler) == "up")
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
+        while True:
+            msg = await ws.receive(timeout=10)
+            if msg.type != aiohttp.WSMsgType.TEXT or "error" in msg.data:
+                break
+        assert msg.type == aiohttp.WSMsgType.TEXT and "upstream_closed" in msg.data, msg
+    await until(lambda: open_leases(scheduler) == 0)
+    if state == "down":
+        await until(lambda: _worker_state(scheduler) == "down")
+    else:
+        await asyncio.sleep(0.5)  # a report would have come by now
+        assert _worker_state(scheduler) == "up"

@@ -168,6 +168,26 @@ def test_a_pinned_request_goes_to_its_worker_only_and_waits_out_its_saturation(p
     assert isinstance(out, Wait) and out.reason == "pinned_worker_gone"
 
 
+def test_an_attached_request_is_counted_on_its_worker_whatever_its_load():
+    """A WebSocket's next request goes to the worker its socket is connected to, full or not:
+    the scheduler leases it there (its load counts at once, unseen by the last scrape) instead
+    of answering wait, and is not its trial; a worker that left the pool is a wait."""
+    svc = make_service()
+    w0 = worker(svc, "w0")
+    feed(svc, w0, running=1, waiting=3)  # queueing: saturated
+    assert isinstance(decide(svc, pin="w0"), Wait)
+    out = decide(svc, pin="w0", attach=True)
+    assert out["worker_id"] == "w0" and out["reason"]["attached"] is True
+    assert w0.unseen == 1 and w0.open_prompt_tokens == 100
+    svc.report_failure("w0", "connect")  # down, then half open: still the socket's worker
+    out = decide(svc, pin="w0", attach=True)
+    assert out["worker_id"] == "w0" and not svc.leases.leases[out["lease_id"]].trial
+    assert decide(svc, pin="w0", attach=True, model="other") == UNKNOWN_MODEL
+    svc.remove_worker("w0")
+    out = decide(svc, pin="w0", attach=True)
+    assert isinstance(out, Wait) and out.reason == "pinned_worker_gone"
+
+
 def test_a_pinned_follow_up_counts_its_history_as_kv_but_not_as_prefill_work():
     """The stored conversation's history (cached_tokens) takes KV on its worker again, so a
     follow-up that does not fit the free KV waits; what it prefills is its new input only."""
