@@ -48,8 +48,9 @@ log = logging.getLogger("router.ws")
 # worker's chunks are compact JSON. Counted as one output token each, the stand-in the SSE
 # path uses when a stream ends without usage (the socket's usage chunks are the client's).
 _CHOICE_CHUNK = '"choices":[{'
-# The worker's messages that end a request's answer (its websocket.py): `done`, or an error.
-_TERMINAL_PREFIXES = ('{"type": "done"', '{"error"')
+# The worker's messages that end a request's answer (its websocket.py): `done`, or an error;
+# as json.dumps writes them, or compact (as the echo worker and other servers do).
+_TERMINAL_PREFIXES = ('{"type": "done"', '{"type":"done"', '{"error"')
 # How a stopping worker refuses a request it did not take (the worker's errors.shutting_down:
 # "send the request to another one"). An answer cut at its drain limit ends with another
 # shutting_down message, which goes to the client.

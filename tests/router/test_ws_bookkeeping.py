@@ -24,7 +24,7 @@ from tests.router.stand_ins import open_leases, stand_ins_behind_router, until
 _CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
 
 
-_DONE = json.dumps({"type": "done", "id": "x"})
+_DONE = {"type": "done", "id": "x"}
 
 
 class MisbehavingWorker:
@@ -37,6 +37,7 @@ class MisbehavingWorker:
         self.stall = asyncio.Event()
         self.go = asyncio.Event()
         self.mode = "close"
+        self.done = json.dumps(_DONE)  # as our worker writes it; a test may make it compact
         self.echo = EchoWorker("m", 0.0, "misbehaving")
 
     async def ws(self, request: web.Request) -> web.StreamResponse:
@@ -49,7 +50,7 @@ class MisbehavingWorker:
                 await ws.send_str(_CHUNK)
             if self.mode == "serve":
                 await self.go.wait()
-                await ws.send_str(_DONE)
+                await ws.send_str(self.done)
                 continue
             if self.mode == "drop":
                 assert request.transport is not None
@@ -113,13 +114,16 @@ def _worker_state(scheduler: str) -> str:
     return httpx.get(scheduler + "/v1/workers").json()["workers"][0]["state"]
 
 
-async def test_each_request_on_a_socket_holds_its_own_lease_and_an_idle_socket_none(stack):
+@pytest.mark.parametrize("separators", [(", ", ": "), (",", ":")])
+async def test_each_request_on_a_socket_holds_its_own_lease_and_an_idle_socket_none(stack, separators):
     """The scheduler counts a socket's requests as they come (two in flight: two leases on its
     worker) and each frees its KV as its answer ends. The socket held one lease for its whole
     life before: its second request was never counted, and an idle socket counted as a request
-    for ever (least_request's load), until the lease expired with a warning after 10 minutes."""
+    for ever (least_request's load), until the lease expired with a warning after 10 minutes.
+    A worker that writes its `done` compactly ends the answer too (the gateway saw no end)."""
     worker, scheduler, gw = stack
     worker.mode = "serve"
+    worker.done = json.dumps(_DONE, separators=separators)
     released = series_value(scheduler, 'scheduler_lease_releases_total{outcome="ok"}', 0)
     async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
         for prompt in ("one", "two"):
