@@ -101,6 +101,7 @@ class SchedulerPipe:
         self._pipe: _Pipe | _WsPipe | None = None
         self._connecting: asyncio.Future | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._closed = False
 
     @property
     def kind(self) -> str | None:
@@ -147,9 +148,25 @@ class SchedulerPipe:
             self._watchdog = self.loop.call_later(self.timeout_s / 4, self._check_timeouts)
         return pipe
 
-    def _lost(self, pipe: _Pipe | _WsPipe) -> None:
+    def _lost(self, pipe: _Pipe | _WsPipe, unsent: list[bytes]) -> None:
+        """A connection ended. `unsent`: its releases and first-token reports that were waiting
+        for company and never went out; they go on the next connection (a lost release would
+        count its request as load on the worker until the lease expired, 10 minutes)."""
         if self._pipe is pipe:
             self._pipe = None
+        if unsent and not self._closed:
+            self.loop.create_task(self._send_again(pipe.kind, unsent))
+
+    async def _send_again(self, kind: str, unsent: list[bytes]) -> None:
+        try:
+            pipe = await self._get_pipe()
+        except SchedulerUnavailableError:
+            return  # the scheduler is away: the lease expiry covers them
+        if pipe.kind != kind:
+            return  # written in the other wire form (the scheduler changed): expiry covers them
+        for data in unsent:
+            pipe.send_lazy(data)
+        pipe._flush()  # at once: written, they are never sent again (no loop on a flapping link)
 
     def _check_timeouts(self) -> None:
         """One timer for every call: a call older than the timeout poisons the pipeline
@@ -248,6 +265,7 @@ class SchedulerPipe:
         self.release_nowait(orphan_release(lease_id))
 
     def close(self) -> None:
+        self._closed = True
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

@@ -238,14 +238,15 @@ class _WsPipe(_ChannelProtocol):
         self._close_transport()
         if not self.handshake.done():
             self.handshake.set_exception(exc)
-        unsent, self.futs, self.ops = self.futs, [], []
+        unsent, self.futs = self.futs, []
+        ops, self.ops = self.ops, []
         batches = [futs for futs, _ in self.pending]
         self.pending.clear()
         for futs in (*batches, unsent):
             for fut in futs:
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
-        self.owner._lost(self)
+        self.owner._lost(self, [op for op, fut in zip(ops, unsent, strict=True) if fut is None])
 
 
 class _Pipe(_ChannelProtocol):
@@ -317,8 +318,12 @@ class _Pipe(_ChannelProtocol):
 
     def abort(self, exc: Exception) -> None:
         self._close_transport()
+        # The calls not yet written are the last len(out) of those pending, in order.
+        unsent = list(self.pending)[len(self.pending) - len(self.out):] if self.out else []
+        lazy = [data for data, (fut, _) in zip(self.out, unsent, strict=True) if fut is None]
+        self.out = []
         while self.pending:
             fut, _ = self.pending.popleft()
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
-        self.owner._lost(self)
+        self.owner._lost(self, lazy)

@@ -214,3 +214,34 @@ async def test_a_burst_larger_than_one_message_allows_is_split(scheduler):
             await pipe.schedule_raw({"model": "no-such-model"})  # after every release
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("channel", ["ws", "http"])
+async def test_releases_not_yet_sent_when_the_connection_drops_go_on_the_next_one(scheduler, channel):
+    """A release waits up to 2 ms for company before it is written. When the connection dropped
+    in that window the release was lost, and its lease counted as load on the worker until it
+    expired (10 minutes)."""
+    pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel)
+
+    async def open_leases() -> int:
+        async with httpx.AsyncClient() as c:
+            workers = (await c.get(scheduler + "/v1/workers")).json()["workers"]
+        return sum(w["in_flight_leases"] for w in workers)
+
+    try:
+        base = await open_leases()
+        results = await asyncio.gather(*(pipe.schedule_raw({"model": "m"}) for _ in range(5)))
+        assert await open_leases() == base + 5
+        for _, payload in results:
+            pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+        dropped = pipe._pipe
+        assert dropped is not None
+        dropped.abort(SchedulerUnavailableError("connection reset"))  # before the releases went out
+        for _ in range(100):
+            if await open_leases() == base:
+                break
+            await asyncio.sleep(0.05)
+        assert await open_leases() == base
+        assert pipe._pipe is not dropped and pipe.kind == channel
+    finally:
+        pipe.close()
