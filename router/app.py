@@ -89,6 +89,7 @@ class Gateway:
             schedule_wait_ms=cfg.schedule_wait_ms,
             followup_pass_s=cfg.followup_pass_ms / 1000,
             workers_refresh_s=cfg.workers_refresh_ms / 1000,
+            lease_renew_s=cfg.lease_renew_ms / 1000,
         )
         if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
             self.sched.pipe = SchedulerPipe(

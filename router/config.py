@@ -56,6 +56,12 @@ class RouterConfig(BaseSettings):
         "prefilled), so its prefill backlog drains then instead of at the worker's next scrape "
         "(the scheduler acts on it only below its prefilled_max_kv_usage; see benchmarks/RESULTS.md)",
     )
+    lease_renew_ms: int = Field(
+        120_000, ge=0,
+        description="a request still running this long after its lease was issued has the lease "
+        "renewed, and again each such period, so a long generation outlives the scheduler's "
+        "lease TTL (keep it well under the scheduler's --lease-ttl-s; 0: never renew)",
+    )
     scheduler_probe_ms: int = Field(100, ge=10, description="while it is down, how often to probe it")
     workers_refresh_ms: int = Field(2000, ge=50, description="refresh period of the cached /v1/workers")
     models_cache_ms: int = Field(1000, ge=0, description="how long GET /v1/models answers are cached")

@@ -87,6 +87,7 @@ class SchedulerPipe:
         )
         self._release_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/release")
         self._prefilled_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/prefilled")
+        self._renew_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/renew")
         key = base64.b64encode(os.urandom(16))
         self._upgrade = (
             b"GET "
@@ -231,6 +232,10 @@ class SchedulerPipe:
         """Fire and forget: the lease's first token came back (a lost report is covered by
         the worker's prompt counter at the next scrape)."""
         self._send_lazy(b"prefilled", self._prefilled_head, {"lease_id": lease_id})
+
+    def renew_nowait(self, lease_id: str) -> None:
+        """Fire and forget: the lease's request still runs (a lost renewal: the next one)."""
+        self._send_lazy(b"renew", self._renew_head, {"lease_id": lease_id})
 
     def _send_lazy(self, op: bytes, head: bytes, body: dict[str, Any]) -> None:
         pipe = self._pipe

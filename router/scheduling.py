@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ log = logging.getLogger("router.scheduling")
 _PASSING_PAUSE_S = 60.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True, eq=False)  # identity: a member of a WeakSet
 class Route:
     worker_id: str
     url: str
@@ -41,6 +42,7 @@ class Route:
     fallback: bool = False
     released: bool = False
     charge: float = 0.0  # its flow's estimated cost in the queue's token turns (fair_share)
+    renew_at: float = 0.0  # when its lease is next renewed (Scheduling.open_leases)
 
 
 class PinnedWorkerGone(Exception):
@@ -61,6 +63,7 @@ class Scheduling:
         schedule_wait_ms: int,
         workers_refresh_s: float,
         followup_pass_s: float = 0.0,
+        lease_renew_s: float = 0.0,
     ) -> None:
         self.client = client
         # Optional pipelined channel for the non-waiting schedule call and releases.
@@ -86,6 +89,13 @@ class Scheduling:
         self._refresher: asyncio.Task | None = None
         self._static: asyncio.Task | None = None
         self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
+        # Routes whose lease is renewed every lease_renew_s while they are open: a long
+        # generation must not lose its lease to the scheduler's expiry, which is meant for
+        # releases a gateway crash lost. Weak: a route no request holds any more (a release a
+        # gateway bug skipped) is not renewed, and its lease expires as before. 0: none.
+        self.lease_renew_s = lease_renew_s
+        self.open_leases: weakref.WeakSet[Route] = weakref.WeakSet()
+        self._renewer: asyncio.Task | None = None
         self.worker_views_at = 0.0
         metrics.fallback_mode.set(1 if self.fallback_active else 0)
 
@@ -102,10 +112,37 @@ class Scheduling:
         elif self.client is not None:
             self.client.prefilled_nowait(lease_id)
 
+    def _leased(self, payload: dict) -> Route:
+        """The route of a decision, its lease renewed while it is open."""
+        route = Route(payload["worker_id"], payload["url"].rstrip("/"), payload["lease_id"],
+                      payload.get("policy", ""), payload.get("reason") or {})
+        if self.lease_renew_s:
+            route.renew_at = time.monotonic() + self.lease_renew_s
+            self.open_leases.add(route)
+        return route
+
+    async def _renew_loop(self) -> None:
+        """Renew the leases due, every quarter period: a lease is renewed between one and
+        1.25 periods after it was issued or last renewed."""
+        while True:
+            await asyncio.sleep(self.lease_renew_s / 4)
+            now = time.monotonic()
+            for route in list(self.open_leases):
+                if route.released:
+                    self.open_leases.discard(route)
+                elif route.renew_at <= now and route.lease_id is not None:
+                    route.renew_at = now + self.lease_renew_s
+                    if self.pipe is not None:
+                        self.pipe.renew_nowait(route.lease_id)
+                    elif self.client is not None:
+                        self.client.renew_nowait(route.lease_id)
+
     def start(self, session: aiohttp.ClientSession | None = None) -> None:
         loop = asyncio.get_running_loop()
         if self.client is not None:
             self._refresher = loop.create_task(self._refresh_loop())
+            if self.lease_renew_s:
+                self._renewer = loop.create_task(self._renew_loop())
         if session is not None and self.fallback.static_urls:
             self._static = loop.create_task(self._static_models_loop(session))
 
@@ -114,10 +151,10 @@ class Scheduling:
             self.pipe.close()
         if self._static is not None:
             self._static.cancel()
-        for t in (self._probe, self._refresher):
+        for t in (self._probe, self._refresher, self._renewer):
             if t is not None:
                 t.cancel()
-        for t in (self._probe, self._refresher):
+        for t in (self._probe, self._refresher, self._renewer):
             if t is not None:
                 try:
                     await t
@@ -204,11 +241,11 @@ class Scheduling:
         self.metrics.observe_scheduler("schedule", time.perf_counter() - t0)
         if status != 200:
             return None
-        route = Route(payload["worker_id"], bound.url, payload["lease_id"], payload.get("policy", ""),
-                      payload.get("reason") or {})
+        route = self._leased(payload)
         if route.worker_id != bound.worker_id:  # a scheduler that knows no pin (older than attach)
             self.release_nowait(orphan_release(route.lease_id))
             return None
+        route.url = bound.url
         return route
 
     def _charged(self, route: Route, body: dict[str, Any], flow: str) -> Route:
@@ -237,13 +274,7 @@ class Scheduling:
         if self.down_since is not None:
             self._scheduler_back()
         if status == 200:
-            return Route(
-                payload["worker_id"],
-                payload["url"].rstrip("/"),
-                payload["lease_id"],
-                payload.get("policy", ""),
-                payload.get("reason") or {},
-            )
+            return self._leased(payload)
         reason = payload.get("reason")
         if reason == "no_routable_worker":
             # Nobody to wait for (every worker of the model is down or already failed this

@@ -123,7 +123,8 @@ async def schedule(request: web.Request) -> web.Response:
 
 
 async def _lease_call(request: web.Request, kind: str) -> web.Response:
-    """POST /v1/release and /v1/prefilled: the batch's lease operations (LEASE_OPS), one per call."""
+    """POST /v1/release, /v1/prefilled and /v1/renew: the batch's lease operations (LEASE_OPS), one
+    per call."""
     model, apply, not_found = LEASE_OPS[kind]
     try:
         body = model.model_validate_json(await read_body(request))
@@ -141,6 +142,10 @@ async def release(request: web.Request) -> web.Response:
 
 async def prefilled(request: web.Request) -> web.Response:
     return await _lease_call(request, "prefilled")
+
+
+async def renew(request: web.Request) -> web.Response:
+    return await _lease_call(request, "renew")
 
 
 async def batch(request: web.Request) -> web.Response:
@@ -236,6 +241,7 @@ def build_app(service: SchedulerService) -> web.Application:
         ("POST", "/v1/schedule", schedule),
         ("POST", "/v1/release", release),
         ("POST", "/v1/prefilled", prefilled),
+        ("POST", "/v1/renew", renew),
         ("POST", "/v1/batch", batch),
         ("GET", "/v1/channel", channel),
         ("GET", "/v1/workers", list_workers),

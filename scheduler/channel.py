@@ -12,13 +12,14 @@ the same order:
                                                                        [404 or 400, OpenAI error]
     {"op": "release", <LeaseRelease fields>}                         -> [204, null] or [404/400, error]
     {"op": "prefilled", <LeasePrefilled fields>}                     -> [204, null] or [404/400, error]
+    {"op": "renew", <LeaseRenewal fields>}                           -> [204, null] or [404/400, error]
 Held calls (wait_ms > 0) would hold up every answer behind them, so they stay on
 `POST /v1/schedule`.
 
 On the channel every binary or text message is one batch. A message with at least one
-schedule operation is answered by one message (the answer array); a message of releases
-and prefilled reports only is not answered (both are fire-and-forget; the lease expiry
-covers a lost release, the next scrape a lost report).
+schedule operation is answered by one message (the answer array); a message of releases,
+prefilled reports and renewals only is not answered (all fire-and-forget; the lease expiry
+covers a lost release, the next scrape a lost report, the next renewal a lost one).
 A message that is not a JSON array closes the channel with code 1007.
 """
 
@@ -36,7 +37,13 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.policies import Request
-from scheduler.protocol import MAX_TOKENS_COUNTED, LeasePrefilled, LeaseRelease, ScheduleRequest
+from scheduler.protocol import (
+    MAX_TOKENS_COUNTED,
+    LeasePrefilled,
+    LeaseRelease,
+    LeaseRenewal,
+    ScheduleRequest,
+)
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 
@@ -85,6 +92,7 @@ LEASE_OPS: dict[str, tuple[type[BaseModel], Callable[[SchedulerService, Any], bo
     "release": (LeaseRelease, SchedulerService.release_reported, "unknown or expired lease"),
     "prefilled": (LeasePrefilled, lambda svc, rep: svc.prefilled(rep.lease_id),
                   "unknown or released lease, or already reported"),
+    "renew": (LeaseRenewal, lambda svc, rep: svc.renew(rep.lease_id), "unknown, released or expired lease"),
 }
 
 
@@ -111,8 +119,8 @@ def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
         elif isinstance(kind, str) and kind in LEASE_OPS:
             answers.append(_lease_op(svc, kind, op))
         else:
-            answers.append(_error(400, "each operation must be an object with op 'schedule', 'release' "
-                                  "or 'prefilled'", "op"))
+            answers.append(_error(400, "each operation must be an object with op 'schedule', 'release', "
+                                  "'prefilled' or 'renew'", "op"))
     return answers, any_schedule
 
 

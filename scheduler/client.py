@@ -100,6 +100,7 @@ class SchedulerClient:
         self._schedule_url = f"{self.base_url}/v1/schedule"
         self._release_url = f"{self.base_url}/v1/release"
         self._prefilled_url = f"{self.base_url}/v1/prefilled"
+        self._renew_url = f"{self.base_url}/v1/renew"
         self._workers_url = f"{self.base_url}/v1/workers"
 
     def _get_session(self) -> aiohttp.ClientSession:
@@ -175,6 +176,17 @@ class SchedulerClient:
 
     def prefilled_nowait(self, lease_id: str) -> None:
         self._spawn(self.prefilled(lease_id))
+
+    async def renew(self, lease_id: str) -> None:
+        """The lease's request still runs: it expires a TTL from now. Never raises: a lost
+        renewal is made good by the next."""
+        try:
+            await self._post(self._renew_url, to_json({"lease_id": lease_id}), self.timeout_s)
+        except SchedulerUnavailableError as exc:
+            log.debug("lease renewal lost: %s", exc)
+
+    def renew_nowait(self, lease_id: str) -> None:
+        self._spawn(self.renew(lease_id))
 
     async def report_failure(self, worker_id: str, error: str) -> None:
         """The gateway saw a request fail on this worker (`error`: its failure kind). A

@@ -136,6 +136,13 @@ class LeaseTable:
             lease.prompt = 0.0
         return lease, True
 
+    def renew(self, lease_id: str, now: float) -> bool:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        lease.expires_at = now + self.ttl_s
+        return True
+
     def expire(self, now: float) -> list[Lease]:
         dead = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]
         return [lease for lid in dead if (lease := self.close(lid)) is not None]

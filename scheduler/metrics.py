@@ -100,6 +100,9 @@ class SchedulerMetrics:
         self.releases = Counter("scheduler_lease_releases", "lease ends", ["outcome"], registry=r)
         self.prefilled = Counter("scheduler_prefilled_reports", "first tokens the gateway reported",
                                  ["outcome"], registry=r)
+        self.renewals = Counter("scheduler_lease_renewals", "leases of long requests the gateway renewed "
+                                "(unknown: released, expired or issued before a restart)", ["outcome"],
+                                registry=r)
         self.failure_reports = Counter("scheduler_failure_reports", "gateway failure reports", registry=r)
         r.register(_WorkerCollector(service))
         policy = service.cfg.policy

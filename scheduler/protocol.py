@@ -8,8 +8,11 @@ POST /v1/schedule   ScheduleRequest  -> 200 ScheduleDecision
 POST /v1/release    LeaseRelease     -> 204
 POST /v1/prefilled  LeasePrefilled   -> 204 (the request's first token came back: its prompt
                                             is prefilled) | 404 unknown, released or reported
+POST /v1/renew      LeaseRenewal     -> 204 (the request still runs: its lease expires a TTL from
+                                            now) | 404 unknown, released or expired
 POST /v1/batch      [{"op": "schedule", ...ScheduleRequest (wait_ms 0)} | {"op": "release",
-                    ...LeaseRelease} | {"op": "prefilled", ...LeasePrefilled}, ...]
+                    ...LeaseRelease} | {"op": "prefilled", ...LeasePrefilled} | {"op": "renew",
+                    ...LeaseRenewal}, ...]
                     -> 200 [[status, answer body or null], ...] (same order)
 GET  /v1/channel    WebSocket: one message per batch, as /v1/batch; a batch with a schedule
                     operation is answered by one message (scheduler/channel.py)
@@ -103,6 +106,14 @@ class LeaseRelease(BaseModel):
 class LeasePrefilled(BaseModel):
     """Sent by the gateway when a streamed request's first token arrives: the worker has
     prefilled its prompt, which its prompt counter shows only at the next scrape."""
+
+    lease_id: str
+
+
+class LeaseRenewal(BaseModel):
+    """Sent by the gateway for a request still running a while after its lease was issued (a
+    long generation): the lease's expiry, meant for releases a gateway crash lost, moves to a
+    TTL from now instead of ending a lease whose request goes on."""
 
     lease_id: str
 

@@ -440,6 +440,13 @@ class SchedulerService:
             self.capacity_changed()
         return True
 
+    def renew(self, lease_id: str) -> bool:
+        """The gateway says the lease's request still runs: it expires a TTL from now. False:
+        unknown, released or expired lease."""
+        found = self.leases.renew(lease_id, time.monotonic())
+        self.metrics.renewals.labels("ok" if found else "unknown").inc()
+        return found
+
     def report_failure(self, worker_id: str, error: str) -> bool:
         """A gateway's report: `error` is its failure kind (router/streaming.py). A connection
         that was refused, reset or closed empty takes the worker out at once; anything else

@@ -224,12 +224,16 @@ def router_dashboard() -> dict:
               "came back unfiltered; three per worker and it is read whole for good"),
         panel(ts, "Scheduler hold time (all workers saturated)",
               quantiles("scheduler_wait_seconds", "", ""), "s", width=8),
-        panel(ts, "Lease ends by outcome", [
-            (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}")],
+        panel(ts, "Lease ends by outcome, and renewals", [
+            (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}"),
+            (f"sum by (outcome) (rate(scheduler_lease_renewals_total[{RATE}]))", "renewed {{outcome}}")],
             "reqps", width=8,
             description="ok / failed: the gateway's part and the request ended; handed_off: the "
             "worker goes on with it (a background response: its load counts until a scrape shows "
-            "it); unknown: the lease had expired or was released already"),
+            "it); unknown: the lease had expired or was released already. Renewed: a long "
+            "request's lease, renewed by its gateway (router --lease-renew-ms) so that it does "
+            "not expire while the request runs; renewed unknown: its lease had expired (renewals "
+            "further apart than the scheduler's --lease-ttl-s) or the scheduler restarted"),
     ]
     variables = [variable("model", "model", "label_values(router_requests_total, model)")]
     return dashboard("llm-router", "LLM router", "Gateway traffic, client-side latency, resilience and "

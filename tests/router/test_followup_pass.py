@@ -43,7 +43,7 @@ async def until(cond, timeout_s: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
-def scheduling_over(stub: object, followup_pass_s: float = 0.0) -> Scheduling:
+def scheduling_over(stub: object, followup_pass_s: float = 0.0, lease_renew_s: float = 0.0) -> Scheduling:
     """The gateway's Scheduling with a scripted scheduler client and a queue of 16."""
     return Scheduling(
         stub,  # type: ignore[arg-type]
@@ -56,6 +56,7 @@ def scheduling_over(stub: object, followup_pass_s: float = 0.0) -> Scheduling:
         schedule_wait_ms=5000,
         workers_refresh_s=60.0,
         followup_pass_s=followup_pass_s,
+        lease_renew_s=lease_renew_s,
     )
 
 

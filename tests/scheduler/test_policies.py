@@ -314,6 +314,21 @@ def test_leases_expire():
     assert not svc.release(d["lease_id"], True)
 
 
+def test_a_renewed_lease_expires_a_ttl_after_its_renewal():
+    """A long generation's lease is renewed by its gateway: it outlives its first TTL, and then
+    expires a TTL after the last renewal (its gateway crashed); an unknown lease is no renewal."""
+    svc = make_service()
+    svc.leases.ttl_s = 10.0
+    d = decide(svc)
+    lease = svc.leases.leases[d["lease_id"]]
+    lease.expires_at -= 9.0  # issued 9 s ago
+    assert svc.renew(d["lease_id"])
+    now = time.monotonic()
+    assert svc.expire_leases(now + 5.0) == 0  # past its first TTL
+    assert svc.expire_leases(now + 10.5) == 1
+    assert not svc.renew(d["lease_id"])
+
+
 def test_every_policy_decides():
     for name in POLICIES:
         svc = make_service(name)
