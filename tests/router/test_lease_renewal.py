@@ -15,15 +15,19 @@ from tests.router.procs import series_value, start_echo_worker, start_gateway, s
 from tests.router.test_followup_pass import scheduling_over
 
 
-@pytest.mark.parametrize(("renew_ms", "outcome"), [(300, "ok"), (0, "unknown")])
-def test_a_stream_longer_than_the_lease_ttl_keeps_its_lease_while_renewed(renew_ms, outcome):
+@pytest.mark.parametrize(("renew_ms", "outcome", "channel"), [
+    (300, "ok", "--scheduler-pipelining"),
+    (300, "ok", "--no-scheduler-pipelining"),  # one HTTP call per renewal
+    (0, "unknown", "--scheduler-pipelining"),
+])
+def test_a_stream_longer_than_the_lease_ttl_keeps_its_lease_while_renewed(renew_ms, outcome, channel):
     procs = []
     try:
         worker, wurl = start_echo_worker(token_delay_ms=100)
         procs.append(worker)
         sched, surl = start_scheduler([wurl], "--lease-ttl-s", "1", "--scrape-interval-ms", "100")
         procs.append(sched)
-        gw, gurl = start_gateway("--scheduler", surl, "--lease-renew-ms", str(renew_ms))
+        gw, gurl = start_gateway("--scheduler", surl, "--lease-renew-ms", str(renew_ms), channel)
         procs.append(gw)
         body = {"model": "m", "prompt": "a long answer", "max_tokens": 30, "stream": True}
         with httpx.stream("POST", gurl + "/v1/completions", json=body, timeout=30) as r:
