@@ -222,10 +222,11 @@ class Scheduling:
         """A lease for a request already bound for `bound`'s worker (a WebSocket's next request,
         on the connection the gateway holds to it): the scheduler counts it there whatever the
         worker's load (ScheduleRequest.attach). None: no lease to be had (fallback mode, the
-        scheduler unreachable, or the worker gone from the pool); the request goes on unleased,
-        without slowing the socket down by the scheduler's fallback wait."""
-        if self.fallback_active or self.client is None or bound.fallback:
-            return None
+        scheduler unreachable, or the worker unknown to it); the request goes on unleased. It
+        is asked beside the request (router/ws_leases.py), so a failure here never waits out
+        the fallback switch: the gateway's other traffic decides when that happens."""
+        if self.fallback_active or self.client is None:
+            return None  # a socket placed in fallback mode is leased once the scheduler is back
         body = {**body, "worker_id": bound.worker_id, "attach": True}
         if self.queue.fair_share == "tokens":
             body["flow"] = flow

@@ -21,8 +21,9 @@ from aiohttp import WSCloseCode, web
 from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy, is_name
+from router.ws_leases import WsTurn
 from router.ws_relay import WsRelay
-from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, WsTurn, ws_error
+from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
 # the subprotocol `openai-insecure-api-key.<key>` (OpenAI's convention for its Realtime API).

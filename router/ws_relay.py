@@ -16,10 +16,10 @@ that request is in the worker; one that is held here is dropped and answered as 
 would (`done`, `cancelled`), since no worker has started it.
 
 Each request holds a lease of its own on the socket's worker, from its message to its answer's
-end (the first one's from placing the socket, the next ones attached to that worker:
-ScheduleRequest.attach), so the scheduler counts a socket's requests as they come and frees
-each one's KV as it ends; an idle socket holds none, whatever its age. A worker that drops the
-connection with answers owed is reported, as a stream cut mid-answer is.
+end (router/ws_leases.py; the first one's is the lease the socket was placed with). A worker
+that drops the connection with answers owed is reported, as a stream cut mid-answer is. The
+worker's own out-of-order answers (to a binary message, to one request more than it queues)
+are given here instead, so that every answer the worker sends ends the oldest request owed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
 from router.tokens import schedule_request
-from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, WsTurn, ws_error
+from router.ws_leases import TurnLeases, WsTurn
+from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
 from scheduler.client import SchedulerError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -63,6 +64,11 @@ _CANCELLED_HERE = json.dumps({"type": "done", "id": None, "cancelled": True})
 # data, invalid payload, policy, too big. Reporting them would let one client's messages take
 # workers out of rotation.
 _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
+# Requests a socket may have owed at once: the one answered and 64 queued (the worker's
+# MAX_QUEUED_REQUESTS, past which it answers an error at once, out of order).
+_MAX_OWED = 65
+_BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
+_TOO_MANY = ws_error(f"more than {_MAX_OWED - 1} requests queued on this socket", 429)
 
 
 class WsRelay:
@@ -84,6 +90,7 @@ class WsRelay:
         self.held = False
         # How many of the newest requests in session.pending no worker has (refused, or held).
         self.outside = 0
+        self.leases = TurnLeases(proxy, rec)
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
@@ -123,9 +130,9 @@ class WsRelay:
                 raise
             self.route = route
             rec.worker = route.worker_id
-            if turn is not None:
-                turn.route, turn.worker_id = route, route.worker_id
-            else:  # nothing owed (a socket moved while idle): no request holds the lease
+            if turn is not None and turn in owed:
+                self.leases.give(turn, route)
+            else:  # nothing owed (a socket moved while idle), or it was cancelled meanwhile
                 proxy.release_lease(route, True, 0, 0, error=CLIENT_LEFT)
             return None
         rec.status = 502
@@ -138,8 +145,11 @@ class WsRelay:
         assert old is not None and self.upstream is not None
         await self.upstream.close()
         pending = self.session.pending
-        for turn in pending:  # what is owed, the stopping worker refused: no KV held there
-            self._unlease(turn)
+        # What is owed at the 1001, the stopping worker did not answer: it refused it, or it
+        # came after the worker's close frame and was dropped. All of it goes to the next one.
+        for turn in pending:
+            self.leases.unbind(turn)
+        self.outside = len(pending)
         self.route = self.upstream = None
         status = self.rec.status
         if await self.place([old.worker_id]) is not None:
@@ -150,35 +160,13 @@ class WsRelay:
         while self.outside:  # requests the client sends meanwhile join the end
             turn = pending[len(pending) - self.outside]
             if turn.worker_id != self.route.worker_id:
-                await self._lease(turn)
-                continue  # a cancel meanwhile may have taken it: look again
+                self.leases.bind(turn, self.route)
             # Counted in the worker before the send: a cancel sent meanwhile goes there too.
             self.outside -= 1
             if not await self.send_upstream(turn.data):
                 return False
         self.held = False
         return True
-
-    # ---- each request's lease -----------------------------------------------------------
-    async def _lease(self, turn: WsTurn) -> None:
-        """Bind a request to the socket's worker, leased there when the scheduler can."""
-        bound = self.route
-        assert bound is not None
-        turn.worker_id = bound.worker_id
-        if turn.sched_body is not None:
-            turn.route = await self.proxy.sched.attach(turn.sched_body, bound, self.rec.flow)
-
-    def _unlease(self, turn: WsTurn) -> None:
-        """The request's lease goes back holding nothing: no worker took it (it was refused, or
-        the socket moved while it was being leased), or it was cancelled before it was sent."""
-        if turn.route is not None:
-            self.proxy.release_lease(turn.route, True, 0, 0, error=CLIENT_LEFT)
-        turn.route = turn.worker_id = None
-
-    def _answered(self, turn: WsTurn, ok: bool = True, error: str | None = None) -> None:
-        """The request's answer ended (or will not come): its lease frees what it held."""
-        if turn.route is not None:
-            self.proxy.release_lease(turn.route, ok, turn.prompt_tokens, turn.output_tokens, error=error)
 
     # ---- relaying ---------------------------------------------------------------------
     async def send_upstream(self, data: str | bytes) -> bool:
@@ -193,19 +181,13 @@ class WsRelay:
         return True
 
     async def send_request(self, turn: WsTurn) -> None:
-        while not self.held:
-            bound = self.route
-            await self._lease(turn)
-            if self.client.closed:  # left while it was being leased: never sent
-                self._unlease(turn)
-                return
-            if self.route is bound and not self.held:
-                self.session.pending.append(turn)
-                await self.send_upstream(turn.data)
-                return
-            self._unlease(turn)  # the socket moved meanwhile: leased on the worker it left
         self.session.pending.append(turn)
-        self.outside += 1
+        if self.held:
+            self.outside += 1
+            return
+        assert self.route is not None
+        self.leases.bind(turn, self.route)
+        await self.send_upstream(turn.data)
 
     async def cancel(self, data: str) -> None:
         """The client's cancel, of the oldest request not answered yet (if any)."""
@@ -214,7 +196,7 @@ class WsRelay:
             if self.upstream is not None and not self.upstream.closed:
                 await self.send_upstream(data)
         elif pending:  # held here: no worker started it
-            self._unlease(pending.popleft())
+            self.leases.unbind(pending.popleft())
             self.outside -= 1
             await self.client.send_str(_CANCELLED_HERE)
 
@@ -237,12 +219,14 @@ class WsRelay:
                     await self.cancel(msg.data)
                 elif self.sessions.closing:
                     await self.client.send_str(SHUTTING_DOWN)
+                elif len(self.session.pending) >= _MAX_OWED:
+                    await self.client.send_str(_TOO_MANY)
                 else:
                     turn, prompt = turn_of(self.proxy, self.rec.model, msg.data)
                     self.rec.prompt_tokens += prompt
                     await self.send_request(turn)
             elif msg.type == aiohttp.WSMsgType.BINARY:
-                await self.send_request(WsTurn(msg.data))  # the worker answers it with an error
+                await self.client.send_str(_BINARY_REFUSED)  # as the worker would, at once
             else:
                 return
 
@@ -259,17 +243,15 @@ class WsRelay:
                         self.rec.output_tokens += 1
                         if turn is not None:
                             turn.output_tokens += 1
-                            if not turn.answering:  # its first token: its prompt is prefilled
-                                turn.answering = True
-                                if turn.route is not None:
-                                    self.proxy._prefilled(turn.route)
+                            if not turn.answering:
+                                self.leases.first_token(turn)
                     elif data.startswith(_TERMINAL_PREFIXES):
                         if _REFUSAL in data and not self.sessions.closing:
                             self.held = True  # the worker stops: this request, and the rest, wait
                             self.outside += 1
                             continue
                         if turn is not None:
-                            self._answered(pending.popleft())
+                            self.leases.end(pending.popleft())
                         self.proxy.settle_fair(self.rec)
                     await client.send_str(data)
                     if self.sessions.closing and await self.session.going_away_if_idle():
@@ -293,29 +275,31 @@ class WsRelay:
             return
 
     def _worker_left(self) -> None:
-        """The worker closed the socket (not for a rolling update): the answers it owed failed
-        there. Reported as a stream cut mid-answer is: a dropped connection ("connection", out
-        at once), a close it chose with answers owed ("upstream_closed", one failure of the
-        streak), nothing for a close about the client's message or with nothing owed."""
-        owed = [t for t in self.session.pending if t.route is not None and not t.route.released]
-        if not owed:
+        """The worker closed the socket (not for a rolling update it could be moved through):
+        the answers it owed failed there. Reported as a stream cut mid-answer is: a dropped
+        connection ("connection", out at once), a close it chose with answers owed
+        ("upstream_closed", one failure of the streak); nothing for a close about the client's
+        message, a graceful stop (1001, while this gateway stops too), or with nothing owed."""
+        pending = self.session.pending
+        owed = list(pending)[: len(pending) - self.outside]  # the ones the worker had
+        if not owed or self.route is None:
             return
         code = self.upstream.close_code if self.upstream is not None else None
-        if code in _CLIENTS_FAULT:
+        if code in _CLIENTS_FAULT or code == WSCloseCode.GOING_AWAY:
             for turn in owed:
-                self._answered(turn, error=CLIENT_LEFT)
+                self.leases.end(turn, error=CLIENT_LEFT)
             return
         reason = "connection" if code in (None, WSCloseCode.ABNORMAL_CLOSURE) else "upstream_closed"
-        self.proxy.report_failed(owed[0].route, reason)
+        self.proxy.report_failed(self.route, reason)
         for turn in owed:
-            self._answered(turn, ok=False, error=reason)
+            self.leases.end(turn, ok=False, error=reason)
 
     async def close(self) -> None:
         # The leases first: the close below waits for the worker, and a cancel meanwhile (the
         # client dropped the connection) would skip what comes after it. What is still owed,
         # the worker aborts as the socket closes: its KV is freed, and no failure of the worker's.
         for turn in self.session.pending:
-            self._answered(turn, error=CLIENT_LEFT)
+            self.leases.end(turn, error=CLIENT_LEFT)
         if self.upstream is not None:
             await self.upstream.close()
 

@@ -15,11 +15,10 @@ import asyncio
 import contextlib
 import json
 from collections import deque
-from typing import Any
 
 from aiohttp import WSCloseCode, web
 
-from router.scheduling import Route
+from router.ws_leases import WsTurn
 
 GOING_AWAY_MESSAGE = b"the gateway is shutting down"
 
@@ -31,26 +30,6 @@ def ws_error(message: str, code: int | str) -> str:
 
 
 SHUTTING_DOWN = ws_error("the gateway is shutting down: reconnect", "shutting_down")
-
-
-class WsTurn:
-    """One request on a socket, from the client's message to its answer's end, with the lease
-    it holds on the socket's worker: each request is counted there while it runs, and frees
-    what it held when it ends (an idle socket holds no lease)."""
-
-    __slots__ = ("answering", "data", "output_tokens", "prompt_tokens", "route", "sched_body", "worker_id")
-
-    def __init__(self, data: str | bytes, sched_body: dict[str, Any] | None = None,
-                 prompt_tokens: int = 0) -> None:
-        self.data = data
-        # What the scheduler is told of it; None for a message that is no request (the worker
-        # answers it with an error), which takes no lease.
-        self.sched_body = sched_body
-        self.prompt_tokens = prompt_tokens  # the estimate, times its choices
-        self.output_tokens = 0
-        self.answering = False  # the worker's first message for it came
-        self.route: Route | None = None  # its lease (lease_id None: unleased)
-        self.worker_id: str | None = None  # the worker it was bound for, leased or not
 
 
 class WsSession:

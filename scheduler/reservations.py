@@ -78,14 +78,16 @@ class ReservationTable:
         self.by_key[key] = res
         return res
 
-    def claim(self, hashes: Sequence[int]) -> tuple[Reservation, int] | None:
-        """The reservation made for a prefix of this prompt (longest first), removed, and how
-        many of the prompt's chunks that prefix covers."""
+    def claim(self, hashes: Sequence[int],
+              worker: WorkerState | None = None) -> tuple[Reservation, int] | None:
+        """The reservation made for a prefix of this prompt (longest first; with `worker`, one
+        on that worker only), removed, and how many of the prompt's chunks that prefix covers."""
         if not self.by_key:
             return None
         for i in range(len(hashes) - 1, -1, -1):
-            res = self.by_key.pop(hashes[i], None)
-            if res is not None:
+            res = self.by_key.get(hashes[i])
+            if res is not None and (worker is None or res.worker is worker):
+                del self.by_key[hashes[i]]
                 self._drop(res)
                 self.claimed += 1
                 self._outcome(1.0)

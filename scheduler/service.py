@@ -230,8 +230,15 @@ class SchedulerService:
         w = self.registry.workers.get(req.pin)
         if w is None or w not in pool:
             return Wait(self._retry_after_ms, "pinned_worker_gone")
+        detail: dict = {"attached": True}
+        # The socket's previous request ended there and its room may be held for this one (a
+        # follow-up hold): it is this request's, and unclaimed it would count twice until it
+        # expired, and lower the claim rate that decides whether chat traffic gets holds at all.
+        claimed = self.reservations.claim(req.prefix_hashes, w) if req.prefix_hashes else None
+        if claimed is not None:
+            detail["prefix_match"] = claimed[1]
         self.policy.refresh(w)
-        return self._issue(req, Pick(w, w.score, {"attached": True}), False, 1, now)
+        return self._issue(req, Pick(w, w.score, detail), False, 1, now)
 
     def _issue(self, req: Request, pick: Pick, trial: bool, candidates: int, now: float) -> dict:
         """The lease for a pick, its flow charged, and the decision that tells the gateway."""

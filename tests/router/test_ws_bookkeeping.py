@@ -163,3 +163,29 @@ async def test_a_worker_that_drops_a_socket_mid_answer_is_reported(stack, mode, 
     else:
         await asyncio.sleep(0.5)  # a report would have come by now
         assert _worker_state(scheduler) == "up"
+
+
+async def test_the_workers_out_of_order_answers_are_given_by_the_gateway(stack):
+    """The worker answers a binary message, and a request past the 64 it queues, at once,
+    ahead of the answer it is streaming: the gateway took such an answer for the end of the
+    streaming request and released that request's lease while it still ran. It gives both
+    answers itself now, and every answer the worker sends ends the oldest request owed."""
+    worker, scheduler, gw = stack
+    worker.mode = "serve"
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 8})
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        for _ in range(66):  # one answered, 64 queued, one too many
+            await ws.send_str(body)
+        await ws.send_bytes(b"\x00")
+        errors = []
+        while len(errors) < 2:
+            msg = json.loads((await ws.receive(timeout=10)).data)
+            if "error" in msg:
+                errors.append(msg["error"]["code"])
+        assert errors == [429, 400]
+        await until(lambda: open_leases(scheduler) == 65)  # every owed request holds its lease
+        worker.go.set()
+        done = 0
+        while done < 65:
+            done += json.loads((await ws.receive(timeout=10)).data).get("type") == "done"
+        await until(lambda: open_leases(scheduler) == 0)

@@ -134,3 +134,37 @@ async def test_a_removed_worker_takes_its_holds_along():
     assert not svc.reservations.by_key
     out = svc.decide(req(FOLLOW_UP), time.monotonic())
     assert not isinstance(out, dict) or out["worker_id"] != home
+
+
+
+def attached(hashes: list[int], prompt: int = 800) -> Request:
+    """A WebSocket's request on w0, the worker its socket is connected to."""
+    return Request("m", prompt, 100, prefix_hashes=hashes, pin="w0", attach=True)
+
+
+async def finish_on(svc: SchedulerService, first: Request) -> None:
+    out = svc.decide(first, time.monotonic())
+    await asyncio.sleep(0.002)
+    for w in svc.registry.workers.values():
+        feed(svc, w, running=1, kv=0.6)
+    assert svc.release(out["lease_id"], True, used_tokens=900)
+
+
+async def test_a_websocket_requests_hold_goes_to_the_sockets_next_request():
+    """A socket's requests are attached to its worker, never chosen: the room a finished one's
+    release holds is claimed by the socket's next request, not left held for nobody (counted
+    twice until it expired, and lowering the claim rate that decides whether chat traffic gets
+    holds at all)."""
+    svc = service()
+    await finish_on(svc, attached(HISTORY))
+    assert worker(svc, "w0").reserved_tokens == 900
+    nxt = svc.decide(attached(FOLLOW_UP, 1000), time.monotonic())
+    assert nxt["worker_id"] == "w0" and nxt["reason"]["prefix_match"] == len(HISTORY)
+    assert svc.reservations.claimed == 1 and worker(svc, "w0").reserved_tokens == 0
+
+
+async def test_a_websocket_request_takes_no_hold_on_another_worker():
+    svc = service()
+    await finish_on(svc, Request("m", 800, 100, prefix_hashes=HISTORY, pin="w1"))
+    assert svc.decide(attached(FOLLOW_UP, 1000), time.monotonic())["worker_id"] == "w0"
+    assert svc.reservations.claimed == 0 and worker(svc, "w1").reserved_tokens == 900

@@ -1,0 +1,218 @@
+"""The WebSocket relay's request leases under races: a cancel while the socket moves, a
+gateway that starts to stop while a request's lease is being asked for, a lease that comes
+back after its answer ended. In-process fakes for the proxy (its scheduler calls gated on cue),
+the worker's socket and the client's socket: these orders cannot be forced through processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import aiohttp
+
+from router.access_log import RequestRecord
+from router.scheduling import Route
+from router.ws_leases import WsTurn
+from router.ws_relay import WsRelay, turn_of
+from router.ws_sessions import WsSession, WsSessions
+
+CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
+DONE = json.dumps({"type": "done", "id": "x"})
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[str] = []
+        self.close_code = None
+
+    async def send_str(self, data: str) -> None:
+        self.sent.append(data)
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(repr(data))
+
+    async def close(self, code: int = 1000, message: bytes = b"") -> None:
+        self.closed = True
+        self.close_code = code
+
+
+class FakeUpstream:
+    """The worker's socket: what the test puts in `inbox` comes out of `async for`."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.sent: list = []
+        self.closed = False
+        self.close_code = None
+
+    async def send_str(self, data: str) -> None:
+        self.sent.append(data)
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.inbox.get()
+        if item is None:
+            raise StopAsyncIteration
+        kind, data = item
+        return aiohttp.WSMessage(kind, data, None)
+
+
+class FakeProxy:
+    def __init__(self) -> None:
+        self.cfg = SimpleNamespace(queue_timeout_ms=5000, retry_count=0)
+        self.released: list[tuple[str, bool, int, int, str | None]] = []
+        self.issued: list[str] = []
+        self.acquire_gate: asyncio.Event | None = None
+        self.attach_gate: asyncio.Event | None = None
+        self.upstreams: list[FakeUpstream] = []
+        self._n = 0
+        proxy = self
+
+        class _Session:
+            async def ws_connect(self, url, **kw):
+                up = FakeUpstream()
+                proxy.upstreams.append(up)
+                return up
+
+        class _Sched:
+            async def attach(self, body, bound, flow=""):
+                if proxy.attach_gate is not None:
+                    await proxy.attach_gate.wait()
+                return proxy._lease(bound.worker_id)
+
+        self.session = _Session()
+        self.sched = _Sched()
+        self.tokens = SimpleNamespace(count=lambda text, ids=0: len(text) // 4)
+
+    def _lease(self, worker_id: str) -> Route:
+        self._n += 1
+        lease = f"L{self._n}@{worker_id}"
+        self.issued.append(lease)
+        return Route(worker_id, "http://" + worker_id, lease, "p", {})
+
+    async def _acquire(self, rec, body, exclude, deadline, priority=0):
+        if self.acquire_gate is not None:
+            await self.acquire_gate.wait()
+        worker = next(w for w in ("A", "B", "C") if w not in exclude)
+        return self._lease(worker)
+
+    def _upstream_headers(self, *a):
+        return {}
+
+    def release_lease(self, route, ok, prompt, output, ttft_ms=None, error=None, handed_off=False):
+        if route.lease_id is None or route.released:
+            return
+        route.released = True
+        self.released.append((route.lease_id, ok, prompt, output, error))
+
+    def _release(self, route, rec, ok, error=None, held_kv=True, handed_off=False):
+        self.release_lease(route, ok, 0, 0, error=error)
+
+    def _failed(self, route, reason, rec):
+        self.release_lease(route, False, 0, 0, error=reason)
+
+    def report_failed(self, route, reason):
+        pass
+
+    def _prefilled(self, route):
+        pass
+
+    def settle_fair(self, rec):
+        pass
+
+    def open_leases(self) -> set[str]:
+        return set(self.issued) - {r[0] for r in self.released}
+
+
+def make_relay():
+    proxy = FakeProxy()
+    client = FakeClient()
+    session = WsSession(client)  # type: ignore[arg-type]
+    sessions = WsSessions()
+    sessions.add(session)
+    rec = RequestRecord("ws1", "WS", "/v1/ws")
+    rec.model = "m"
+    body = {"model": "m", "prompt": "hello", "max_tokens": 8}
+    first, _ = turn_of(proxy, "m", json.dumps(body))  # type: ignore[arg-type]
+    session.pending.append(first)
+    relay = WsRelay(proxy, None, rec, session, sessions, first.sched_body, 0)  # type: ignore[arg-type]
+    return proxy, client, session, sessions, relay
+
+
+def req(prompt: str) -> WsTurn:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8}
+    turn, _ = turn_of(FakeProxy(), "m", json.dumps(body))  # type: ignore[arg-type]
+    return turn
+
+
+async def test_a_cancel_while_the_socket_moves_gives_the_new_workers_lease_back():
+    """Worker A refuses the only request owed and says 1001; while the relay places the socket
+    on B (the scheduler call is slow), the client cancels that request, which is answered here.
+    B's lease, asked for that request, went to a request no longer owed, and nobody released
+    it: the idle socket counted as a request on B again."""
+    proxy, client, session, _, relay = make_relay()
+    assert await relay.place([]) is None  # A, for the first request
+    await relay.send_upstream(session.pending[0].data)
+    relay.held, relay.outside = True, 1  # A refused it
+    relay.upstream.close_code = aiohttp.WSCloseCode.GOING_AWAY
+    proxy.acquire_gate = asyncio.Event()
+    move = asyncio.ensure_future(relay._move())
+    await asyncio.sleep(0.01)  # placing on B
+    await relay.cancel('{"type": "cancel"}')
+    assert client.sent[-1].startswith('{"type": "done"') and not session.pending
+    proxy.acquire_gate.set()
+    assert await move is True
+    assert proxy.open_leases() == set()
+    await relay.close()
+    assert proxy.open_leases() == set()
+
+
+async def test_a_request_is_owed_and_sent_before_its_lease_comes_back():
+    """The request goes to the worker at once while its lease is asked for (a slow scheduler
+    delays nothing), and is owed from its message on: a gateway that starts to stop meanwhile
+    waits for its answer instead of closing the socket as idle. Its lease, back after the
+    answer ended, is released with what the request held."""
+    proxy, client, session, sessions, relay = make_relay()
+    assert await relay.place([]) is None
+    relay.leases.end(session.pending.popleft())  # the first answer ended: the socket is idle
+    proxy.attach_gate = asyncio.Event()
+    turn = req("second")
+    await asyncio.wait_for(relay.send_request(turn), 1)  # not held up by the lease call
+    assert relay.upstream.sent == [turn.data] and list(session.pending) == [turn]
+    assert await sessions.drain(0.05) == 1  # busy: left open for its answer
+    assert not client.closed
+    turn.output_tokens = 3
+    relay.leases.end(session.pending.popleft())
+    proxy.attach_gate.set()
+    await asyncio.sleep(0.01)
+    assert proxy.released[-1] == (proxy.issued[-1], True, turn.prompt_tokens, 3, None)
+    assert proxy.open_leases() == set()
+
+
+async def test_a_lease_that_comes_back_after_its_request_moved_is_given_back():
+    """The socket moved while a request's lease was being asked for on the worker it left:
+    that lease holds nothing and goes back; the request is leased on the new worker."""
+    proxy, _, session, _, relay = make_relay()
+    assert await relay.place([]) is None
+    relay.leases.end(session.pending.popleft())
+    proxy.attach_gate = asyncio.Event()
+    turn = req("second")
+    await relay.send_request(turn)  # its lease on A is being asked for
+    relay.upstream.close_code = aiohttp.WSCloseCode.GOING_AWAY
+    proxy.attach_gate.set()  # A's and then B's answers come back at once
+    assert await relay._move() is True
+    await asyncio.sleep(0.01)
+    assert turn.route is not None and turn.route.worker_id == "B"
+    assert proxy.open_leases() == {turn.route.lease_id}
+    await relay.close()
+    assert proxy.open_leases() == set()
