@@ -218,6 +218,11 @@ class Scheduling:
                     # counts it.
                     return self._charged(route, body, flow)
 
+    @property
+    def leasing(self) -> bool:
+        """Whether a schedule call can get a lease now (a scheduler, and not in fallback mode)."""
+        return self.client is not None and not self.fallback_active
+
     async def attach(self, body: dict[str, Any], bound: Route, flow: str = "") -> Route | None:
         """A lease for a request already bound for `bound`'s worker (a WebSocket's next request,
         on the connection the gateway holds to it): the scheduler counts it there whatever the
@@ -225,7 +230,7 @@ class Scheduling:
         scheduler unreachable, or the worker unknown to it); the request goes on unleased. It
         is asked beside the request (router/ws_leases.py), so a failure here never waits out
         the fallback switch: the gateway's other traffic decides when that happens."""
-        if self.fallback_active or self.client is None:
+        if not self.leasing:
             return None  # a socket placed in fallback mode is leased once the scheduler is back
         body = {**body, "worker_id": bound.worker_id, "attach": True}
         if self.queue.fair_share == "tokens":

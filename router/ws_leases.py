@@ -64,7 +64,7 @@ class TurnLeases:
         """The request goes to `bound`'s worker: its lease there is asked for in the background."""
         self.unbind(turn)
         turn.worker_id = bound.worker_id
-        if turn.sched_body is None:
+        if turn.sched_body is None or not self.proxy.sched.leasing:
             return
         binding = turn.binding
         task = asyncio.ensure_future(self.proxy.sched.attach(turn.sched_body, bound, self.rec.flow))

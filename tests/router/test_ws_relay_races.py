@@ -85,6 +85,8 @@ class FakeProxy:
                 return up
 
         class _Sched:
+            leasing = True
+
             async def attach(self, body, bound, flow=""):
                 if proxy.attach_gate is not None:
                     await proxy.attach_gate.wait()
