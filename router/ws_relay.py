@@ -118,7 +118,8 @@ class WsRelay:
                     max_msg_size=0,
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                proxy._failed(route, "connect", rec)
+                proxy.report_failed(route, "connect")
+                proxy.release_lease(route, False, 0, 0, error="connect")  # it held nothing
                 exclude.append(route.worker_id)
                 log.info("ws id=%s worker %s unreachable (%r); retrying", rec.id, route.worker_id, exc)
                 continue

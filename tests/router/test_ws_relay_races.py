@@ -75,11 +75,14 @@ class FakeProxy:
         self.acquire_gate: asyncio.Event | None = None
         self.attach_gate: asyncio.Event | None = None
         self.upstreams: list[FakeUpstream] = []
+        self.unreachable: set[str] = set()  # workers whose WebSocket cannot be connected to
         self._n = 0
         proxy = self
 
         class _Session:
             async def ws_connect(self, url, **kw):
+                if any(f"//{w}/" in url for w in proxy.unreachable):
+                    raise aiohttp.ClientConnectionError("refused")
                 up = FakeUpstream()
                 proxy.upstreams.append(up)
                 return up
@@ -120,8 +123,8 @@ class FakeProxy:
     def _release(self, route, rec, ok, error=None, held_kv=True, handed_off=False):
         self.release_lease(route, ok, 0, 0, error=error)
 
-    def _failed(self, route, reason, rec):
-        self.release_lease(route, False, 0, 0, error=reason)
+    def _failed(self, route, reason, rec):  # as the proxy's: with the request's (socket's) totals
+        self.release_lease(route, False, rec.prompt_tokens * rec.choices, rec.output_tokens, error=reason)
 
     def report_failed(self, route, reason):
         pass
@@ -218,3 +221,23 @@ async def test_a_lease_that_comes_back_after_its_request_moved_is_given_back():
     assert proxy.open_leases() == {turn.route.lease_id}
     await relay.close()
     assert proxy.open_leases() == set()
+
+
+async def test_a_worker_that_cannot_be_connected_to_while_the_socket_moves_held_nothing():
+    """The socket moves; the next worker cannot be connected to, and another takes the socket.
+    The failed worker's lease was released with every token the socket had carried (the
+    record's totals), which the scheduler settled into the tenant's counters a second time and
+    credited as freed KV on a worker that never held any."""
+    proxy, _, session, _, relay = make_relay()
+    proxy.cfg.retry_count = 1
+    relay.rec.prompt_tokens, relay.rec.output_tokens = 500, 300  # what the socket carried so far
+    assert await relay.place([]) is None  # A
+    relay.leases.end(session.pending.popleft())
+    await relay.send_request(req("next"))
+    await asyncio.sleep(0.01)  # its lease on A came back
+    relay.upstream.close_code = aiohttp.WSCloseCode.GOING_AWAY
+    proxy.unreachable.add("B")
+    assert await relay._move() is True
+    assert relay.route.worker_id == "C"
+    failed = [r for r in proxy.released if r[0].endswith("@B")]
+    assert failed == [(failed[0][0], False, 0, 0, "connect")]
