@@ -145,6 +145,12 @@ class RouterConfig(BaseSettings):
     upstream_api_key: str | None = Field(None, description="Bearer key the gateway sends to workers")
     admin_token: str | None = Field(None, description="Bearer token required for /metrics and /admin/*")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+    ws_heartbeat_s: float = Field(
+        30.0, gt=0, le=3600, allow_inf_nan=False,
+        description="WebSocket ping interval, both to clients and to workers: a peer that has not "
+        "answered a ping within half of it is taken as gone (a worker then as failed, its "
+        "requests' leases released); below a load balancer's idle timeout keeps sockets open",
+    )
     cors_allowed_origins: str = Field(
         "",
         description="browser origins allowed to call the API (CORS), comma-separated, e.g. "

@@ -55,7 +55,8 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     # than the key's if the page offered one, else the key's (the page's own string, echoed).
     chosen = sorted(offered, key=lambda p: p.startswith(KEY_PROTOCOL_PREFIX))[:1]
     client = web.WebSocketResponse(
-        max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=30, protocols=chosen
+        max_msg_size=proxy.cfg.max_body_bytes, autoping=True, heartbeat=proxy.cfg.ws_heartbeat_s,
+        protocols=chosen,
     )
     try:
         await client.prepare(request)

@@ -64,11 +64,12 @@ _CANCELLED_HERE = json.dumps({"type": "done", "id": None, "cancelled": True})
 # data, invalid payload, policy, too big. Reporting them would let one client's messages take
 # workers out of rotation.
 _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
-# Requests a socket may have owed at once: the one answered and 64 queued (the worker's
-# MAX_QUEUED_REQUESTS, past which it answers an error at once, out of order).
-_MAX_OWED = 65
+# Requests a socket may have owed at once: the worker queues 64 besides the one it answers and
+# answers one more at once, out of order (its MAX_QUEUED_REQUESTS). 64 in all, because between
+# an answer's end and its taking the next request the worker may still count 64 queued.
+_MAX_OWED = 64
 _BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
-_TOO_MANY = ws_error(f"more than {_MAX_OWED - 1} requests queued on this socket", 429)
+_TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
 
 
 class WsRelay:
@@ -116,6 +117,9 @@ class WsRelay:
                     headers=proxy._upstream_headers(self.request, rec.id, "/v1/ws"),
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
                     max_msg_size=0,
+                    # A worker whose host died without closing the connection is noticed (its
+                    # owed requests' leases would otherwise be renewed while the client waits).
+                    heartbeat=proxy.cfg.ws_heartbeat_s,
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 proxy.report_failed(route, "connect")

@@ -30,8 +30,9 @@ _DONE = {"type": "done", "id": "x"}
 class MisbehavingWorker:
     """Its /v1/ws either stalls its handshake (`stall`, set) or answers two chunks and then, by
     `mode`: closes the socket mid-answer ("close"), drops the connection without a close frame
-    ("drop"), closes with 1009 as if the client's message were too big ("too_big"), or ends each
-    answer once `go` is set and goes on with the next request ("serve")."""
+    ("drop"), goes silent, answering no ping ("silent"), closes with 1009 as if the client's
+    message were too big ("too_big"), or ends each answer once `go` is set and goes on with the
+    next request ("serve")."""
 
     def __init__(self) -> None:
         self.stall = asyncio.Event()
@@ -43,7 +44,8 @@ class MisbehavingWorker:
     async def ws(self, request: web.Request) -> web.StreamResponse:
         if self.stall.is_set():
             await asyncio.sleep(30)  # the gateway's client leaves meanwhile
-        ws = web.WebSocketResponse()
+        # "silent": a host that died without closing the connection (no pong, no FIN).
+        ws = web.WebSocketResponse(autoping=self.mode != "silent")
         await ws.prepare(request)
         async for _ in ws:
             for _ in range(2):
@@ -52,6 +54,8 @@ class MisbehavingWorker:
                 await self.go.wait()
                 await ws.send_str(self.done)
                 continue
+            if self.mode == "silent":
+                await asyncio.sleep(30)
             if self.mode == "drop":
                 assert request.transport is not None
                 request.transport.abort()
@@ -166,7 +170,7 @@ async def test_a_worker_that_drops_a_socket_mid_answer_is_reported(stack, mode, 
 
 
 async def test_the_workers_out_of_order_answers_are_given_by_the_gateway(stack):
-    """The worker answers a binary message, and a request past the 64 it queues, at once,
+    """The worker answers a binary message, and a request past the ones it queues, at once,
     ahead of the answer it is streaming: the gateway took such an answer for the end of the
     streaming request and released that request's lease while it still ran. It gives both
     answers itself now, and every answer the worker sends ends the oldest request owed."""
@@ -174,7 +178,7 @@ async def test_the_workers_out_of_order_answers_are_given_by_the_gateway(stack):
     worker.mode = "serve"
     body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 8})
     async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
-        for _ in range(66):  # one answered, 64 queued, one too many
+        for _ in range(65):  # 64 in flight, one too many
             await ws.send_str(body)
         await ws.send_bytes(b"\x00")
         errors = []
@@ -183,9 +187,31 @@ async def test_the_workers_out_of_order_answers_are_given_by_the_gateway(stack):
             if "error" in msg:
                 errors.append(msg["error"]["code"])
         assert errors == [429, 400]
-        await until(lambda: open_leases(scheduler) == 65)  # every owed request holds its lease
+        await until(lambda: open_leases(scheduler) == 64)  # every owed request holds its lease
         worker.go.set()
         done = 0
-        while done < 65:
+        while done < 64:
             done += json.loads((await ws.receive(timeout=10)).data).get("type") == "done"
         await until(lambda: open_leases(scheduler) == 0)
+
+
+async def test_a_worker_that_goes_silent_mid_answer_is_noticed_by_the_heartbeat():
+    """A worker whose host died without closing the connection answers no ping: the gateway's
+    pings (--ws-heartbeat-s) notice it, the client is told, the worker is reported and the
+    request's lease ends. Without pings the socket hung, and the lease (renewed while its
+    request was owed) counted as load on that worker for as long as the client waited."""
+    worker = MisbehavingWorker()
+    worker.mode = "silent"
+    async with stand_ins_behind_router([([("GET", "/v1/ws", worker.ws)], worker.echo)],
+                                       gateway_args=("--ws-heartbeat-s", "0.5"),
+                                       handler_cancellation=True) as (scheduler, gw):
+        await until(lambda: _worker_state(scheduler) == "up")
+        async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
+            while True:
+                msg = await ws.receive(timeout=10)
+                if msg.type != aiohttp.WSMsgType.TEXT or "error" in msg.data:
+                    break
+            assert msg.type == aiohttp.WSMsgType.TEXT and "upstream_closed" in msg.data, msg
+        await until(lambda: open_leases(scheduler) == 0)
+        await until(lambda: _worker_state(scheduler) == "down")
