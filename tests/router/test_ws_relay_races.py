@@ -69,7 +69,7 @@ class FakeUpstream:
 
 class FakeProxy:
     def __init__(self) -> None:
-        self.cfg = SimpleNamespace(queue_timeout_ms=5000, retry_count=0)
+        self.cfg = SimpleNamespace(queue_timeout_ms=5000, retry_count=0, ws_heartbeat_s=30.0)
         self.released: list[tuple[str, bool, int, int, str | None]] = []
         self.issued: list[str] = []
         self.acquire_gate: asyncio.Event | None = None
