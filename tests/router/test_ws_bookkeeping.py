@@ -145,6 +145,17 @@ async def test_each_request_on_a_socket_holds_its_own_lease_and_an_idle_socket_n
                     == released + 2)
 
 
+async def _told_the_worker_left(gw: str) -> None:
+    """One request on a new socket, whose worker goes away mid-answer: the client is told."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
+        while True:
+            msg = await ws.receive(timeout=10)
+            if msg.type != aiohttp.WSMsgType.TEXT or "error" in msg.data:
+                break
+        assert msg.type == aiohttp.WSMsgType.TEXT and "upstream_closed" in msg.data, msg
+
+
 @pytest.mark.parametrize(("mode", "state"), [("drop", "down"), ("too_big", "up")])
 async def test_a_worker_that_drops_a_socket_mid_answer_is_reported(stack, mode, state):
     """A worker whose connection drops with an answer owed has failed that request, as a stream
@@ -154,13 +165,7 @@ async def test_a_worker_that_drops_a_socket_mid_answer_is_reported(stack, mode, 
     worker, scheduler, gw = stack
     worker.mode = mode
     await until(lambda: _worker_state(scheduler) == "up")
-    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
-        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
-        while True:
-            msg = await ws.receive(timeout=10)
-            if msg.type != aiohttp.WSMsgType.TEXT or "error" in msg.data:
-                break
-        assert msg.type == aiohttp.WSMsgType.TEXT and "upstream_closed" in msg.data, msg
+    await _told_the_worker_left(gw)
     await until(lambda: open_leases(scheduler) == 0)
     if state == "down":
         await until(lambda: _worker_state(scheduler) == "down")
@@ -206,12 +211,6 @@ async def test_a_worker_that_goes_silent_mid_answer_is_noticed_by_the_heartbeat(
                                        gateway_args=("--ws-heartbeat-s", "0.5"),
                                        handler_cancellation=True) as (scheduler, gw):
         await until(lambda: _worker_state(scheduler) == "up")
-        async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
-            await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}))
-            while True:
-                msg = await ws.receive(timeout=10)
-                if msg.type != aiohttp.WSMsgType.TEXT or "error" in msg.data:
-                    break
-            assert msg.type == aiohttp.WSMsgType.TEXT and "upstream_closed" in msg.data, msg
+        await _told_the_worker_left(gw)
         await until(lambda: open_leases(scheduler) == 0)
         await until(lambda: _worker_state(scheduler) == "down")
