@@ -12,6 +12,10 @@ greedy with ignore-eos semantics, so every request yields exactly its max_tokens
 Engine and static alternate per level, so background load on a shared machine hits both.
 
     python -m benchmarks.worker_throughput [--concurrency 1 4 16 64] [--no-write]
+        [--model smollm2] [--device auto] [--dtype auto]
+
+On a GPU (`--device cuda`, run by benchmarks/cuda_check.sh) both sides run there, and the
+clock reads after each side's work has reached the device (a CUDA launch returns at once).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 import torch
 
 from inference_worker.config import WorkerConfig
-from inference_worker.engine.factory import build_engine, default_num_threads
+from inference_worker.engine.factory import build_engine, default_num_threads, resolve_device_dtype
 from inference_worker.engine.types import SamplingParams
 from inference_worker.model.loader import load_model
 
@@ -84,15 +88,22 @@ async def run_engine(engine, requests, concurrency: int) -> tuple[float, float, 
     return time.perf_counter() - t0, time.process_time() - c0, produced
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_static(model, pad_id: int, requests, batch_size: int) -> tuple[float, float, int]:
     raw = 0
+    device = model.device
+    synchronize(device)
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for start in range(0, len(requests), batch_size):
             group = requests[start : start + batch_size]
             width = max(len(p) for p, _ in group)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=device)
             new = max(m for _, m in group)
             model.generate(
                 ids,
@@ -103,14 +114,23 @@ def run_static(model, pad_id: int, requests, batch_size: int) -> tuple[float, fl
                 pad_token_id=pad_id,
             )
             raw += new * len(group)
+    synchronize(device)
     return time.perf_counter() - t0, time.process_time() - c0, raw
 
 
-async def bench(levels: list[int], seed: int) -> list[Row]:
+async def bench(levels: list[int], seed: int, model: str, device: str, dtype: str) -> list[Row]:
     max_c = max(levels)
-    config = WorkerConfig(max_num_seqs=max(max_c, 1), max_num_batched_tokens=2048, max_model_len=1024)
+    config = WorkerConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max(max_c, 1),
+        max_num_batched_tokens=2048,
+        max_model_len=1024,
+    )
     engine = build_engine(config)
-    hf = load_model(config.model).hf_model
+    torch_device, torch_dtype = resolve_device_dtype(config.device, config.dtype)
+    hf = load_model(config.model, device=str(torch_device), dtype=torch_dtype).hf_model
     tokenizer = engine.tokenizer
     pad_id = min(tokenizer.eos_token_ids)
     await engine.start()
@@ -168,6 +188,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--model", default="smollm2", help="alias or model directory (the worker's --model)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     parser.add_argument("--no-write", action="store_true", help=f"do not append to {RESULTS.name}")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,23 +198,34 @@ def main() -> None:
     if args.threads:  # build_engine sets the thread count too: make it keep ours
         os.environ["WORKER_TORCH_THREADS"] = str(args.threads)
     load0 = os.getloadavg()[0]
-    rows = asyncio.run(bench(args.concurrency, args.seed))
+    rows = asyncio.run(bench(args.concurrency, args.seed, args.model, args.device, args.dtype))
     load1 = os.getloadavg()[0]
     text = table(rows)
-    print(text)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    machine = describe_machine(device, dtype) + f"; load average {load0:.1f} before, {load1:.1f} after"
+    print(f"{machine}\n{text}")
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
     if not args.no_write:
         command = "python -m benchmarks.worker_throughput " + " ".join(sys.argv[1:])
-        machine = (
-            f"{platform.machine()} CPU VM, {os.cpu_count()} cores, torch {torch.__version__} with "
-            f"{torch.get_num_threads()} threads, float32; load average {load0:.1f} before, {load1:.1f} after"
-        )
         entry = (
             f"\n### Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
             f"Command: `{command.strip()}`\nMachine: {machine}\n\n{text}\n"
         )
         append_to_section(entry)
+
+
+def describe_machine(device: torch.device, dtype: torch.dtype) -> str:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        return (
+            f"{torch.cuda.get_device_name(device)}, {platform.machine()} host with {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {dtype_name}"
+        )
+    return (
+        f"{platform.machine()} CPU VM, {os.cpu_count()} cores, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads, {dtype_name}"
+    )
 
 
 def append_to_section(entry: str) -> None:

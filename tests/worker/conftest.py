@@ -24,6 +24,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.worker.model_under_test import TEST_DEVICE_FLAGS, TEST_MODEL
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0  # a cold start converts the GGUF once (~20 s); 2 busy cores can be slow
 
@@ -72,12 +74,14 @@ def sample(samples: dict, name: str, **labels: str) -> float:
 
 
 @contextlib.contextmanager
-def launch_worker(*flags: str, model: str = "smollm2") -> Iterator[Worker]:
-    """Start a worker with `flags`, wait for /health, stop it (SIGTERM, then SIGKILL) afterwards."""
+def launch_worker(*flags: str, model: str = "smollm2", served_as: str | None = None) -> Iterator[Worker]:
+    """Start a worker with `flags`, wait for /health, stop it (SIGTERM, then SIGKILL) afterwards.
+    The API names the model `served_as` (default: `model`)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)
     log_path = Path(log.name)
-    args = [sys.executable, "-m", "inference_worker", "--model", model, "--served-model-name", model]
+    args = [sys.executable, "-m", "inference_worker", "--model", model]
+    args += ["--served-model-name", served_as or model]
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -121,7 +125,8 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = 
         time.sleep(interval_s)
 
 
-# One real-model worker shared by the server and metrics test modules (a torch start costs
+# One real-model worker (model_under_test.py: which weights, which device) shared by the server
+# and metrics test modules (a torch start costs
 # 10-30 s on a busy 2-core machine). --max-num-seqs 2 is what the in-flight gauge test needs;
 # the metrics tests compare deltas, so the modules do not disturb each other.
 SHARED_TORCH_FLAGS = ("--max-num-seqs", "2")
@@ -129,5 +134,6 @@ SHARED_TORCH_FLAGS = ("--max-num-seqs", "2")
 
 @pytest.fixture(scope="session")
 def shared_torch_worker() -> Iterator[Worker]:
-    with launch_worker(*SHARED_TORCH_FLAGS) as worker:
+    flags = (*SHARED_TORCH_FLAGS, *TEST_DEVICE_FLAGS)
+    with launch_worker(*flags, model=TEST_MODEL, served_as="smollm2") as worker:
         yield worker

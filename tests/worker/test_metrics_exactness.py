@@ -23,6 +23,7 @@ from tests.worker.conftest import (
     sample,
     wait_for,
 )
+from tests.worker.model_under_test import TEST_DEVICE, TEST_DEVICE_FLAGS, TEST_MODEL
 from tests.worker.test_metrics_prometheus import FIXTURE_FILES, LEGACY, REQUIRED, by_exposed, label_names
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,10 @@ BACKENDS = [
 ]
 # Long enough to keep the first two requests running while the scrape happens.
 HOLD_TOKENS = {"torch": 24, "sim": 100}
-BACKEND_FLAGS = {"torch": [], "sim": ["--backend", "sim", "--sim-profile", "tiny", "--time-scale", "2"]}
+BACKEND_FLAGS = {
+    "torch": list(TEST_DEVICE_FLAGS),
+    "sim": ["--backend", "sim", "--sim-profile", "tiny", "--time-scale", "2"],
+}
 
 PER_REQUEST_HISTOGRAMS = [
     "vllm:e2e_request_latency_seconds",
@@ -320,7 +324,7 @@ def tiny_kv_worker(request):
     # 6 blocks of 16 tokens: two 60-token answers cannot both fit, so one is preempted.
     flags = ["--num-kv-blocks", "6", "--block-size", "16", "--max-num-seqs", "4", "--hide-legacy-metrics"]
     flags += BACKEND_FLAGS[backend]
-    with launch_worker(*flags) as worker:
+    with launch_worker(*flags, model=TEST_MODEL if backend == "torch" else MODEL, served_as=MODEL) as worker:
         yield backend, worker
 
 
@@ -362,3 +366,16 @@ def test_live_metrics_have_the_real_vllm_families(busy_worker, fixture_file) -> 
             assert label_names(ours[name]) == label_names(real[name]), name
     for name in LEGACY:
         assert name in ours, name
+
+
+def test_gpu_memory_gauges_on_a_gpu_only(busy_worker) -> None:
+    """On a GPU (benchmarks/cuda_check.sh) the worker publishes its device's memory beside the
+    KV usage; elsewhere (CPU, the sim) it publishes no such gauge rather than a made-up 0."""
+    backend, worker = busy_worker
+    samples = worker.metrics()
+    gauges = {name: value for (name, _), value in samples.items() if name.startswith("vllm:gpu_memory_")}
+    if backend == "torch" and TEST_DEVICE == "cuda":
+        used, total = gauges["vllm:gpu_memory_used_bytes"], gauges["vllm:gpu_memory_total_bytes"]
+        assert 0 < used <= total
+    else:
+        assert gauges == {}

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.worker.conftest import wait_for
+from tests.worker.model_under_test import RANDOM_WEIGHTS
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -341,7 +342,8 @@ def test_penalties_logit_bias_and_min_tokens_change_the_answer(worker, greedy_co
     free = httpx.post(worker.api_url + "/chat/completions", json=chat, timeout=60).json()
     held = httpx.post(worker.api_url + "/chat/completions", json={**chat, "min_tokens": 40},
                       timeout=60).json()
-    assert free["choices"][0]["finish_reason"] == "stop" and free["usage"]["completion_tokens"] < 40
+    if not RANDOM_WEIGHTS:  # random weights need not end an answer by themselves
+        assert free["choices"][0]["finish_reason"] == "stop" and free["usage"]["completion_tokens"] < 40
     assert held["usage"]["completion_tokens"] >= 40
 
 
