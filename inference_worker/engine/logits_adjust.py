@@ -36,25 +36,28 @@ def adjust_row(
     token_ids: Sequence[int],
     num_output_tokens: int,
 ) -> torch.Tensor:
-    """row: one sequence's float32 logits [vocab] (a copy: changed in place and returned).
+    """row: one sequence's float32 logits [vocab] (a copy: changed in place and returned), on
+    the model's device: the index tensors made here go there too (CPU ones fail on a GPU).
     token_ids: the sequence so far, prompt then answer."""
     vocab = row.shape[-1]
     bias = [(t, b) for t, b in params.logit_bias if t < vocab]  # the server checked the ids
     if bias:
-        ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
-        row.index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=row.dtype))
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=row.dtype, device=row.device))
     if num_output_tokens < params.min_tokens:
         banned = [t for t in params.ends_answer_ids if 0 <= t < vocab]
         if banned:
             row[banned] = float("-inf")
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
         seen = seen[seen < vocab]
         values = row[seen]
         penalty = params.repetition_penalty
         row[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (params.presence_penalty or params.frequency_penalty) and num_output_tokens:
-        answer = torch.tensor(token_ids[len(token_ids) - num_output_tokens :], dtype=torch.long)
+        answer = torch.tensor(
+            token_ids[len(token_ids) - num_output_tokens :], dtype=torch.long, device=row.device
+        )
         ids, counts = torch.unique(answer[answer < vocab], return_counts=True)
         row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
     return row
