@@ -11,9 +11,11 @@
 #      the Responses API and the live /metrics (tests/worker/model_under_test.py);
 #   3. the server tests again in the GPU's default bfloat16, for the record (not gating:
 #      bfloat16 answers may differ between batched and alone);
-#   4. benchmarks.worker_throughput on the GPU in bfloat16 (engine vs static generate), for
-#      SmolLM2's shape and a 1B Llama shape.
-# Logs and JSON go to $OUT. Exit status: that of steps 1, 2 and 4.
+#   4. benchmarks.worker_throughput on the GPU in bfloat16 (engine vs static generate) and
+#      benchmarks.engine_profile (where a step's time goes), for SmolLM2's shape; the
+#      throughput again for a 1B Llama shape.
+# Logs and JSON go to $OUT. Exit status: that of the gating steps. SKIP="name ..." leaves steps
+# out (to rerun part of it within the GPU lease).
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda-check}
 DEVICE=${DEVICE:-cuda}
@@ -31,6 +33,7 @@ status=0
 step() {  # step NAME GATING COMMAND...: run it, time it, remember a gating failure
   local name=$1 gating=$2 t0=$SECONDS rc
   shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped"; return ;; esac
   echo "== $name: $*"
   "$@"
   rc=$?
@@ -42,6 +45,9 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
+  # The project's own metadata, for /version (its code runs from this tree, first on sys.path).
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . || exit 1
+  rm -rf build
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__,
@@ -63,6 +69,10 @@ step tests-bfloat16 no env WORKER_TEST_DEVICE="$DEVICE" WORKER_TEST_MODEL="$SMAL
 # shellcheck disable=SC2086
 step throughput-smollm2-shape yes timeout 240 python3 -m benchmarks.worker_throughput --model "$SMALL" \
   --device "$DEVICE" --dtype bfloat16 --concurrency $LEVELS --no-write --json "$OUT/throughput-smollm2-shape.json"
+
+# shellcheck disable=SC2086
+step profile-smollm2-shape no timeout 120 python3 -m benchmarks.engine_profile --model "$SMALL" \
+  --device "$DEVICE" --dtype bfloat16 --concurrency ${LEVELS##* } --top 20
 
 BIG=/tmp/cuda-check-1b-shape
 # shellcheck disable=SC2046,SC2086

@@ -113,6 +113,7 @@ class LLMEngine:
         self._ids = count()
         self._eos = frozenset(tokenizer.eos_token_ids)
         self.num_computed_tokens_total = 0  # tokens the runner was asked to compute (tests, benchmarks)
+        self.num_model_steps = 0  # forwards the runner was asked for (benchmarks: time per step)
 
     # ---- requests -----------------------------------------------------------------------
     def add_stat_logger(self, logger: StatLogger) -> None:
@@ -177,6 +178,7 @@ class LLMEngine:
         if not sched.is_empty:
             tokens = self.runner.execute(sched.batch)
             self.num_computed_tokens_total += sum(s.num_new_tokens for s in sched.batch.sequences)
+            self.num_model_steps += 1
         now = self.clock()
         iteration.iteration_timestamp = now
         iteration.num_preempted_reqs = len(sched.preempted)
