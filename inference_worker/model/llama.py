@@ -92,6 +92,14 @@ class PagedLlama:
         slots = num_blocks * block_size
         shape = (self.num_layers, slots, 2, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
+        if device.type == "cuda":
+            # cuDNN's attention (torch's first choice for bfloat16 on Hopper) costs ~1.2 ms of
+            # host time per call here, against ~30 us of GPU time: it builds a plan for each new
+            # shape, and a step's shapes change with every context length. At 256 sequences it
+            # was 67% of a step's host time and the GPU sat idle 89% of the time (RESULTS.md,
+            # "The worker on a GPU"). The memory-efficient kernel takes our masks as they are.
+            # Process-wide, as the worker's process holds one model.
+            torch.backends.cuda.enable_cudnn_sdp(False)
 
     def _init_rope(self, hf_model, cfg) -> None:
         # Reuse the HF rotary module so every rope scaling variant matches transformers exactly.
