@@ -4,7 +4,8 @@
 #
 # It needs, beside the repo: .whl/ with wheels of what that python3 lacks (pydantic,
 # pydantic-settings, pytest-asyncio, openai, ...), and $FILES, SmolLM2's config and tokenizer
-# (copied from the worker's model cache; its weights are 98 MB and do not travel). Steps:
+# (its weights are 98 MB and do not travel). `bash benchmarks/cuda_prepare.sh` makes both here;
+# the device tool then carries ".whl" and ".cuda". Steps:
 #   1. a stand-in with SmolLM2's shape and random weights (benchmarks/random_weights.py);
 #   2. the real-model test modules on the GPU, float32: the engine against transformers' own
 #      forward and greedy answers (alone, batched, prefix hits, preemption), the OpenAI server,
