@@ -67,7 +67,7 @@ class PagedLlama:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
         def w_t(t: torch.Tensor) -> torch.Tensor:
-            """A projection as `x @ it` takes it: the transposed view, made once (no copy)."""
+            """The weight transposed (a view, no copy), so that `x @ w_t(weight)` projects x."""
             return w(t).T
 
         inner = hf_model.model

@@ -126,9 +126,9 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = 
 
 
 # One real-model worker (model_under_test.py: which weights, which device) shared by the server
-# and metrics test modules (a torch start costs
-# 10-30 s on a busy 2-core machine). --max-num-seqs 2 is what the in-flight gauge test needs;
-# the metrics tests compare deltas, so the modules do not disturb each other.
+# and metrics test modules (a torch start costs 10-30 s on a busy 2-core machine).
+# --max-num-seqs 2 is what the in-flight gauge test needs; the metrics tests compare deltas, so
+# the modules do not disturb each other.
 SHARED_TORCH_FLAGS = ("--max-num-seqs", "2")
 
 
