@@ -52,6 +52,10 @@ def test_follow_up_turn_passes_the_queue_into_its_own_freed_room():
         def leases() -> int:
             return sum(w["in_flight_leases"] for w in httpx.get(su + "/v1/workers").json()["workers"])
 
+        def scraped_kv() -> list[float]:
+            workers = httpx.get(su + "/v1/workers").json()["workers"]
+            return [(w["snapshot"] or {}).get("kv_usage") or 0.0 for w in workers]
+
         def conversation() -> tuple[httpx.Response, httpx.Response]:
             first_msgs = [{"role": "user", "content": FIRST_TURN}]
             first = chat(gw, first_msgs, 60)
@@ -65,7 +69,11 @@ def test_follow_up_turn_passes_the_queue_into_its_own_freed_room():
             wait_for(lambda: leases() == 1, "the first turn's lease")
             other = ex.submit(chat, gw, [{"role": "user", "content": OTHER}], 250)  # runs ~1.5 s
             wait_for(lambda: leases() == 2, "the other request's lease")
-            time.sleep(0.2)  # scrapes now show both workers past the KV ceiling
+            # The stranger must find both workers past the KV ceiling in the scheduler's view:
+            # wait for the scrapes that show it (a fixed pause was too short on a loaded machine,
+            # and the stranger was placed instead of queued).
+            wait_for(lambda: all(kv >= params["max_kv_usage"] for kv in scraped_kv()),
+                     "scrapes showing both workers past the KV ceiling")
             stranger = ex.submit(chat, gw, [{"role": "user", "content": STRANGER}], 20)
             wait_for(lambda: httpx.get(gw + "/admin/state").json()["queued"] == 1, "the stranger to queue")
             first, follow_up = conv.result()
