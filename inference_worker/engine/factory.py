@@ -25,7 +25,14 @@ def resolve_device_dtype(device: str, dtype: str):
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA device is available")
     if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        # bfloat16 where the GPU computes it (Ampere on); an older card (V100, T4) only emulates
+        # it, slowly, so float16 there, as vLLM picks for a bfloat16 model on such a card.
+        if device != "cuda":
+            torch_dtype = torch.float32
+        elif torch.cuda.is_bf16_supported(including_emulation=False):
+            torch_dtype = torch.bfloat16
+        else:
+            torch_dtype = torch.float16
     else:
         torch_dtype = getattr(torch, dtype)
     return torch.device(device), torch_dtype

@@ -24,6 +24,17 @@ def test_device_and_dtype_resolution():
             resolve_device_dtype("cuda", "auto")
 
 
+def test_auto_dtype_on_a_gpu_is_bfloat16_where_it_computes_it(monkeypatch):
+    """No GPU here: torch.cuda's answers are stood in for (the only fake in this module)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float16)):
+        # An older card answers yes when emulation counts (torch's default), no when it does not.
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, n=native: n or including_emulation)
+        assert resolve_device_dtype("auto", "auto") == (torch.device("cuda"), expected)
+        assert resolve_device_dtype("cuda", "float32")[1] is torch.float32  # asked for: kept
+
+
 def test_kv_pool_sizing_from_flags():
     per_block = 1000
     assert _num_kv_blocks(WorkerConfig(num_kv_blocks=7), per_block, CPU) == 7
