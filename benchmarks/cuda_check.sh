@@ -19,6 +19,7 @@
 # out (to rerun part of it within the GPU lease).
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda-check}
+WORK=${WORK:-/tmp}  # where the stand-in models are written
 DEVICE=${DEVICE:-cuda}
 FILES=${FILES:-.cuda/smollm2-files}
 LEVELS=${LEVELS:-1 16 64 256}
@@ -55,7 +56,7 @@ python3 -c "import torch, transformers, sys; print('python', sys.version.split()
   'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU',
   'transformers', transformers.__version__)"
 
-SMALL=/tmp/cuda-check-smollm2-shape
+SMALL=$WORK/cuda-check-smollm2-shape
 step stand-in yes timeout 120 python3 -m benchmarks.random_weights --like "$FILES" --out "$SMALL"
 
 TESTS="tests/worker/test_engine_model.py tests/worker/test_server_openai.py
@@ -75,7 +76,7 @@ step throughput-smollm2-shape yes timeout 240 python3 -m benchmarks.worker_throu
 step profile-smollm2-shape no timeout 120 python3 -m benchmarks.engine_profile --model "$SMALL" \
   --device "$DEVICE" --dtype bfloat16 --concurrency ${LEVELS##* } --top 20
 
-BIG=/tmp/cuda-check-1b-shape
+BIG=$WORK/cuda-check-1b-shape
 # shellcheck disable=SC2046,SC2086
 step stand-in-1b yes timeout 180 python3 -m benchmarks.random_weights --like "$FILES" --out "$BIG" \
   --dtype bfloat16 --device "$DEVICE" $(printf -- '--set %s ' $BIG_SHAPE)
