@@ -19,10 +19,9 @@ rm -rf .whl && mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "${pins[@]}"
-model_dir=$(HF_HUB_OFFLINE=1 "$PY" -c \
-  "from inference_worker.model.loader import resolve_model_dir; print(resolve_model_dir('smollm2'))")
 rm -rf .cuda/smollm2-files && mkdir -p .cuda/smollm2-files
-for f in "$model_dir"/*; do
-  case "$f" in *.safetensors) ;; *) cp "$f" .cuda/smollm2-files/ ;; esac
-done
+HF_HUB_OFFLINE=1 "$PY" -c "from pathlib import Path
+from benchmarks.random_weights import copy_without_weights
+from inference_worker.model.loader import resolve_model_dir
+copy_without_weights(resolve_model_dir('smollm2'), Path('.cuda/smollm2-files'))"
 echo "prepared: $(ls .whl | wc -l) wheels ($(du -sh .whl | cut -f1)), $(ls .cuda/smollm2-files | tr '\n' ' ')"

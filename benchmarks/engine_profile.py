@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from benchmarks.worker_throughput import make_requests
-from inference_worker.config import WorkerConfig
+from benchmarks.worker_throughput import engine_config, make_requests
 from inference_worker.engine.factory import build_engine
 from inference_worker.engine.llm_engine import LLMEngine
 from inference_worker.engine.types import SamplingParams
@@ -53,15 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     c = args.concurrency
-    config = WorkerConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=c,
-        max_num_batched_tokens=2048,
-        max_model_len=1024,
-    )
-    engine = build_engine(config).engine
+    engine = build_engine(engine_config(args.model, args.device, args.dtype, c)).engine
     on_gpu = engine.runner.device.type == "cuda"
     with torch.inference_mode():
         run_steps(engine, make_requests(engine.tokenizer, 4, 99))  # warm-up: first kernels, allocator

@@ -128,16 +128,20 @@ def run_static(model, pad_id: int, requests, batch_size: int) -> tuple[float, fl
     return time.perf_counter() - t0, time.process_time() - c0, raw, steps
 
 
-async def bench(levels: list[int], seed: int, model: str, device: str, dtype: str) -> list[Row]:
-    max_c = max(levels)
-    config = WorkerConfig(
+def engine_config(model: str, device: str, dtype: str, max_num_seqs: int) -> WorkerConfig:
+    """The engine this benchmark measures (engine_profile.py profiles the same one)."""
+    return WorkerConfig(
         model=model,
         device=device,
         dtype=dtype,
-        max_num_seqs=max(max_c, 1),
+        max_num_seqs=max(max_num_seqs, 1),
         max_num_batched_tokens=2048,
         max_model_len=1024,
     )
+
+
+async def bench(levels: list[int], seed: int, model: str, device: str, dtype: str) -> list[Row]:
+    config = engine_config(model, device, dtype, max(levels))
     engine = build_engine(config)
     torch_device, torch_dtype = resolve_device_dtype(config.device, config.dtype)
     hf = load_model(config.model, device=str(torch_device), dtype=torch_dtype).hf_model
