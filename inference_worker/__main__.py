@@ -28,6 +28,7 @@ from inference_worker.metrics.prometheus import PrometheusStatLogger
 from inference_worker.registration import Registrar
 from inference_worker.server.app import HEADER_LIMITS, build_app
 from inference_worker.server.drain import Drain
+from inference_worker.server.http_errors import OpenAIErrorAppRunner
 from inference_worker.server.state import DRAIN
 
 log = logging.getLogger("inference_worker")
@@ -91,8 +92,8 @@ async def run_worker(config: WorkerConfig) -> None:
     await engine.start()
     app = build_app(engine, config.model_name, registry, config.responses_store_size)
     # The drain below waits for the requests; what aiohttp then waits for is their last writes.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                           **HEADER_LIMITS)
+    runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                                  **HEADER_LIMITS)
     await runner.setup()
     registrar = None
     site = None

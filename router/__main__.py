@@ -7,26 +7,8 @@ import logging
 import signal
 import sys
 
-from aiohttp.http_exceptions import HttpProcessingError
-
 from router.app import serve
 from router.config import load_router_config
-
-
-class MalformedHttpFilter(logging.Filter):
-    """aiohttp answers a request it cannot parse (a control byte in a header, a Content-Length
-    that is no number: what scanners and broken proxies send, no HTTP client library) with its own
-    400 and logs it at ERROR with a traceback. On a gateway facing the internet that is log noise
-    whoever scans it controls: one WARNING line says the same."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            reason = (str(exc.message).splitlines() or [""])[0].rstrip(":")
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = "malformed HTTP request from %s: %s", (*(record.args or ()), reason)
-            record.exc_info = record.exc_text = None
-        return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +18,6 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
 
     async def run() -> None:
         task = asyncio.current_task()

@@ -17,6 +17,7 @@ from router.config import RouterConfig
 from router.cors import CorsPolicy
 from router.errors import error_response, no_route
 from router.fallback import FallbackRouter
+from router.http_errors import OpenAIErrorAppRunner
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.queue import AdmissionQueue
@@ -246,7 +247,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     gw = Gateway(cfg)
     app = build_app(gw)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **HEADER_LIMITS)
+    runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None, **HEADER_LIMITS)
     runners = [runner]
     port = cfg.port
     try:

@@ -209,23 +209,63 @@ async def test_websocket_worker_killed_mid_answer_client_gets_an_error():
         w.stop()
 
 
+def _raw_exchange(port: int, raw: bytes) -> tuple[bytes, bytes]:
+    """Send bytes as they are (no client library would send these) and read the answer to its
+    end: the gateway closes after a request it could not parse."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(raw)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
 def test_a_malformed_http_request_is_one_warning_line_not_a_traceback():
     """What scanners send (a control byte in a header, a Content-Length that is no number) is
-    refused with a 400 by aiohttp's parser before any handler runs; the gateway logs it as one
-    WARNING line, not an ERROR with a traceback per request."""
+    refused with a 400 by aiohttp's parser before any handler runs: the client gets it in the
+    OpenAI error shape, like every other 4xx, and the gateway logs it as one WARNING line, not
+    an ERROR with a traceback per request."""
     proc, url = start_gateway("--workers", "http://127.0.0.1:9")
     port = int(url.rsplit(":", 1)[1])
     try:
-        for raw in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                s.sendall(raw)
-                assert s.recv(4096).startswith(b"HTTP/1.0 400")
+        for raw, reason in (
+            (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n", "Invalid header value char"),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+             "Invalid character in Content-Length"),
+        ):
+            head, body = _raw_exchange(port, raw)
+            assert head.startswith(b"HTTP/1.0 400"), head
+            assert b"content-type: application/json" in head.lower(), head
+            error = json.loads(body)["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == 400, error
+            assert error["message"] == f"malformed HTTP request: {reason}", error
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         time.sleep(0.2)
         log = proc.output()
     finally:
         proc.stop()
     assert "Traceback" not in log and "ERROR" not in log, log
-    assert log.count("WARNING aiohttp.server: malformed HTTP request from 127.0.0.1") == 2, log
+    assert log.count("WARNING router.http: malformed HTTP request from 127.0.0.1") == 2, log
     assert "Invalid character in Content-Length" in log
+
+
+def test_headers_up_to_32_kib_pass_and_a_longer_one_is_a_400_in_the_openai_shape():
+    """Identity tokens with many claims run past aiohttp's default 8 KiB per header; the gateway
+    takes 32 KiB, as vLLM behind uvicorn does, and answers a longer one with an OpenAI error."""
+    proc, url = start_gateway("--workers", "http://127.0.0.1:9")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        def models_with_header(size: int) -> tuple[bytes, bytes]:
+            return _raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Claims: "
+                                 + b"a" * size + b"\r\nConnection: close\r\n\r\n")
+
+        head, body = models_with_header(20 * 1024)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert json.loads(body)["object"] == "list"
+        head, body = models_with_header(40 * 1024)
+        assert head.startswith(b"HTTP/1.0 400"), head
+        error = json.loads(body)["error"]
+        assert error["message"].startswith("malformed HTTP request: Got more than 32768 bytes"), error
+    finally:
+        proc.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
+import socket
 
 import aiohttp
 import httpx
@@ -608,6 +609,34 @@ def test_a_body_its_content_encoding_does_not_match_is_a_400(worker, encoding) -
     r = httpx.post(f"{worker.base_url}{CMPL}", content=b'{"prompt": "x"}', timeout=60,
                    headers={"Content-Type": "application/json", "Content-Encoding": encoding})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+         "Invalid character in Content-Length"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+         "Invalid character in chunk size"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Claims: " + b"a" * 40 * 1024 + b"\r\n\r\n",
+         "Got more than 32768 bytes"),
+    ],
+    ids=["content-length", "chunk-size", "header-over-32KiB"],
+)
+def test_what_the_http_parser_refuses_is_a_400_in_the_openai_shape(worker, raw, reason) -> None:
+    """aiohttp answers these itself, before any route or middleware: plain text and a logged
+    traceback, unless the worker's runner steps in (the module's last test reads the log)."""
+    port = int(worker.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(raw)
+        answer = b""
+        while chunk := s.recv(65536):  # the worker closes after a request it could not parse
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 400") and b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_http_request")
+    assert error["message"].startswith(f"malformed HTTP request: {reason}"), error
 
 
 def test_worker_survives_bad_inputs(worker, client) -> None:
