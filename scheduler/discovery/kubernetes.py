@@ -1,11 +1,12 @@
 """Kubernetes discovery: EndpointSlices matching a label selector in one namespace,
 listed then watched with lightkube. Each ready endpoint address becomes a worker
-(`{scheme}://{address}:{port}`); a slice update adds and removes workers, a deleted
-slice removes all of its own. A watch that ends is resumed from its last
-resourceVersion (lightkube does that), so the API server replays what it missed. On any
-error (API server unreachable, 410 Gone after a compaction, ...) we back off and list
-again: the list is the whole truth, so slices deleted while we could not watch are
-dropped, and the next watch starts from the list's resourceVersion.
+(`{scheme}://{address}:{port}`); a worker stays while any slice lists it ready (one pod
+can be in several slices), and moves when its pod comes back at another address.
+A watch that ends is resumed from its last resourceVersion (lightkube does that), so the
+API server replays what it missed. On any error (API server unreachable, 410 Gone after a
+compaction, ...) we back off and list again: the list is the whole truth, so slices
+deleted while we could not watch are dropped, and the next watch starts from the list's
+resourceVersion.
 """
 
 from __future__ import annotations
@@ -63,30 +64,52 @@ class KubernetesDiscovery:
         self.cfg = cfg
         self.labels = parse_selector(cfg.k8s_label_selector or "")
         self.slices: dict[str, dict[str, str]] = {}  # slice name -> {worker_id: url}
+        self.known: dict[str, str] = {}  # worker_id -> the URL it was added with
 
     def apply(self, op: str, obj) -> None:
         name = obj.metadata.name
-        old = self.slices.get(name, {})
         new = {} if op == "DELETED" else slice_workers(obj, self.cfg.k8s_port, self.cfg.k8s_scheme)
-        for wid in old.keys() - new.keys():
-            self.service.remove_worker(wid, source=SOURCE)
-        for wid, url in new.items():
-            if wid not in old or old[wid] != url:
-                self.service.add_worker(WorkerState(url, worker_id=wid, source=SOURCE))
         if new:
             self.slices[name] = new
         else:
             self.slices.pop(name, None)
+        self._sync()
         log.info("endpointslice %s %s: %d ready worker(s)", name, op.lower(), len(new))
 
     def resync(self, current: dict[str, object]) -> None:
         """Make the workers match a full list of slices (name -> object)."""
         for name in self.slices.keys() - current.keys():
-            for wid in self.slices.pop(name):
-                self.service.remove_worker(wid, source=SOURCE)
             log.info("endpointslice %s gone while not watched", name)
-        for obj in current.values():
-            self.apply("LISTED", obj)
+        self.slices = {}
+        for name, obj in current.items():
+            new = slice_workers(obj, self.cfg.k8s_port, self.cfg.k8s_scheme)
+            if new:
+                self.slices[name] = new
+        self._sync()
+
+    def _sync(self) -> None:
+        """Make the workers match the union of every slice's endpoints. One pod can be in
+        several slices (two Services selecting it, IPv4 and IPv6 slices, an endpoint the
+        controller moves between slices): it stays while any slice lists it ready. A worker
+        whose pod came back at another address (a StatefulSet pod keeps its name) is
+        replaced: the registry keeps a known worker's URL, and would scrape the old one."""
+        offered: dict[str, set[str]] = {}
+        for workers in self.slices.values():
+            for wid, url in workers.items():
+                offered.setdefault(wid, set()).add(url)
+        for wid in self.known.keys() - offered.keys():
+            del self.known[wid]
+            self.service.remove_worker(wid, source=SOURCE)
+        for wid, urls in offered.items():
+            current = self.known.get(wid)
+            if current in urls:
+                continue  # keep the URL it has while any slice still offers it
+            if current is not None:
+                log.info("worker %s moved from %s", wid, current)
+                self.service.remove_worker(wid, source=SOURCE)
+            url = min(urls)  # the same choice whichever slice came first
+            self.known[wid] = url
+            self.service.add_worker(WorkerState(url, worker_id=wid, source=SOURCE))
 
     def _kubeconfig(self, kube_config_cls):
         if not self.cfg.k8s_api_server:
