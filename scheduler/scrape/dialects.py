@@ -172,13 +172,39 @@ def _sglang_wanted(p: str) -> dict[str, str]:
     )
 
 
-def _first_tp(fams: Families) -> Families:
-    """Tensor-parallel ranks repeat the scheduler's numbers: keep tp_rank 0 only."""
-    return {k: [s for s in v if s[0].get("tp_rank", "0") == "0"] for k, v in fams.items()}
+# Labels that tell apart the ranks of one data-parallel group (SGLang's scheduler labels).
+_RANK_LABELS = frozenset(("tp_rank", "pp_rank", "moe_ep_rank"))
+
+
+def _rank_order(labels: dict[str, str]) -> tuple[int, int]:
+    try:
+        return int(labels.get("pp_rank", "0")), int(labels.get("tp_rank", "0"))
+    except ValueError:
+        return 0, 0
+
+
+def _one_report_per_group(fams: Families) -> Families:
+    """One report per data-parallel group: the lowest (pp_rank, tp_rank) among the series that
+    differ only in rank labels. Ranks of a group repeat its scheduler's numbers (all of them with
+    --enable-metrics-for-all-schedulers), but a group is not always led by tp_rank 0: with
+    --enable-dp-attention the group of dp_rank 1 reports from tp_rank tp/dp, so keeping tp_rank 0
+    alone dropped every group but the first."""
+    out: Families = {}
+    for key, samples in fams.items():
+        first: dict[frozenset[tuple[str, str]], tuple[tuple[int, int], Sample]] = {}
+        for sample in samples:
+            labels = sample[0]
+            group = frozenset(kv for kv in labels.items() if kv[0] not in _RANK_LABELS)
+            order = _rank_order(labels)
+            held = first.get(group)
+            if held is None or order < held[0]:
+                first[group] = (order, sample)
+        out[key] = [sample for _, sample in first.values()]
+    return out
 
 
 def _sglang(fams: Families) -> RawSample:
-    fams = _first_tp(fams)
+    fams = _one_report_per_group(fams)
     kv = _mean(fams, "kv")
     used, cap = _total(fams, "used_tokens"), _total(fams, "max_tokens")
     if kv is None and used is not None and cap:

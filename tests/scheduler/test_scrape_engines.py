@@ -1,0 +1,46 @@
+"""Engine pages the hand-written fixtures do not cover: deployments whose ranks, models or
+start-up order change what one /metrics page holds (checked against the engines' sources,
+metrics-reference.md sections 3-7)."""
+
+from __future__ import annotations
+
+from scheduler.scrape import dialects
+from scheduler.scrape.parse import parse_selected
+from scheduler.scrape.snapshot import RawSample
+
+
+def read(dialect: dialects.Dialect, text: str) -> RawSample:
+    return dialect.extract(parse_selected(text, dialect.wanted))
+
+
+def _sglang_page(rows: list[tuple[int, int, int, float, float, float]]) -> str:
+    """SGLang gauges, one row per reporting scheduler: (tp_rank, pp_rank, dp_rank, running,
+    queued, token_usage)."""
+    lines = []
+    for name, col in (("num_running_reqs", 3), ("num_queue_reqs", 4), ("token_usage", 5)):
+        lines.append(f"# TYPE sglang:{name} gauge")
+        for row in rows:
+            tp, pp, dp = row[:3]
+            labels = f'model_name="ds",engine_type="unified",tp_rank="{tp}",pp_rank="{pp}",dp_rank="{dp}"'
+            lines.append(f"sglang:{name}{{{labels}}} {row[col]}")
+    return "\n".join(lines) + "\n"
+
+
+def test_sglang_dp_attention_groups_are_summed_whatever_their_tp_rank():
+    """With --enable-dp-attention (--tp 4 --dp 2) the scheduler of each attention group's first
+    rank reports: tp_rank 0 for dp_rank 0 and tp_rank 2 for dp_rank 1 (data_parallel_controller
+    hands each rank its attention dp_rank; only attn_tp_rank 0 has metrics on by default). Reading
+    tp_rank 0 alone saw half the requests and half the pool."""
+    raw = read(dialects.SGLANG_COLON, _sglang_page([(0, 0, 0, 7, 2, 0.5), (2, 0, 1, 5, 1, 0.3)]))
+    assert (raw.running, raw.waiting) == (12.0, 3.0)
+    assert raw.kv_usage == 0.4
+
+
+def test_sglang_ranks_that_repeat_their_group_are_counted_once():
+    """--enable-metrics-for-all-schedulers: every TP rank (and, with pipeline parallelism, every
+    stage) reports its group's numbers again; one report per data-parallel group counts."""
+    rows = [(0, 0, 0, 7, 2, 0.5), (1, 0, 0, 7, 2, 0.5), (0, 1, 0, 7, 2, 0.5), (1, 1, 0, 7, 2, 0.5),
+            (2, 0, 1, 5, 1, 0.3), (3, 0, 1, 5, 1, 0.3)]
+    raw = read(dialects.SGLANG_COLON, _sglang_page(rows))
+    assert (raw.running, raw.waiting) == (12.0, 3.0)
+    assert raw.kv_usage == 0.4
