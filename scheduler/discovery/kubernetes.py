@@ -38,6 +38,8 @@ def slice_workers(obj, port_spec: str | None, scheme: str) -> dict[str, str]:
     ports = list(obj.ports or [])
     port = None
     for p in ports:
+        if p.port is None:
+            continue  # "all ports" (a Service without ports): only --k8s-port can name one
         if port_spec is None or p.name == port_spec or str(p.port) == port_spec:
             port = p.port
             break
@@ -48,7 +50,9 @@ def slice_workers(obj, port_spec: str | None, scheme: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for ep in obj.endpoints or []:
         cond = ep.conditions
-        if cond is not None and cond.ready is False:
+        # ready unset means ready; a terminating pod is ready=true when its Service publishes
+        # not-ready addresses (a StatefulSet's headless Service does), and is on its way out.
+        if cond is not None and (cond.ready is False or cond.terminating is True):
             continue
         for address in ep.addresses[:1]:  # the addresses of one endpoint are fungible
             host = f"[{address}]" if ":" in address else address

@@ -85,3 +85,22 @@ def test_an_endpoint_moved_between_slices_is_not_dropped():
     k8s.apply("ADDED", endpoint_slice("s2", endpoint("vllm-0", "10.0.0.1")))
     k8s.apply("MODIFIED", endpoint_slice("s1"))
     assert svc.registry.workers.get("vllm-0:8000") is w  # the same worker: its state is kept
+
+
+def test_terminating_endpoints_and_portless_slices_are_no_workers():
+    """A Service that publishes not-ready addresses (a StatefulSet's headless one) keeps
+    ready=true on a terminating pod: it was kept in rotation through its shutdown, each new
+    request refused or cut. A slice port without a number ("all ports") made a worker at
+    http://<ip>:None."""
+    svc, k8s = discovery()
+    k8s.apply("ADDED", endpoint_slice("s1", endpoint("vllm-0", "10.0.0.1", terminating=True),
+                                      endpoint("vllm-1", "10.0.0.2"),
+                                      {"addresses": ["10.0.0.3"], "targetRef": {"name": "vllm-2"}}))
+    # vllm-2's conditions are unset: unknown means ready.
+    assert urls(svc) == {"vllm-1:8000": "http://10.0.0.2:8000", "vllm-2:8000": "http://10.0.0.3:8000"}
+    k8s.apply("ADDED", endpoint_slice("s2", endpoint("vllm-9", "10.0.0.9"), ports=[{"protocol": "TCP"}]))
+    assert "vllm-9:8000" not in urls(svc) and not any("None" in u for u in urls(svc).values())
+    # With --k8s-port naming the number, the portless slice's endpoints are workers on it.
+    svc, k8s = discovery(k8s_port="8000")
+    k8s.apply("ADDED", endpoint_slice("s2", endpoint("vllm-9", "10.0.0.9"), ports=[{"protocol": "TCP"}]))
+    assert urls(svc) == {"vllm-9:8000": "http://10.0.0.9:8000"}
