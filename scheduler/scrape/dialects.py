@@ -289,18 +289,46 @@ _TRTLLM = {
 }
 
 
-def _trtllm(fams: Families) -> RawSample:
-    def blocks(kind: str) -> float | None:
-        return _total(fams, "kv_blocks", kv_cache_block_type=kind)
+def _trtllm_pool(fams: Families) -> tuple[float | None, int | None, int | None]:
+    """(KV usage, tokens per block, blocks) over every TensorRT-LLM model on the server.
 
+    Each model (`model`, `version` labels) has its own pool: a draft model next to the target
+    (speculative decoding), or two LLMs on one Triton. Their usage fractions and block sizes do
+    not add up (summed, two half-full pools read as full, and 64-token blocks as 128); the pools
+    do, so usage is the blocks used over the blocks there are, and pools of different block sizes
+    are counted in tokens (a block of one token)."""
+    models: dict[tuple[str, str], dict[str, float]] = {}
+    for labels, value in fams.get("kv_blocks", ()):
+        kind = labels.get("kv_cache_block_type")
+        if kind is not None:
+            models.setdefault((labels.get("model", ""), labels.get("version", "")), {})[kind] = value
+    pools: list[tuple[float, float, float | None]] = []  # (fraction used, blocks, tokens per block)
+    for pool in models.values():
+        blocks = pool.get("max")
+        if not blocks:
+            continue
+        fraction = pool.get("fraction")
+        if fraction is None and pool.get("used") is not None:
+            fraction = pool["used"] / blocks  # older builds lack `fraction`
+        if fraction is not None:
+            pools.append((fraction, blocks, pool.get("tokens_per") or None))
+    if not pools:
+        return None, None, None
+    sizes = {size for _, _, size in pools}
+    blocks = sum(b for _, b, _ in pools)
+    if None in sizes:  # a pool's size in tokens unknown: usage weighted by blocks, no block size
+        return sum(f * b for f, b, _ in pools) / blocks, None, int(blocks)
+    if len(sizes) == 1:
+        return sum(f * b for f, b, _ in pools) / blocks, int(sizes.pop()), int(blocks)
+    tokens = sum(b * s for _, b, s in pools)
+    return sum(f * b * s for f, b, s in pools) / tokens, 1, int(tokens)
+
+
+def _trtllm(fams: Families) -> RawSample:
     waiting = _total(fams, "requests", request_type="waiting")
     if waiting is None:
         waiting = _total(fams, "pending")
-    kv = blocks("fraction")
-    max_blocks, used = blocks("max"), blocks("used")
-    if kv is None and max_blocks and used is not None:
-        kv = used / max_blocks  # older builds lack `fraction`
-    tokens_per = blocks("tokens_per")
+    kv, block_size, num_blocks = _trtllm_pool(fams)
     c: dict[str, float] = {}
     _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
     _put(c, "generation_tokens", _total(fams, "generation_tokens"))
@@ -308,8 +336,8 @@ def _trtllm(fams: Families) -> RawSample:
         running=_total(fams, "requests", request_type="active"),
         waiting=waiting,
         kv_usage=kv,
-        block_size=int(tokens_per) if tokens_per else None,
-        num_blocks=int(max_blocks) if max_blocks else None,
+        block_size=block_size,
+        num_blocks=num_blocks,
         counters=c,
     )
 

@@ -44,3 +44,33 @@ def test_sglang_ranks_that_repeat_their_group_are_counted_once():
     raw = read(dialects.SGLANG_COLON, _sglang_page(rows))
     assert (raw.running, raw.waiting) == (12.0, 3.0)
     assert raw.kv_usage == 0.4
+
+
+def _trtllm_page(pools: dict[str, tuple[int, int, int, float]]) -> str:
+    """A Triton page with one TensorRT-LLM pool per model: (max, used, tokens_per, fraction)."""
+    lines = ["# TYPE nv_trt_llm_request_metrics gauge"]
+    for model in pools:
+        lines.append(f'nv_trt_llm_request_metrics{{model="{model}",request_type="active",version="1"}} 2')
+    lines.append("# TYPE nv_trt_llm_kv_cache_block_metrics gauge")
+    for model, (max_blocks, used, tokens_per, fraction) in pools.items():
+        for kind, value in (("max", max_blocks), ("free", max_blocks - used), ("used", used),
+                            ("tokens_per", tokens_per), ("fraction", fraction)):
+            lines.append(f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="{kind}",'
+                         f'model="{model}",version="1"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def test_trtllm_pools_of_several_models_are_pooled_not_their_fractions_summed():
+    """A target and a draft model on one Triton (the backend's speculative-decoding setup): each
+    reports its own pool. Summed, 0.4 + 0.3 read as 0.7 used and 64-token blocks as 128."""
+    page = _trtllm_page({"tensorrt_llm": (4000, 1600, 64, 0.4), "tensorrt_llm_draft": (2000, 600, 64, 0.3)})
+    raw = read(dialects.TRTLLM, page)
+    assert raw.kv_usage == (1600 + 600) / 6000
+    assert (raw.block_size, raw.num_blocks) == (64, 6000)
+
+
+def test_trtllm_pools_of_different_block_sizes_are_counted_in_tokens():
+    page = _trtllm_page({"a": (1000, 500, 64, 0.5), "b": (1000, 0, 32, 0.0)})
+    raw = read(dialects.TRTLLM, page)
+    assert (raw.block_size, raw.num_blocks) == (1, 1000 * 64 + 1000 * 32)
+    assert raw.kv_usage == 500 * 64 / (1000 * 64 + 1000 * 32)
