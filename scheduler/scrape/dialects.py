@@ -66,6 +66,9 @@ class Dialect:
     # Engines whose /metrics is prometheus_client's ASGI app (vLLM, SGLang) honour `?name[]=`:
     # only those series are collected and rendered. Others (TGI, Triton) would ignore it.
     names_filter: bool = False
+    # Series of a more specific dialect that can appear on this one's page later (wanted under the
+    # key OUTRANKED): once one does, the scraper detects the page's dialect again.
+    outranked_by: tuple[str, ...] = ()
 
     @cached_property
     def filtered_metrics_path(self) -> str:
@@ -264,6 +267,9 @@ def _tgi(fams: Families) -> RawSample:
 
 # ---- Triton core, and TensorRT-LLM on Triton ----------------------------------------------
 
+# The key of a series that says a more specific dialect applies (Dialect.outranked_by).
+OUTRANKED = "outranked"
+
 _TRITON = {
     "nv_inference_pending_request_count": "pending",
     "nv_inference_first_response_histogram_ms_sum": "ttft_ms_sum",
@@ -374,7 +380,12 @@ SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang, names_filte
 SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang, names_filter=True)
 TGI = Dialect("tgi", _TGI, _tgi)
 TRTLLM = Dialect("trtllm", _TRTLLM, _trtllm)
-TRITON = Dialect("triton", _TRITON, _triton)
+# Triton's core metrics are there from start-up, its LLM backend's only once that model has loaded
+# (minutes for a TensorRT-LLM engine, after the ensemble's small models): a page read as plain
+# Triton before then must be read as the backend's when its series come.
+_TRITON_BACKENDS = ("nv_trt_llm_request_metrics", "vllm:num_requests_running", "vllm:num_requests_waiting")
+TRITON = Dialect("triton", {**_TRITON, **dict.fromkeys(_TRITON_BACKENDS, OUTRANKED)}, _triton,
+                 outranked_by=_TRITON_BACKENDS)
 BLADELLM = Dialect("bladellm", _BLADE, _blade)
 
 DIALECTS = {

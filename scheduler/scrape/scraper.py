@@ -188,8 +188,9 @@ class Scraper:
     def _ingest(self, w: WorkerState, text: str, sent: float) -> None:
         dialect = dialects.DIALECTS.get(w.dialect or "")
         filtered = w.metrics_filtered
-        raw = dialect.extract(parse_selected(text, dialect.wanted)) if dialect else None
-        if raw is None or (raw.running is None and raw.waiting is None):
+        fams = parse_selected(text, dialect.wanted) if dialect else {}
+        raw = dialect.extract(fams) if dialect else None
+        if raw is None or (raw.running is None and raw.waiting is None) or dialects.OUTRANKED in fams:
             if filtered:
                 # The filter took the series away (an engine restarted as another, a proxy
                 # that misreads it): the next scrape reads a whole page and detects afresh.

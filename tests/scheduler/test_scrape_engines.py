@@ -4,9 +4,18 @@ metrics-reference.md sections 3-7)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from scheduler.config import SchedulerConfig
+from scheduler.discovery.static import add_static_workers
+from scheduler.registry import WorkerState
 from scheduler.scrape import dialects
 from scheduler.scrape.parse import parse_selected
+from scheduler.scrape.scraper import Scraper
 from scheduler.scrape.snapshot import RawSample
+from scheduler.service import SchedulerService
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def read(dialect: dialects.Dialect, text: str) -> RawSample:
@@ -74,3 +83,37 @@ def test_trtllm_pools_of_different_block_sizes_are_counted_in_tokens():
     raw = read(dialects.TRTLLM, page)
     assert (raw.block_size, raw.num_blocks) == (1, 1000 * 64 + 1000 * 32)
     assert raw.kv_usage == 500 * 64 / (1000 * 64 + 1000 * 32)
+
+
+def _ingested(pages: list[str]) -> WorkerState:
+    """A worker that served these /metrics pages, one per scrape, as the scraper read them."""
+    svc = SchedulerService(SchedulerConfig())
+    (w,) = add_static_workers(svc, ["http://127.0.0.1:9"])
+    scraper = Scraper(svc)
+    for i, page in enumerate(pages):
+        scraper._ingest(w, page, float(i))
+    return w
+
+
+def test_triton_whose_llm_backend_loads_after_the_first_scrape_is_read_as_that_backend():
+    """Triton serves /metrics from start-up, and an ensemble's small Python models load in
+    seconds while the TensorRT-LLM engine takes minutes: the first pages show only Triton core's
+    pending counts. Detected then as plain Triton (no running gauge, no KV), the worker stayed so
+    for good, as Triton's reading never lacks its queue; the backend's series must win."""
+    head = "# TYPE nv_inference_pending_request_count gauge\n"
+    small = ('nv_inference_pending_request_count{model="preprocessing",version="1"} 0\n'
+             'nv_inference_pending_request_count{model="postprocessing",version="1"} 0\n')
+    early = head + small
+
+    def loaded(fixture: str) -> str:
+        text = (FIXTURES / fixture).read_text()
+        assert head in text
+        return text.replace(head, early)
+
+    w = _ingested([early, loaded("trtllm.txt")])
+    assert w.dialect == "trtllm"
+    assert (w.snapshot.running, w.snapshot.kv_usage, w.snapshot.block_size) == (9.0, 0.25, 64)
+    # Triton's vLLM backend likewise (its series carry `model` and `version`).
+    w = _ingested([early, loaded("triton_vllm.txt")])
+    assert w.dialect == "triton_vllm"
+    assert (w.snapshot.running, w.snapshot.kv_usage) == (3.0, 0.4)
