@@ -34,6 +34,10 @@ class RateTracker:
         cur = raw.counters
         prev, dt = self._prev, t - self._prev_t
         self._prev, self._prev_t = dict(cur), t
+        # A counter the page no longer shows (a restarted SGLang or TGI creates its labelled
+        # counters on first use) has no rate: its last one would stand for as long as it is gone.
+        for key in [k for k in self._ewma if k not in cur]:
+            del self._ewma[key]
         if prev is None or dt <= 0:
             return dict(self._ewma)
         alpha = 1.0 - math.exp(-dt / self.tau_s)
