@@ -35,18 +35,46 @@ def parse_value(text: str) -> float:
     return float(text)
 
 
+# A label block after its "{", up to its own "}" (the slow path of _split_at): a quoted value may
+# hold "}", and an OpenMetrics exemplar after the value (`... 10 # {trace_id="a"} 1.0`) ends the
+# line with a "}" of its own, so neither the first nor the last "}" of a line is always the one.
+_LABEL_BLOCK_RE = re.compile(r'\{((?:[^"}]+|"(?:[^"\\]+|\\.)*")*)\}')
+
+
+def _name_end(line: str) -> int:
+    """Where a sample's name ends: at its labels, or at the blank before its value (the text
+    format separates tokens with spaces or tabs, and allows blanks between a name and its
+    labels); -1 for no sample line."""
+    brace, space = line.find("{"), line.find(" ")
+    cut = brace if brace != -1 and (space == -1 or brace < space) else space
+    tab = line.find("\t", 0, len(line) if cut == -1 else cut)  # only the name is searched
+    return cut if tab == -1 else tab
+
+
 def _split_line(line: str) -> tuple[str, str, str] | None:
     """(name, label text, rest after the labels) of one sample line."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        end = line.rfind("}")
-        if end < brace:
+    cut = _name_end(line)
+    return None if cut == -1 else _split_at(line, cut)
+
+
+def _split_at(line: str, cut: int) -> tuple[str, str, str] | None:
+    """_split_line, the name known to end at `cut`."""
+    brace = cut
+    if line[brace] != "{":
+        brace = len(line) - len(line[cut:].lstrip(" \t"))
+        if not line.startswith("{", brace):
+            return line[:cut], "", line[cut:]
+    end = line.find("}", brace)
+    if end == -1:
+        return None  # an unterminated label block
+    text = line[brace + 1 : end]
+    if "\\" in text or text.count('"') % 2:
+        # That "}" may sit in a quoted value: find the block's end the slow, exact way.
+        block = _LABEL_BLOCK_RE.match(line, brace)
+        if block is None:
             return None
-        return line[:brace], line[brace + 1 : end], line[end + 1 :]
-    if space == -1:
-        return None
-    return line[:space], "", line[space:]
+        text, end = block.group(1), block.end() - 1
+    return line[:cut], text, line[end + 1 :]
 
 
 def _parse_region(
@@ -56,13 +84,16 @@ def _parse_region(
     for line in text[start:end].splitlines():
         if not line or line[0] == "#":
             continue
-        parts = _split_line(line)
+        cut = _name_end(line)
+        if cut == -1:
+            continue
+        key = wanted.get(line[:cut])
+        if key is None:  # most lines: skipped before their labels are looked at
+            continue
+        parts = _split_at(line, cut)
         if parts is None:
             continue
-        name, labels, rest = parts
-        key = wanted.get(name)
-        if key is None:
-            continue
+        _, labels, rest = parts
         fields = rest.split()
         if not fields:
             continue

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.scrape.parse import parse_selected, series_names
@@ -86,6 +88,10 @@ _value = st.one_of(
 )
 
 
+def _blanks(least: int) -> st.SearchStrategy[str]:
+    return st.text(alphabet=" \t", min_size=least, max_size=2)
+
+
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -129,8 +135,13 @@ def exposition(draw) -> str:
             seen.add(key)
             body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
             label_text = "{" + body + "}" if labels or draw(st.booleans()) else ""
-            ts = f" {draw(st.integers(min_value=0, max_value=2**40))}" if draw(st.booleans()) else ""
-            lines.append(f"{name}{label_text} {_fmt(draw(_value))}{ts}")
+            # Tokens are separated by spaces or tabs, and blanks may come before the labels too.
+            if label_text:
+                label_text = draw(_blanks(0)) + label_text
+            ts = ""
+            if draw(st.booleans()):
+                ts = draw(_blanks(1)) + str(draw(st.integers(min_value=0, max_value=2**40)))
+            lines.append(f"{name}{label_text}{draw(_blanks(1))}{_fmt(draw(_value))}{ts}")
     return "\n".join(lines) + "\n"
 
 
@@ -141,3 +152,17 @@ def test_agree_on_generated_text(text, seed):
     # Reading only some names (as a dialect does) must not change the values read.
     assert_agree(text, subset=lambda n: hash((n, seed)) % 3 != 0)
     assert_agree(text, subset=lambda n: n.endswith(("_sum", "_count")))
+
+
+def test_an_openmetrics_exemplar_is_not_read_as_the_sample():
+    """prometheus_client's OpenMetrics exposition puts an exemplar after a counter's value, with a
+    label block of its own (here holding a "}"): the last "}" of the line closed the sample's
+    labels, so the exemplar's value (3) and labels were read for the counter (10)."""
+    registry = CollectorRegistry()
+    counter = Counter("sglang_prompt_tokens", "prompt tokens", ["model_name"], registry=registry)
+    counter.labels("qwen").inc(7)
+    counter.labels("qwen").inc(3, exemplar={"trace_id": "a}b"})
+    text = openmetrics_latest(registry).decode()
+    assert '# {trace_id="a}b"} 3.0' in text
+    assert ours(text, {"sglang_prompt_tokens_total"}) == {
+        ("sglang_prompt_tokens_total", frozenset({("model_name", "qwen")})): 10.0}
