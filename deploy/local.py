@@ -20,6 +20,10 @@ from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free
 
 HOST = "127.0.0.1"
 LOCAL_PREFILL_CAP = 1024  # llm_aware max_prefill_backlog for our worker (see build_specs)
+# SIGHUP too: closing the terminal (or an ssh session ending) hangs up `make run`. Its default
+# action ended the launcher alone, and the children, each in its own session, kept running
+# with their ports held: the next `make run` found every port in use.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,7 +164,7 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     supervisor = Supervisor(grace_s=args.grace_period)
     workers, scheduler, gateway = build_specs(args)
@@ -194,7 +198,7 @@ async def run(args: argparse.Namespace) -> int:
         print_line("[launcher] stopping")
         return 0
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C skips the grace period
+        for sig in STOP_SIGNALS:  # a second Ctrl-C skips the grace period
             loop.add_signal_handler(sig, supervisor.kill_all)
         await supervisor.stop_all()
         print_line("[launcher] all processes stopped")

@@ -166,7 +166,9 @@ def print_line(line: str) -> None:
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-    except (BrokenPipeError, ValueError):  # our reader went away (`| head`): keep supervising
+    except (OSError, ValueError):
+        # Our reader went away: a closed pipe (`| head`), or a hung-up terminal (EIO), where the
+        # launcher still has to stop its children. Keep supervising.
         pass
 
 

@@ -3,6 +3,11 @@ start, a child that dies later. Real processes (sim workers) on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pty
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -12,7 +17,7 @@ import time
 import pytest
 
 from deploy.processes import port_is_free
-from tests.deploy.helpers import REPO, free_ports, pid_alive, wait_until
+from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
 from tests.deploy.stack import start_stack, stop_stack, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,3 +117,57 @@ def test_sigterm_stops_the_stack_like_ctrl_c():
         assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10)
     finally:
         stop_stack(stack)
+
+
+def read_pty_until(fd: int, needle: str, timeout_s: float) -> str:
+    """What the launcher wrote to its terminal, up to `needle` (or the deadline, or its exit)."""
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    while needle.encode() not in out and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the launcher exited and closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def test_closing_the_terminal_stops_every_child():
+    """`make run` in a terminal that is closed (or an ssh session that ends): the launcher is
+    hung up (SIGHUP, then EIO on every write to the terminal) and must still stop its children,
+    which run in their own sessions and get no SIGHUP of their own."""
+    gateway, scheduler = free_ports(2)
+    base = consecutive_free_ports(1)
+    argv = [sys.executable, "-m", "deploy.local", "--backend", "sim", "--workers", "1",
+            "--gateway-port", str(gateway), "--scheduler-port", str(scheduler),
+            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    pid, fd = pty.fork()  # the launcher's controlling terminal is this pty, as in a real terminal
+    if pid == 0:  # the child: become the launcher (never returns)
+        os.chdir(REPO)
+        os.execve(sys.executable, argv, env)
+    pids: dict[str, int] = {}
+    try:
+        out = read_pty_until(fd, "LLM router ready", 150)
+        started = re.finditer(r"\[launcher\] started (\S+) \(pid (\d+)\)", out)
+        pids = {m.group(1): int(m.group(2)) for m in started}
+        assert "LLM router ready" in out and set(pids) == {"worker-0", "scheduler", "gateway"}, out[-3000:]
+        os.close(fd)  # the terminal goes away: the kernel hangs up its session
+        fd = -1
+        assert wait_until(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, 60), "the launcher did not exit"
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10), \
+            {name: p for name, p in pids.items() if pid_alive(p)}
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        for child in [pid, *pids.values()]:  # safety net: nothing of this test outlives it
+            if pid_alive(child):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
