@@ -53,7 +53,8 @@ class PageTooLarge(aiohttp.ClientPayloadError):
 async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_PAGE_BYTES) -> bytes:
     """The body, or PageTooLarge as soon as it passes `limit` bytes."""
     length = resp.content_length
-    if length is not None:
+    # A Content-Length counts the bytes sent: of a gzipped page, not the (unpacked) body read.
+    if length is not None and "Content-Encoding" not in resp.headers:
         if length > limit:
             raise PageTooLarge(f"{resp.url.path} is {length} bytes, over {limit}")
         return await resp.read()  # the usual case: a sized page, read in one go

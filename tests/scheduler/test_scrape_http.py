@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import gzip_accepted
@@ -22,7 +24,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.discovery.static import add_static_workers
 from scheduler.policies import Request
 from scheduler.scrape.dialects import TGI, VLLM_V1
-from scheduler.scrape.scraper import FILTERED_MISSES_MAX, MAX_PAGE_BYTES, Scraper
+from scheduler.scrape.scraper import FILTERED_MISSES_MAX, MAX_PAGE_BYTES, PageTooLarge, Scraper, read_capped
 from scheduler.service import SchedulerService, Wait
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -320,3 +322,29 @@ async def test_a_page_over_the_size_cap_fails_the_scrape_instead_of_filling_memo
         await _until(lambda: all(w.health.last_error == "PageTooLarge" for w in workers))
         assert all(w.snapshot is None for w in workers)
         assert pages.streamed_bytes < 32 * 1024 * 1024  # cut off near the 16 MiB cap, not read whole
+
+
+async def test_a_gzipped_page_is_capped_at_its_unpacked_size():
+    """A server that gzips whatever the scraper accepts (it asks for identity) and sends a
+    Content-Length: aiohttp unpacks the body, so the cap must count the unpacked bytes. The
+    compressed length (about 1/1000 of a page of zeros) let a page far over the cap be read whole.
+    A gzipped page under the cap is read as it was meant."""
+    page = b"vllm:num_requests_running 3\n" + b"#" * (4 * 1024 * 1024) + b"\n"
+    body = gzip.compress(page)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner, url = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as resp:
+                assert resp.content_length == len(body) < 1024 * 1024
+                with pytest.raises(PageTooLarge):
+                    await read_capped(resp, limit=1024 * 1024)
+            async with session.get(url + "/metrics") as resp:
+                assert await read_capped(resp, limit=len(page)) == page
+    finally:
+        await runner.cleanup()
