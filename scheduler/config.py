@@ -52,6 +52,12 @@ class SchedulerConfig(BaseSettings):
     k8s_port: str | None = Field(None, description="port name or number on the endpoints (default first)")
     k8s_scheme: str = "http"
     k8s_api_server: str | None = Field(None, description="override the API server URL (tests)")
+    k8s_watch_timeout_s: int = Field(
+        300, ge=1, le=3600,
+        description="each EndpointSlice watch asks the API server to end it after this many seconds "
+        "(timeoutSeconds, as client-go does); with no event for that long and a little more, the "
+        "watch is dropped and the slices listed again: a connection that died without a close (a "
+        "load balancer's idle drop, a lost node) would otherwise wait for events forever")
 
     # Scraping and health
     scrape_interval_ms: int = Field(100, ge=5, le=600_000)

@@ -6,7 +6,9 @@ A watch that ends is resumed from its last resourceVersion (lightkube does that)
 API server replays what it missed. On any error (API server unreachable, 410 Gone after a
 compaction, ...) we back off and list again: the list is the whole truth, so slices
 deleted while we could not watch are dropped, and the next watch starts from the list's
-resourceVersion.
+resourceVersion. A watch with no event for a while (k8s_watch_timeout_s and a little
+more) is dropped and the slices listed again, as client-go bounds its watches: a
+connection that died without a close would otherwise wait for events forever.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from scheduler.service import SchedulerService
 
 log = logging.getLogger(__name__)
 SOURCE = "kubernetes"
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 10.0
 
 
 def parse_selector(selector: str) -> dict[str, str | None]:
@@ -69,6 +72,7 @@ class KubernetesDiscovery:
         self.labels = parse_selector(cfg.k8s_label_selector or "")
         self.slices: dict[str, dict[str, str]] = {}  # slice name -> {worker_id: url}
         self.known: dict[str, str] = {}  # worker_id -> the URL it was added with
+        self.backoff = BACKOFF_MIN_S  # before the next list after a failure
 
     def apply(self, op: str, obj) -> None:
         name = obj.metadata.name
@@ -127,11 +131,38 @@ class KubernetesDiscovery:
             "current-context": "api",
         })
 
+    @property
+    def quiet_limit_s(self) -> float:
+        """The longest wait for a watch event before listing again: the server ends each watch
+        after k8s_watch_timeout_s (lightkube resumes it), so this long without one means a quiet
+        cluster (the list costs one request) or a connection gone silent (the list saves us)."""
+        timeout = self.cfg.k8s_watch_timeout_s
+        return timeout + min(30.0, float(timeout))
+
+    async def _list_and_watch(self, client, endpoint_slice) -> None:
+        """One list, then its watch until an error (raised) or a quiet spell (returns)."""
+        ns = self.cfg.k8s_namespace
+        listing = client.list(endpoint_slice, namespace=ns, labels=self.labels)
+        self.resync({obj.metadata.name: obj async for obj in listing})
+        events = aiter(client.watch(endpoint_slice, namespace=ns, labels=self.labels,
+                                    server_timeout=self.cfg.k8s_watch_timeout_s,
+                                    resource_version=listing.resourceVersion))
+        while True:
+            try:
+                op, obj = await asyncio.wait_for(anext(events), self.quiet_limit_s)
+            except TimeoutError:
+                log.info("no EndpointSlice event for %.0fs: listing again", self.quiet_limit_s)
+                self.backoff = BACKOFF_MIN_S  # the watch stayed open that long: no failure
+                return
+            if op == "BOOKMARK":
+                continue  # only a resourceVersion, which lightkube keeps
+            self.apply(op, obj)
+            self.backoff = BACKOFF_MIN_S
+
     async def run(self) -> None:
         from lightkube import AsyncClient, KubeConfig
         from lightkube.resources.discovery_v1 import EndpointSlice
 
-        backoff = 0.5
         while True:
             client = None
             try:
@@ -139,19 +170,14 @@ class KubernetesDiscovery:
                 # traffic meant for a local or in-cluster API server.
                 client = AsyncClient(config=self._kubeconfig(KubeConfig), namespace=self.cfg.k8s_namespace,
                                      trust_env=False)
-                listing = client.list(EndpointSlice, namespace=self.cfg.k8s_namespace, labels=self.labels)
-                self.resync({obj.metadata.name: obj async for obj in listing})
-                async for op, obj in client.watch(EndpointSlice, namespace=self.cfg.k8s_namespace,
-                                                  labels=self.labels,
-                                                  resource_version=listing.resourceVersion):
-                    self.apply(op, obj)
-                    backoff = 0.5
+                await self._list_and_watch(client, EndpointSlice)
+                continue  # a quiet spell, not a failure: list again at once
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # API server unreachable, 4xx/5xx, malformed event
-                log.warning("kubernetes watch failed (%r); retrying in %.1fs", exc, backoff)
+                log.warning("kubernetes watch failed (%r); retrying in %.1fs", exc, self.backoff)
             finally:
                 if client is not None:
                     await client.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            await asyncio.sleep(self.backoff)
+            self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)

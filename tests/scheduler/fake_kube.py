@@ -3,6 +3,11 @@ watch are served by this local aiohttp server from recorded watch events
 (fixtures/k8s_endpointslices_watch.json, in the API server's watch-stream format:
 one JSON {"type", "object"} per line).
 
+Like the real one, it ends a watch after the `timeoutSeconds` the client asks for (a normal
+end: the client resumes from the last resourceVersion it saw). `stall()` models a watch
+connection that died without a close (a load balancer's idle drop, a lost node): the open
+watches stay open and silent, and their timeout never reaches the client either.
+
 Like the real one it keeps a resourceVersion: the first `initial` events have happened
 before the test starts (a list shows their result; a watch from the list's version sends
 nothing for them); the test releases the rest one at a time on the open watch, or
@@ -34,6 +39,8 @@ class FakeKubeApi:
             self._apply(event)
         self._later = list(self.events[initial:])
         self.streams: list[asyncio.Queue] = []
+        self.stalled: set[int] = set()  # ids of the streams that are silent for good
+        self._closing = asyncio.Event()
         self.requests: list[str] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -63,7 +70,12 @@ class FakeKubeApi:
         event = self._later.pop(0)
         self._apply(event)
         for stream in self.streams:
-            stream.put_nowait(event)
+            if id(stream) not in self.stalled:
+                stream.put_nowait(event)
+
+    def stall(self) -> None:
+        """The open watches' connections die silently: nothing more reaches their client."""
+        self.stalled.update(id(stream) for stream in self.streams)
 
     def apply_next_unseen(self) -> None:
         """The next recorded event happens while the watches are cut off and history is
@@ -71,7 +83,8 @@ class FakeKubeApi:
         self._apply(self._later.pop(0))
         self.compacted = self.version
         for stream in self.streams:
-            stream.put_nowait(None)  # end that stream
+            if id(stream) not in self.stalled:
+                stream.put_nowait(None)  # end that stream
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(str(request.rel_url))
@@ -93,15 +106,33 @@ class FakeKubeApi:
                 await resp.write((json.dumps({"type": "ADDED", "object": obj}) + "\n").encode())
         stream: asyncio.Queue = asyncio.Queue()
         self.streams.append(stream)
+        timeout = float(request.query.get("timeoutSeconds") or 0) or None
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            while (event := await stream.get()) is not None:
+            while True:
+                left = None if deadline is None else deadline - loop.time()
+                try:
+                    event = await asyncio.wait_for(stream.get(), left)
+                except TimeoutError:
+                    if id(stream) in self.stalled:
+                        await self._closing.wait()  # the close is lost too: silent till stop()
+                    break  # the server's timeout: a normal end
+                if event is None:
+                    break
                 await resp.write((json.dumps(event) + "\n").encode())
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
             self.streams.remove(stream)
+            self.stalled.discard(id(stream))
         return resp
 
     async def stop(self) -> None:
+        # aiohttp does not cancel a handler whose client left: end the open watches, or the
+        # cleanup waits its whole shutdown timeout for them.
+        self._closing.set()
+        for stream in self.streams:
+            stream.put_nowait(None)
         if self.runner is not None:
             await self.runner.cleanup()

@@ -1,14 +1,21 @@
-"""Kubernetes discovery's bookkeeping, in process: EndpointSlice objects (lightkube's models,
-built from the API's JSON shape) applied to a real SchedulerService. The watch against an
-API server is tested in test_integration.py (against a stand-in: see fake_kube.py)."""
+"""Kubernetes discovery in process: EndpointSlice objects (lightkube's models, built from the
+API's JSON shape) applied to a real SchedulerService, and its list and watch over loopback
+against a stand-in API server (no cluster runs here: see fake_kube.py). The whole scheduler
+against that stand-in is tested in test_integration.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
+import pytest
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from scheduler.config import SchedulerConfig
 from scheduler.discovery.kubernetes import KubernetesDiscovery
 from scheduler.service import SchedulerService
+from tests.scheduler.fake_kube import FakeKubeApi
 
 
 def endpoint(pod: str, ip: str, **conditions: bool) -> dict:
@@ -104,3 +111,64 @@ def test_terminating_endpoints_and_portless_slices_are_no_workers():
     svc, k8s = discovery(k8s_port="8000")
     k8s.apply("ADDED", endpoint_slice("s2", endpoint("vllm-9", "10.0.0.9"), ports=[{"protocol": "TCP"}]))
     assert urls(svc) == {"vllm-9:8000": "http://10.0.0.9:8000"}
+
+
+async def _until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def fake_api():
+    api = FakeKubeApi({"PORT_A": 8001, "PORT_B": 8002})  # nothing listens: no scrapes here
+    await api.start()
+    yield api
+    await api.stop()
+
+
+async def _watching(api: FakeKubeApi, **config):
+    svc, k8s = discovery(k8s_api_server=api.url, **config)
+    task = asyncio.create_task(k8s.run())
+    await _until(lambda: set(urls(svc)) == {"sim-a-0:8001", "sim-b-0:8002"}, 10, "the listed slices")
+    await _until(lambda: api.streams, 10, "the watch")
+    return svc, k8s, task
+
+
+async def _stop(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_watch_whose_connection_died_silently_is_replaced(fake_api):
+    """A watch connection that dies without a close (an idle load balancer's drop, a lost
+    node) sent nothing more, and the scheduler waited on it forever: every pod change after
+    it went unseen (here a pod turning not ready stayed in rotation). Each watch now asks the
+    server to end it after k8s_watch_timeout_s, and a watch with no event for a little longer
+    is dropped and the slices listed again."""
+    svc, _, task = await _watching(fake_api, k8s_watch_timeout_s=1)
+    try:
+        assert "timeoutSeconds=1" in fake_api.requests[1]
+        fake_api.stall()
+        fake_api.release_next()  # sim-b turns not ready; the stalled watch cannot say so
+        await _until(lambda: set(urls(svc)) == {"sim-a-0:8001"}, 15,
+                     "a fresh list after the silent watch")
+        assert sum("watch=true" not in r for r in fake_api.requests) >= 2  # listed again
+    finally:
+        await _stop(task)
+
+
+async def test_a_watch_the_server_ends_resumes_from_its_last_version(fake_api):
+    """The API server ends each watch after timeoutSeconds: the next one starts from the last
+    resourceVersion seen (no event lost, none replayed), not with a fresh list."""
+    svc, _, task = await _watching(fake_api, k8s_watch_timeout_s=1)
+    try:
+        fake_api.release_next()  # version 3: sim-b turns not ready
+        await _until(lambda: set(urls(svc)) == {"sim-a-0:8001"}, 10, "the watched event")
+        await _until(lambda: len(fake_api.requests) >= 3, 10, "the watch resumed")
+        resumed = fake_api.requests[2]
+        assert "watch=true" in resumed and "resourceVersion=3" in resumed, fake_api.requests
+    finally:
+        await _stop(task)
