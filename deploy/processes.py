@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -23,6 +24,28 @@ from dataclasses import dataclass, field
 import httpx
 
 TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel SIGTERM the child when the launcher dies (Linux).
+
+    A launcher that is killed outright (SIGKILL, the OOM killer) runs no cleanup, and its
+    children, each in its own session, got no signal at all: they kept running with their
+    ports held, and the next `make run` found every port in use. The death signal is tied to
+    the thread that forks, the event loop's (the main) thread, which lives as long as the
+    launcher does.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl: no signal will come
+            os._exit(1)
+
+    return preexec
 
 
 class StartupError(RuntimeError):
@@ -87,6 +110,7 @@ class ManagedProcess:
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             start_new_session=True,  # own process group: terminal signals skip it
+            preexec_fn=die_with_launcher(os.getpid()),
         )
         self._reader = asyncio.create_task(self._forward_logs(), name=f"logs-{self.name}")
 

@@ -171,3 +171,22 @@ def test_closing_the_terminal_stops_every_child():
                     os.killpg(child, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+
+
+def test_a_launcher_killed_outright_takes_its_children_with_it():
+    """SIGKILL (or the OOM killer) runs no cleanup in the launcher: the kernel's parent-death
+    signal must stop the children, or their ports stay taken for the next `make run`."""
+    stack = start_stack(workers=1)
+    try:
+        wait_ready(stack)
+        pids = stack.child_pids()
+        assert set(pids) == {"worker-0", "scheduler", "gateway"}
+        stack.proc.kill()
+        stack.proc.wait(10)
+        # SIGTERM: the idle worker drains nothing and exits at once; 45 s covers a slow machine.
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 45), \
+            {name: p for name, p in pids.items() if pid_alive(p)}
+        ports = [stack.gateway_port, stack.scheduler_port, *stack.worker_ports]
+        assert all(port_is_free(port) for port in ports)
+    finally:
+        stop_stack(stack)
