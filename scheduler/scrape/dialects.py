@@ -18,15 +18,16 @@ from scheduler.scrape.snapshot import RawSample
 Families = dict[str, list[Sample]]
 
 
-def _total(fams: Families, key: str, **match: str) -> float | None:
-    samples = fams.get(key)
-    if not samples:
-        return None
+def _samples(fams: Families, key: str, **match: str) -> list[Sample]:
+    samples = fams.get(key) or []
     if match:
         samples = [s for s in samples if all(s[0].get(k) == v for k, v in match.items())]
-        if not samples:
-            return None
-    return sum(v for _, v in samples)
+    return samples
+
+
+def _total(fams: Families, key: str, **match: str) -> float | None:
+    samples = _samples(fams, key, **match)
+    return sum(v for _, v in samples) if samples else None
 
 
 def _mean(fams: Families, key: str, **match: str) -> float | None:
@@ -40,10 +41,19 @@ def _mean(fams: Families, key: str, **match: str) -> float | None:
     return sum(v for _, v in samples) / len(samples)
 
 
-def _put(counters: dict[str, float], key: str, value: float | None) -> None:
-    if value is not None:
-        counters[key] = value
+class _Counters:
+    """Cumulative counters by canonical key, each the sum of its series, and those series
+    (RawSample.counter_series): a rate is the sum of the series' rates, so that one series reset
+    or gone (a model reloaded or unloaded on a Triton serving several) is not the whole sum's."""
 
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.series: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+
+    def put(self, key: str, samples: list[Sample], scale: float = 1.0) -> None:
+        if samples:
+            self.totals[key] = sum(v for _, v in samples) * scale
+            self.series[key] = {frozenset(labels.items()): v * scale for labels, v in samples}
 
 def _wire(names: dict[str, str], counters: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     """Series-name -> key map; counters are matched with and without `_total`."""
@@ -123,28 +133,29 @@ def _vllm(fams: Families) -> RawSample:
             num_blocks = (num_blocks or 0) + int(labels["num_gpu_blocks"])
         except (KeyError, ValueError):
             continue
-    c: dict[str, float] = {}
-    _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
+    c = _Counters()
+    c.put("prompt_tokens", _samples(fams, "prompt_tokens"))
     # Newer vLLM splits prompts by source: the computed part is the prefill work done.
-    _put(c, "prompt_tokens_computed", _total(fams, "prompt_tokens_by_source", source="local_compute"))
-    _put(c, "generation_tokens", _total(fams, "generation_tokens"))
-    hits, queries = _total(fams, "prefix_hits"), _total(fams, "prefix_queries")
-    if hits is None:
-        hits, queries = _total(fams, "prefix_hits_08"), _total(fams, "prefix_queries_08")
-    _put(c, "prefix_hits", hits)
-    _put(c, "prefix_queries", queries)
-    _put(c, "ttft_sum", _total(fams, "ttft_sum"))
-    _put(c, "ttft_count", _total(fams, "ttft_count"))
+    c.put("prompt_tokens_computed", _samples(fams, "prompt_tokens_by_source", source="local_compute"))
+    c.put("generation_tokens", _samples(fams, "generation_tokens"))
+    hits, queries = _samples(fams, "prefix_hits"), _samples(fams, "prefix_queries")
+    if not hits:
+        hits, queries = _samples(fams, "prefix_hits_08"), _samples(fams, "prefix_queries_08")
+    c.put("prefix_hits", hits)
+    c.put("prefix_queries", queries)
+    c.put("ttft_sum", _samples(fams, "ttft_sum"))
+    c.put("ttft_count", _samples(fams, "ttft_count"))
     itl = "itl" if "itl_count" in fams else "tpot_v0"
-    _put(c, "itl_sum", _total(fams, f"{itl}_sum"))
-    _put(c, "itl_count", _total(fams, f"{itl}_count"))
+    c.put("itl_sum", _samples(fams, f"{itl}_sum"))
+    c.put("itl_count", _samples(fams, f"{itl}_count"))
     return RawSample(
+        counters=c.totals,
+        counter_series=c.series,
         running=_total(fams, "running"),
         waiting=_total(fams, "waiting"),
         kv_usage=kv,
         block_size=block_size,
         num_blocks=num_blocks,
-        counters=c,
         prefix_hit_rate=_mean(fams, "prefix_rate_v0"),
         waiting_deferred=_total(fams, "waiting_by_reason", reason="deferred"),
     )
@@ -212,30 +223,30 @@ def _sglang(fams: Families) -> RawSample:
     used, cap = _total(fams, "used_tokens"), _total(fams, "max_tokens")
     if kv is None and used is not None and cap:
         kv = used / cap
-    c: dict[str, float] = {}
+    c = _Counters()
     realtime = fams.get("realtime_tokens")
     if realtime:
         # Updated every log interval, unlike the request-end counters: the better rate source.
-        prefill = [v for labels, v in realtime if labels.get("mode", "").startswith("prefill")]
-        _put(c, "prompt_tokens", sum(prefill) if prefill else None)
-        _put(c, "prompt_tokens_computed", _total(fams, "realtime_tokens", mode="prefill_compute"))
-        _put(c, "generation_tokens", _total(fams, "realtime_tokens", mode="decode"))
+        c.put("prompt_tokens", [s for s in realtime if s[0].get("mode", "").startswith("prefill")])
+        c.put("prompt_tokens_computed", _samples(fams, "realtime_tokens", mode="prefill_compute"))
+        c.put("generation_tokens", _samples(fams, "realtime_tokens", mode="decode"))
     else:
-        _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
-        _put(c, "generation_tokens", _total(fams, "generation_tokens"))
+        c.put("prompt_tokens", _samples(fams, "prompt_tokens"))
+        c.put("generation_tokens", _samples(fams, "generation_tokens"))
     # Prefix hits as cached/prompt, both counted at request end.
-    _put(c, "prefix_hits", _total(fams, "cached_tokens"))
-    _put(c, "prefix_queries", _total(fams, "prompt_tokens"))
+    c.put("prefix_hits", _samples(fams, "cached_tokens"))
+    c.put("prefix_queries", _samples(fams, "prompt_tokens"))
     for key in ("ttft_sum", "ttft_count", "itl_sum", "itl_count"):
-        _put(c, key, _total(fams, key))
+        c.put(key, _samples(fams, key))
     return RawSample(
+        counters=c.totals,
+        counter_series=c.series,
         running=_total(fams, "running"),
         waiting=_total(fams, "waiting"),
         kv_usage=kv,
         # SGLang's pool is counted in tokens: a "block" of one token.
         block_size=1 if cap else None,
         num_blocks=int(cap) if cap else None,
-        counters=c,
         gen_tps=None if realtime else _total(fams, "gen_tps"),
         prefix_hit_rate=_mean(fams, "prefix_rate"),
     )
@@ -256,13 +267,13 @@ _TGI = _wire(
 
 
 def _tgi(fams: Families) -> RawSample:
-    c: dict[str, float] = {}
+    c = _Counters()
     for key in ("prompt_tokens", "generation_tokens", "itl_sum", "itl_count"):
-        _put(c, key, _total(fams, key))
+        c.put(key, _samples(fams, key))
     # TGI has no KV-usage gauge and no TTFT histogram. The tokens its running batch reserves
     # become a usage once the scraper has read the pool size from TGI's /info.
-    return RawSample(running=_total(fams, "running"), waiting=_total(fams, "waiting"), counters=c,
-                     used_tokens=_total(fams, "used_tokens"))
+    return RawSample(running=_total(fams, "running"), waiting=_total(fams, "waiting"),
+                     used_tokens=_total(fams, "used_tokens"), counters=c.totals, counter_series=c.series)
 
 
 # ---- Triton core, and TensorRT-LLM on Triton ----------------------------------------------
@@ -278,12 +289,11 @@ _TRITON = {
 
 
 def _triton(fams: Families) -> RawSample:
-    c: dict[str, float] = {}
-    ttft_ms = _total(fams, "ttft_ms_sum")
-    _put(c, "ttft_sum", ttft_ms / 1000.0 if ttft_ms is not None else None)
-    _put(c, "ttft_count", _total(fams, "ttft_count"))
+    c = _Counters()
+    c.put("ttft_sum", _samples(fams, "ttft_ms_sum"), scale=1e-3)  # ms -> s
+    c.put("ttft_count", _samples(fams, "ttft_count"))
     # Triton core has no running gauge: only the queue is known.
-    return RawSample(running=0.0, waiting=_total(fams, "pending"), counters=c)
+    return RawSample(running=0.0, waiting=_total(fams, "pending"), counters=c.totals, counter_series=c.series)
 
 
 _TRTLLM = {
@@ -335,16 +345,17 @@ def _trtllm(fams: Families) -> RawSample:
     if waiting is None:
         waiting = _total(fams, "pending")
     kv, block_size, num_blocks = _trtllm_pool(fams)
-    c: dict[str, float] = {}
-    _put(c, "prompt_tokens", _total(fams, "prompt_tokens"))
-    _put(c, "generation_tokens", _total(fams, "generation_tokens"))
+    c = _Counters()
+    c.put("prompt_tokens", _samples(fams, "prompt_tokens"))
+    c.put("generation_tokens", _samples(fams, "generation_tokens"))
     return RawSample(
+        counters=c.totals,
+        counter_series=c.series,
         running=_total(fams, "requests", request_type="active"),
         waiting=waiting,
         kv_usage=kv,
         block_size=block_size,
         num_blocks=num_blocks,
-        counters=c,
     )
 
 

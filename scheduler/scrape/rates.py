@@ -17,23 +17,36 @@ def counter_delta(prev: float, cur: float) -> float:
     return cur - prev if cur >= prev else cur
 
 
+def series_delta(prev: dict[frozenset[tuple[str, str]], float],
+                 cur: dict[frozenset[tuple[str, str]], float]) -> float:
+    """The increase of a sum of counters, series by series: a series that reset counts its new
+    value, a new one its value (it started from zero), one that is gone nothing. On the sum alone,
+    one model reloaded on a Triton serving several looked like all of them restarting, and the
+    whole sum became one interval's increase (a rate of every token ever served, in 0.1 s)."""
+    return sum(counter_delta(prev.get(series, 0.0), value) for series, value in cur.items())
+
+
 class RateTracker:
     def __init__(self, tau_s: float = 1.0) -> None:
         self.tau_s = tau_s
         self._prev: dict[str, float] | None = None
+        self._prev_series: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
         self._prev_t = 0.0
         # EWMA of per-second deltas, by counter key.
         self._ewma: dict[str, float] = {}
 
     def reset(self) -> None:
         self._prev = None
+        self._prev_series = {}
         self._ewma.clear()
 
     def update(self, raw: RawSample, t: float) -> dict[str, float]:
         """Feed one scrape taken at monotonic time t; returns smoothed per-second rates."""
         cur = raw.counters
         prev, dt = self._prev, t - self._prev_t
+        prev_series = self._prev_series
         self._prev, self._prev_t = dict(cur), t
+        self._prev_series = dict(raw.counter_series)
         # A counter the page no longer shows (a restarted SGLang or TGI creates its labelled
         # counters on first use) has no rate: its last one would stand for as long as it is gone.
         for key in [k for k in self._ewma if k not in cur]:
@@ -45,7 +58,11 @@ class RateTracker:
             before = prev.get(key)
             if before is None:
                 continue
-            per_s = counter_delta(before, value) / dt
+            before_series, series = prev_series.get(key), raw.counter_series.get(key)
+            if before_series is not None and series is not None:
+                per_s = series_delta(before_series, series) / dt
+            else:
+                per_s = counter_delta(before, value) / dt
             old = self._ewma.get(key)
             self._ewma[key] = per_s if old is None else old + alpha * (per_s - old)
         return dict(self._ewma)

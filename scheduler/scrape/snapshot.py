@@ -20,6 +20,9 @@ class RawSample:
     # Cumulative counters by canonical key: prompt_tokens, generation_tokens, prefix_hits,
     # prefix_queries, ttft_sum, ttft_count, itl_sum, itl_count.
     counters: dict[str, float] = field(default_factory=dict)
+    # The series each of those sums, by label set (empty: the total is the only series known). A
+    # rate is the sum of its series' rates: one series reset or gone is not the whole sum's.
+    counter_series: dict[str, dict[frozenset[tuple[str, str]], float]] = field(default_factory=dict)
     # Rates some engines publish directly as gauges (BladeLLM, SGLang gen_throughput).
     prompt_tps: float | None = None
     gen_tps: float | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.scrape import dialects
+from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import RateTracker, build_snapshot
 from scheduler.scrape.snapshot import RawSample
 
@@ -30,3 +32,30 @@ def test_a_counter_gone_from_the_page_has_no_rate_left():
     feed(tracker, 3.0, prompt_tokens=100.0, generation_tokens=900.0)
     rates = feed(tracker, 4.0, prompt_tokens=300.0, generation_tokens=900.0)
     assert rates["prompt_tokens"] == pytest.approx(200.0)
+
+
+def _trtllm_tokens(outputs: dict[str, float]) -> RawSample:
+    """A TensorRT-LLM Triton page's output-token counters, one per model."""
+    lines = ["# TYPE nv_trt_llm_request_metrics gauge",
+             'nv_trt_llm_request_metrics{model="a",request_type="active",version="1"} 1',
+             "# TYPE nv_llm_output_token_len histogram"]
+    for model, total in outputs.items():
+        lines.append(f'nv_llm_output_token_len_sum{{model="{model}",response_metric_type="total_output_tokens",'
+                     f'version="1"}} {total}')
+    return dialects.TRTLLM.extract(parse_selected("\n".join(lines) + "\n", dialects.TRTLLM.wanted))
+
+
+def test_one_series_of_a_summed_counter_reset_or_gone_is_not_a_restart_of_all():
+    """Two models on one Triton, model b reloaded (its counters back to zero), then unloaded. On
+    the sum, each drop read as a whole-server restart: the sum of model a's lifetime tokens became
+    one second's increase. Series by series, a's own rate stands and b adds what it did."""
+    tracker = RateTracker(tau_s=1e-9)
+    tracker.update(_trtllm_tokens({"a": 900_000.0, "b": 400_000.0}), 0.0)
+    rates = tracker.update(_trtllm_tokens({"a": 900_100.0, "b": 400_050.0}), 1.0)
+    assert rates["generation_tokens"] == pytest.approx(150.0)
+    rates = tracker.update(_trtllm_tokens({"a": 900_200.0, "b": 30.0}), 2.0)  # b reloaded
+    assert rates["generation_tokens"] == pytest.approx(130.0)
+    rates = tracker.update(_trtllm_tokens({"a": 900_300.0}), 3.0)  # b unloaded
+    assert rates["generation_tokens"] == pytest.approx(100.0)
+    rates = tracker.update(_trtllm_tokens({"a": 900_400.0, "c": 20.0}), 4.0)  # c loaded, served 20
+    assert rates["generation_tokens"] == pytest.approx(120.0)
