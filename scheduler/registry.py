@@ -241,6 +241,10 @@ class Registry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerState] = {}
         self.by_model: dict[str, list[WorkerState]] = {}
+        # URL -> the worker there: one engine found by two discovery sources under two ids
+        # (a pod's name, a registration's host:port) must be one worker, or it is counted as
+        # two and draws twice its share. Looked up on every registration heartbeat.
+        self._by_url: dict[str, WorkerState] = {}
         self.listeners: list[Callable[[], None]] = []  # called when membership/models change
 
     def add(self, worker: WorkerState) -> WorkerState:
@@ -255,6 +259,7 @@ class Registry:
                 existing.engine_hint = worker.engine_hint
             return existing
         self.workers[worker.worker_id] = worker
+        self._by_url.setdefault(worker.url, worker)
         self.reindex()
         return worker
 
@@ -267,11 +272,17 @@ class Registry:
             if w.sources:
                 return None  # still known through another discovery source
         del self.workers[worker_id]
+        if self._by_url.get(w.url) is w:
+            del self._by_url[w.url]
+            other = next((o for o in self.workers.values() if o.url == w.url), None)
+            if other is not None:
+                self._by_url[w.url] = other
         self.reindex()
         return w
 
     def by_url(self, url: str) -> WorkerState | None:
-        return self.workers.get(worker_id_for(url.rstrip("/")))
+        """The worker at this URL, whatever its id."""
+        return self._by_url.get(url.rstrip("/"))
 
     def set_models(self, worker: WorkerState, models: set[str]) -> None:
         if models != worker.models:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import time
 
-from scheduler.registry import WorkerState
+from scheduler.registry import WorkerState, worker_id_for
 from scheduler.running_cap import is_positive_int
 from scheduler.service import SchedulerService
 from scheduler.urls import http_url_problem
@@ -67,7 +67,19 @@ def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool
 
     `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py)."""
     url, models, engine, worker_id, max_running = _validate(body)
-    known = service.registry.workers.get(worker_id) if worker_id else service.registry.by_url(url)
+    registry = service.registry
+    at_url = registry.by_url(url)
+    if worker_id:
+        known = registry.workers.get(worker_id)
+        if at_url is not None and at_url is not known:
+            # Two ids for one engine would make it two workers, each drawing a full share (a
+            # worker back from a crash under a new id: its old registration expires, then
+            # this one goes through).
+            raise RegistrationError(409, f"url {url!r} is known as worker {at_url.worker_id!r}", "url")
+    else:
+        # The worker at this URL, under whatever id another source gave it (a pod's name).
+        known = at_url or registry.workers.get(worker_id_for(url))
+        worker_id = known.worker_id if known is not None else None
     if known is not None and known.url != url:
         # The registry keeps a known worker's URL: this one would be answered as registered
         # while its calls went on to the other URL. Once that registration expires (or leaves)

@@ -1,0 +1,47 @@
+"""Self-registration against the registry's other sources, in process (register() as the
+POST /v1/workers handler calls it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.discovery.registration import RegistrationError, deregister, register
+from scheduler.registry import WorkerState
+from tests.scheduler.helpers import make_service
+
+URL = "http://10.0.0.5:8000"
+
+
+def test_a_second_id_at_a_registered_url_is_refused_until_the_first_leaves():
+    """A worker back from a crash under a new id (no DELETE sent), or two registrars
+    advertising one engine: the scheduler kept two workers at one URL, each drawing a full
+    share of the traffic and each counting only its own leases."""
+    svc = make_service(n=0, config={"registration_token": "t"})
+    register(svc, {"url": URL, "models": ["m"], "worker_id": "run-1"})
+    with pytest.raises(RegistrationError) as err:
+        register(svc, {"url": URL, "models": ["m"], "worker_id": "run-2"})
+    assert (err.value.status, err.value.param) == (409, "url") and "run-1" in str(err.value)
+    with pytest.raises(RegistrationError):  # no id: its host:port id would be a third name
+        register(svc, {"url": URL + "/", "models": ["m"], "worker_id": "10.0.0.5:8000"})
+    assert [w.worker_id for w in svc.registry.workers.values()] == ["run-1"]
+    assert deregister(svc, "run-1")  # gone (or expired): the new id goes through
+    assert register(svc, {"url": URL, "models": ["m"], "worker_id": "run-2"})[1] is True
+    assert [w.worker_id for w in svc.registry.workers.values()] == ["run-2"]
+
+
+def test_a_registration_joins_the_worker_another_source_found_at_its_url():
+    """Kubernetes names a worker after its pod; the same engine registering itself (no id:
+    host:port) became a second worker at the same URL."""
+    svc = make_service(n=0, config={"registration_token": "t"})
+    pod = svc.add_worker(WorkerState(URL, worker_id="vllm-0:8000", source="kubernetes"))
+    w, created = register(svc, {"url": URL, "models": ["m"]})
+    assert w is pod and created  # created: as a registration (it expires, it may leave)
+    assert list(svc.registry.workers) == ["vllm-0:8000"] and pod.sources == {"kubernetes", "registration"}
+    assert register(svc, {"url": URL, "models": ["m"]}) == (pod, False)  # its heartbeat
+    # Leaving keeps the pod's worker: Kubernetes still lists it.
+    assert deregister(svc, "vllm-0:8000") and svc.registry.workers["vllm-0:8000"] is pod
+    assert pod.sources == {"kubernetes"}
+    # Once the pod's worker is gone, the URL is free for a registration of its own.
+    assert svc.remove_worker("vllm-0:8000", source="kubernetes")
+    assert svc.registry.by_url(URL) is None
+    assert register(svc, {"url": URL, "models": ["m"]})[0].worker_id == "10.0.0.5:8000"
