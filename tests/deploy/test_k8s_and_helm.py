@@ -112,6 +112,18 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep" and 0 < int(pre_stop[1]) < pod["terminationGracePeriodSeconds"] / 2
 
+    # A node drain keeps a gateway: a PodDisruptionBudget over the gateway pods, below their
+    # minimum count (at the minimum, it would block every drain).
+    gateway_dep = find(objs, "Deployment", f"{prefix}-gateway")
+    hpas = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
+    least = hpas[0]["spec"]["minReplicas"] if hpas else gateway_dep["spec"]["replicas"]
+    pod_labels = gateway_dep["spec"]["template"]["metadata"]["labels"]
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"
+            and o["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()]
+    assert len(pdbs) == (1 if least > 1 else 0), f"{len(pdbs)} PodDisruptionBudget(s) for {least} gateway(s)"
+    for pdb in pdbs:
+        assert 1 <= pdb["spec"]["minAvailable"] < least
+
     # The gateway talks to the scheduler Service; falls back to the worker Service.
     gateway = config_of(objs, prefix, "gateway")
     sched_port = find(objs, "Service", f"{prefix}-scheduler")["spec"]["ports"][0]["port"]
@@ -214,6 +226,16 @@ def test_helm_templates_reference_only_defined_values_and_includes():
     assert values["scheduler"]["config"]["params_by_policy"] == {"llm_aware": DEPLOY_PARAMS}
     caps = values["scheduler"]["config"]["worker_max_running"]
     assert caps == {"*": values["worker"]["config"]["max_num_seqs"]}
+
+
+def test_helm_chart_makes_every_kind_of_object_the_raw_manifests_make():
+    """The chart is "the same as" deploy/k8s (README): an object kind only one of them has is a
+    protection an operator loses by choosing the other (the chart had no gateway PDB)."""
+    monitoring = load_all((K8S / "servicemonitors.yaml").read_text())
+    raw = {o["kind"] for o in raw_objects() + monitoring}
+    templates = "\n".join(p.read_text() for p in (CHART / "templates").glob("*.yaml"))
+    chart = set(re.findall(r"^kind: (\w+)\s*$", templates, re.M))
+    assert raw - {"Namespace"} <= chart, f"missing from the chart: {sorted(raw - {'Namespace'} - chart)}"
 
 
 def test_helm_chart_alert_rules_are_the_shipped_ones():
