@@ -1,13 +1,16 @@
-"""Self-registration against the registry's other sources, in process (register() as the
-POST /v1/workers handler calls it)."""
+"""Self-registration against the registry's other sources, and workers that leave and come
+back, in process (register() as the POST /v1/workers handler calls it)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from scheduler.discovery.registration import RegistrationError, deregister, register
+from scheduler.policies import Request
 from scheduler.registry import WorkerState
-from tests.scheduler.helpers import make_service
+from tests.scheduler.helpers import feed, make_service
 
 URL = "http://10.0.0.5:8000"
 
@@ -45,3 +48,27 @@ def test_a_registration_joins_the_worker_another_source_found_at_its_url():
     assert svc.remove_worker("vllm-0:8000", source="kubernetes")
     assert svc.registry.by_url(URL) is None
     assert register(svc, {"url": URL, "models": ["m"]})[0].worker_id == "10.0.0.5:8000"
+
+
+def test_a_removed_worker_s_late_scrape_does_not_touch_its_successor():
+    """A worker left (deregistered, its pod gone) and came back under the same id while a
+    scrape of its old state was in flight. That scrape's verdict (half open) was applied by
+    id: the new worker, up and busy, became every request's "trial" pick, ahead of the
+    policy and past its saturation."""
+    svc = make_service(n=2, config={"registration_token": "t"}, max_waiting=1)
+    old = svc.registry.workers["w0"]
+    old.health.force_down("connect")
+    svc.on_health_change(old)
+    old.health.on_success(time.monotonic(), svc.cfg.recover_streak)  # one of the two it needs
+    assert svc.remove_worker("w0")
+    new = svc.add_worker(WorkerState(old.url, worker_id="w0", models=["m"]))
+    assert new.health.on_success(time.monotonic(), svc.cfg.recover_streak)
+    svc.on_health_change(new)
+    feed(svc, new, running=8, waiting=4)  # queueing: the policy passes it over
+    # The old state's scrape ends now, as the scraper reports it.
+    if old.health.on_success(time.monotonic(), svc.cfg.recover_streak):
+        svc.on_health_change(old)
+    feed(svc, old, running=0)
+    assert svc.half_open == set() and new.snapshot.running == 8
+    picks = {svc.decide(Request("m", 100, 100), time.monotonic())["worker_id"] for _ in range(3)}
+    assert picks == {"w1"}
