@@ -91,9 +91,13 @@ def exposed_sample_names(metrics_text: str) -> set[str]:
         "summary": ("", "_sum", "_count", "_created"),
         "info": ("_info",),
     }
+    # A counter's or histogram's family name (`router_requests` of router_requests_total) is
+    # never a series: a query on it finds nothing, so it must not count as exposed.
+    bare_is_a_series = {"gauge", "unknown", "untyped", "summary", "stateset"}
     names = set()
     for family in text_string_to_metric_families(metrics_text):
-        names.add(family.name)
+        if family.type in bare_is_a_series:
+            names.add(family.name)
         names.update(family.name + s for s in suffixes.get(family.type, ()))
         names.update(sample.name for sample in family.samples)
     return names

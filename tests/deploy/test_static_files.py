@@ -20,7 +20,7 @@ from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from tests.deploy.helpers import DEPLOY, DEPLOY_PARAMS, REPO
-from tests.deploy.promql import metric_names, shipped_queries
+from tests.deploy.promql import exposed_sample_names, metric_names, shipped_queries
 
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
 ENV_PREFIX = {"WORKER_": WorkerConfig, "SCHEDULER_": SchedulerConfig, "ROUTER_": RouterConfig}
@@ -40,6 +40,20 @@ def test_metric_name_extraction():
             "and on (instance) up{job=\"llm-worker\"} == 0")
     assert metric_names(expr) == {"router_ttft_seconds_bucket", "vllm:kv_cache_usage_perc", "up"}
     assert metric_names("max by (instance) (router_fallback_mode) == 1") == {"router_fallback_mode"}
+
+
+def test_exposed_names_are_the_series_prometheus_stores():
+    text = ("# TYPE router_requests_total counter\nrouter_requests_total{status=\"200\"} 3.0\n"
+            "# TYPE router_ttft_seconds histogram\n"
+            "router_ttft_seconds_bucket{le=\"+Inf\"} 1.0\nrouter_ttft_seconds_sum 0.5\n"
+            "router_ttft_seconds_count 1.0\n"
+            "# TYPE router_requests_queued gauge\nrouter_requests_queued 0.0\n"
+            "# TYPE scheduler_waits_total counter\n")  # a labelled family with no sample yet
+    names = exposed_sample_names(text)
+    assert {"router_requests_total", "router_ttft_seconds_bucket", "router_ttft_seconds_sum",
+            "router_ttft_seconds_count", "router_requests_queued", "scheduler_waits_total"} <= names
+    # rate(router_requests[1m]) or a histogram's bare name return nothing in Prometheus.
+    assert not {"router_requests", "router_ttft_seconds", "scheduler_waits"} & names
 
 
 def test_every_shipped_query_names_a_metric():
