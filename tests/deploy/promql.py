@@ -48,6 +48,21 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+_LABEL_MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
+
+
+def label_names(expr: str) -> set[str]:
+    """Label names an expression selects on or groups by (matchers, by/without/on/ignoring)."""
+    text = _STRING.sub('""', expr)
+    names = set()
+    for matchers in _MATCHERS.findall(text):
+        names.update(_LABEL_MATCHER.findall(matchers))
+    for grouping in _GROUPING.findall(text):
+        inner = grouping[grouping.index("(") + 1:-1]
+        names.update(label.strip() for label in inner.split(",") if label.strip())
+    return names
+
+
 def _panels(dashboard: dict) -> list[dict]:
     out = []
     for panel in dashboard.get("panels", []):
@@ -80,6 +95,15 @@ def alert_queries() -> dict[str, str]:
 
 def shipped_queries() -> dict[str, str]:
     return {**dashboard_queries(), **alert_queries()}
+
+
+def exposed_label_names(metrics_text: str) -> dict[str, set[str]]:
+    """{series name: label names its samples carry} (series without a sample are absent)."""
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    return labels
 
 
 def exposed_sample_names(metrics_text: str) -> set[str]:

@@ -18,7 +18,14 @@ import yaml
 from openai import OpenAI
 
 from tests.deploy.helpers import DEPLOY, MEASURED, free_port, pid_alive, wait_until
-from tests.deploy.promql import PROMETHEUS_BUILTINS, exposed_sample_names, metric_names, shipped_queries
+from tests.deploy.promql import (
+    PROMETHEUS_BUILTINS,
+    exposed_label_names,
+    exposed_sample_names,
+    label_names,
+    metric_names,
+    shipped_queries,
+)
 from tests.deploy.stack import LocalStack, start_stack, stop_stack, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,6 +110,33 @@ def test_every_metric_in_dashboards_and_alerts_is_exposed_by_the_stack(stack):
         for name in metric_names(expr) - exposed:
             missing.setdefault(name, []).append(where)
     assert not missing, f"metrics used but not exposed: {missing}"
+
+
+# Labels Prometheus adds to every series of a target (the `component` of prometheus.yml).
+TARGET_LABELS = {"job", "instance", "component"}
+
+
+def test_every_label_in_dashboards_and_alerts_is_on_its_metrics(stack):
+    """A label a query groups by or matches on that its metrics do not carry (model_name on a
+    router_* series, model on a vllm:* one) gives one unlabelled line or nothing at all."""
+    if stack.ok_requests == 0:
+        send_chat(stack, 2)
+    labels: dict[str, set[str]] = {}
+    for url in [stack.gateway, stack.scheduler, *stack.workers]:
+        for name, names in exposed_label_names(scrape(url)).items():
+            labels.setdefault(name, set()).update(names)
+    wrong, checked = {}, 0
+    for where, expr in shipped_queries().items():
+        metrics = metric_names(expr) - PROMETHEUS_BUILTINS
+        if not metrics <= labels.keys():
+            continue  # a family with no sample on a healthy stack (retries, scrape failures ...)
+        checked += 1
+        carried = TARGET_LABELS.union(*(labels[m] for m in metrics))
+        if missing := label_names(expr) - carried:
+            wrong[where] = sorted(missing)
+    assert not wrong, f"labels their metrics do not carry: {wrong}"
+    # Most queries are checked: those left out only read families a healthy stack leaves empty.
+    assert checked >= 0.8 * len(shipped_queries()), checked
 
 
 # ---------------------------------------------------------------- real Prometheus

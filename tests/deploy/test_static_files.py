@@ -20,7 +20,7 @@ from inference_worker.config import WorkerConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from tests.deploy.helpers import DEPLOY, DEPLOY_PARAMS, REPO
-from tests.deploy.promql import exposed_sample_names, metric_names, shipped_queries
+from tests.deploy.promql import exposed_sample_names, label_names, metric_names, shipped_queries
 
 CONFIGS = {"worker": WorkerConfig, "scheduler": SchedulerConfig, "gateway": RouterConfig}
 ENV_PREFIX = {"WORKER_": WorkerConfig, "SCHEDULER_": SchedulerConfig, "ROUTER_": RouterConfig}
@@ -40,6 +40,15 @@ def test_metric_name_extraction():
             "and on (instance) up{job=\"llm-worker\"} == 0")
     assert metric_names(expr) == {"router_ttft_seconds_bucket", "vllm:kv_cache_usage_perc", "up"}
     assert metric_names("max by (instance) (router_fallback_mode) == 1") == {"router_fallback_mode"}
+
+
+def test_label_name_extraction():
+    expr = ('histogram_quantile(0.99, sum by (le, model) (rate(router_ttft_seconds_bucket{model=~"$model",'
+            'status!~"2..|a=b"}[5m]))) / ignoring(x) sum without (engine) (vllm:kv_cache_usage_perc) '
+            '> bool 0.5 and on (instance) up{job="llm-worker"} == 0')
+    assert label_names(expr) == {"le", "model", "status", "x", "engine", "instance", "job"}
+    assert label_names("sum by (model_name) (rate(router_requests_total[1m]))") == {"model_name"}
+    assert label_names("sum(router_requests_queued)") == set()
 
 
 def test_exposed_names_are_the_series_prometheus_stores():
