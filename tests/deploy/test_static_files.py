@@ -129,6 +129,30 @@ def test_compose_file_parses_and_env_vars_are_real_config_fields(monkeypatch):
         assert (DEPLOY / "docker" / volume.split(":")[0]).resolve().exists(), volume
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration of the kind this file uses: 45s, 1m30s."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, duration
+    return int(parts.group(1) or 0) * 60 + int(parts.group(2) or 0)
+
+
+def test_compose_stop_grace_matches_the_kubernetes_grace():
+    """The worker drains its requests and the gateway its streams on SIGTERM; compose's default
+    10 s before SIGKILL cut them where Kubernetes (terminationGracePeriodSeconds) lets them end."""
+    services = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
+    compared = 0
+    for component in ("worker", "scheduler", "gateway"):
+        docs = yaml.safe_load_all((DEPLOY / "k8s" / f"{component}.yaml").read_text())
+        pod = next(d for d in docs if d and d["kind"] == "Deployment")["spec"]["template"]["spec"]
+        if "terminationGracePeriodSeconds" not in pod:
+            continue  # Kubernetes' default: the service needs no drain time of its own
+        for name in (n for n in services if n.split("-")[0] == component):
+            grace = _seconds(services[name].get("stop_grace_period", "10s"))
+            assert grace == pod["terminationGracePeriodSeconds"], name
+            compared += 1
+    assert compared == 3  # worker-0, worker-1, gateway
+
+
 def test_compose_file_matches_the_compose_spec_schema():
     """The compose-spec JSON schema vendored by check-jsonschema (skips when not installed)."""
     pytest.importorskip("check_jsonschema", reason="check-jsonschema is not installed")
