@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -114,11 +115,24 @@ class WorkerConfig(BaseSettings):
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both")
+        if self.register_with and not self.advertise_url and _every_interface(self.host):
+            # http://0.0.0.0:port would be registered: no address another host can reach (the
+            # scheduler refuses it), so every heartbeat would be refused for the worker's life.
+            raise ValueError(f"--host {self.host} listens on every interface: give --advertise-url, "
+                             "the URL the scheduler reaches this worker at, to register with it")
         return self
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def _every_interface(host: str) -> bool:
+    """0.0.0.0, :: or an empty host: the server listens on every interface."""
+    try:
+        return not host or ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name or one address
 
 
 def load_worker_config(argv: list[str] | None = None) -> WorkerConfig:

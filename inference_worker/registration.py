@@ -28,7 +28,9 @@ class Registrar:
         # requests queue here.
         self.max_running = max_running
         self.scheduler = (config.register_with or "").rstrip("/")
-        self.url = (config.advertise_url or f"http://{config.host}:{config.port}").rstrip("/")
+        # An IPv6 literal goes in brackets: http://::1:8001 has no host (the scheduler refused it).
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        self.url = (config.advertise_url or f"http://{host}:{config.port}").rstrip("/")
         self.heartbeat_s = heartbeat_s  # None: what the scheduler asks for
         self.worker_id: str | None = None
         self.registered = asyncio.Event()

@@ -8,7 +8,9 @@ endpoint would let anyone add an upstream).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
+from urllib.parse import urlsplit
 
 from scheduler.registry import WorkerState, worker_id_for
 from scheduler.running_cap import is_positive_int
@@ -37,13 +39,28 @@ def check_token(service: SchedulerService, authorization: str | None) -> None:
         raise RegistrationError(401, "invalid or missing registration token")
 
 
+def _unreachable(url: str) -> str | None:
+    """A worker listening on every interface (--host 0.0.0.0) and advertising that address:
+    connecting to 0.0.0.0 or :: reaches the scheduler's own host, and every such worker
+    would be one worker, '0.0.0.0:port'."""
+    host = urlsplit(url).hostname or ""
+    try:
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return None  # a name
+    if unspecified:
+        return (f"{url!r} names no address to reach ({host} is every interface of the worker's "
+                "host): register the worker's own address (the worker's --advertise-url)")
+    return None
+
+
 def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int | None]:
     if not isinstance(body, dict):
         raise RegistrationError(400, "body must be a JSON object")
     url = body.get("url")
     if not isinstance(url, str):
         raise RegistrationError(400, "url is required", "url")
-    problem = http_url_problem(url)
+    problem = http_url_problem(url) or _unreachable(url)
     if problem:
         raise RegistrationError(400, f"url {problem}", "url")
     models = body.get("models", [])

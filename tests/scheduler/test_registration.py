@@ -72,3 +72,16 @@ def test_a_removed_worker_s_late_scrape_does_not_touch_its_successor():
     assert svc.half_open == set() and new.snapshot.running == 8
     picks = {svc.decide(Request("m", 100, 100), time.monotonic())["worker_id"] for _ in range(3)}
     assert picks == {"w1"}
+
+
+@pytest.mark.parametrize("url", ["http://0.0.0.0:8000", "http://[::]:8000"])
+def test_a_worker_advertising_every_interface_is_refused(url):
+    """A worker run with --host 0.0.0.0 (as in a container) and no --advertise-url registered
+    http://0.0.0.0:8000: the scheduler then scraped its own host's port 8000, and every such
+    worker, on whatever machine, was the one worker '0.0.0.0:8000'."""
+    svc = make_service(n=0, config={"registration_token": "t"})
+    with pytest.raises(RegistrationError) as err:
+        register(svc, {"url": url, "models": ["m"]})
+    assert (err.value.status, err.value.param) == (400, "url") and "advertise-url" in str(err.value)
+    assert not svc.registry.workers
+    assert register(svc, {"url": "http://10.0.0.5:8000", "models": ["m"]})[1] is True
