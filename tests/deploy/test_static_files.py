@@ -215,6 +215,31 @@ def test_promtool_accepts_the_scrape_configs(config, tmp_path):
     assert jobs == {"llm-worker", "llm-scheduler", "llm-gateway"}
 
 
+def test_scrape_targets_are_where_the_stacks_listen():
+    """prometheus.yml scrapes `make run` at the launcher's default ports (the live test swaps
+    in its own ports, so it cannot see a drift); prometheus-compose.yml the compose services."""
+    from deploy.local import parse_args, worker_urls
+
+    def targets(config: str) -> dict[str, list[str]]:
+        jobs = yaml.safe_load((DEPLOY / config).read_text())["scrape_configs"]
+        return {j["job_name"]: [t for s in j["static_configs"] for t in s["targets"]] for j in jobs}
+
+    args = parse_args([])
+    assert targets("prometheus/prometheus.yml") == {
+        "llm-worker": [url.removeprefix("http://") for url in worker_urls(args)],
+        "llm-scheduler": [f"127.0.0.1:{args.scheduler_port}"],
+        "llm-gateway": [f"127.0.0.1:{args.gateway_port}"],
+    }
+    services = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
+    port_var = {"worker": "WORKER_PORT", "scheduler": "SCHEDULER_PORT", "gateway": "ROUTER_PORT"}
+    listening = {}
+    for name, svc in services.items():
+        if svc.get("command", [None])[0] in port_var:
+            job = "llm-" + svc["command"][0]
+            listening.setdefault(job, []).append(f"{name}:{svc['environment'][port_var[svc['command'][0]]]}")
+    assert targets("docker/prometheus-compose.yml") == listening
+
+
 @needs_promtool
 def test_promtool_accepts_the_alert_rules_and_their_unit_tests_pass():
     check = subprocess.run([promtool, "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
