@@ -96,29 +96,41 @@ class Scraper:
     async def run(self) -> None:
         if self.session is None:
             await self.start()
-        svc = self.service
         next_tick = time.monotonic()
         next_housekeeping = next_tick
         while not self._stopping:
             now = time.monotonic()
-            for w in list(svc.registry.workers.values()):
-                if not w.scraping:
-                    w.scraping = True
-                    task = asyncio.create_task(self.scrape_one(w))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                if w.health.check_silence(now, svc.cfg.dead_after_ms / 1000.0):
-                    svc.on_health_change(w)
-            if now >= next_housekeeping:
-                svc.expire_leases(now)
-                self.expire_registrations(now)
-                next_housekeeping = now + 1.0
+            try:
+                next_housekeeping = self._tick(now, next_housekeeping)
+            except Exception:
+                # This task is the scheduler's only view of its workers: a bug in one tick must
+                # not end it, or every snapshot goes stale and the pool looks saturated for good
+                # while the process looks alive. Logged every tick it recurs.
+                log.exception("scrape loop tick failed; going on")
             next_tick += self.interval_s
             delay = next_tick - time.monotonic()
             if delay < 0:  # fell behind (overload): skip ticks rather than burst
                 next_tick = time.monotonic()
                 delay = 0
             await asyncio.sleep(delay)
+
+    def _tick(self, now: float, next_housekeeping: float) -> float:
+        """Start the scrapes that are due, check silences, and once a second expire leases and
+        registrations. Returns when the next housekeeping is due."""
+        svc = self.service
+        for w in list(svc.registry.workers.values()):
+            if not w.scraping:
+                w.scraping = True
+                task = asyncio.create_task(self.scrape_one(w))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if w.health.check_silence(now, svc.cfg.dead_after_ms / 1000.0):
+                svc.on_health_change(w)
+        if now >= next_housekeeping:
+            next_housekeeping = now + 1.0  # before the calls: one that raises waits its second
+            svc.expire_leases(now)
+            self.expire_registrations(now)
+        return next_housekeeping
 
     def expire_registrations(self, now: float) -> None:
         for w in list(self.service.registry.workers.values()):

@@ -348,3 +348,30 @@ async def test_a_gzipped_page_is_capped_at_its_unpacked_size():
                 assert await read_capped(resp, limit=len(page)) == page
     finally:
         await runner.cleanup()
+
+
+async def test_a_tick_that_raises_does_not_end_the_scraping(caplog):
+    """The scrape loop is the scheduler's only view of its workers. A bug in one tick's
+    housekeeping (here: lease expiry raising, twice) is logged and the loop goes on: the
+    worker's later load still reaches the policy, instead of its snapshot going stale for good
+    while the process looks alive."""
+    worker = StandIn("tgi.txt", "llama", bump="tgi_request_generated_tokens_sum 35000")
+    runners = [await worker.start()]
+    svc = SchedulerService(SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=300))
+    add_static_workers(svc, [worker.url])
+    failures = 2
+    expire_leases = svc.expire_leases
+
+    def flaky_expire_leases(now: float) -> int:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise RuntimeError("a bug in lease expiry")
+        return expire_leases(now)
+
+    svc.expire_leases = flaky_expire_leases
+    async with scraping([svc], runners):
+        await _until(lambda: failures == 0)  # housekeeping runs once a second
+        scrapes_after_the_failures = worker.scrapes
+        await _until(lambda: worker.scrapes >= scrapes_after_the_failures + 3)
+    assert caplog.text.count("scrape loop tick failed; going on") == 2
