@@ -209,9 +209,9 @@ class Gateway:
         )
 
 
-# How long a stopping gateway waits for its WebSockets' answers: aiohttp's own wait for the
-# HTTP requests in flight.
-WS_DRAIN_TIMEOUT_S = 60.0
+# After --shutdown-timeout, how long aiohttp waits for a handler before it cancels it (it
+# waits up to twice this).
+CUT_AFTER_DEADLINE_S = 0.5
 
 
 def build_app(gw: Gateway) -> web.Application:
@@ -247,7 +247,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     gw = Gateway(cfg)
     app = build_app(gw)
-    runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None, **HEADER_LIMITS)
+    # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
+    runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
+                                  shutdown_timeout=CUT_AFTER_DEADLINE_S, **HEADER_LIMITS)
     runners = [runner]
     port = cfg.port
     try:
@@ -282,11 +284,20 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     try:
         await asyncio.Event().wait()
     finally:
-        # Stopping: no new connections, WebSockets sent away once their answers are out, then
-        # aiohttp's shutdown, which finishes the HTTP requests in flight.
+        # Stopping: no new connections; WebSockets are sent away once their answers are out
+        # while the requests in flight finish, both within --shutdown-timeout: one deadline,
+        # not one after the other, or a busy socket and a long stream outlast the
+        # orchestrator's grace period and are killed instead of cut. Then aiohttp's shutdown
+        # cuts what is left and closes the connections.
         await site.stop()
-        left = await gw.ws_sessions.drain(WS_DRAIN_TIMEOUT_S)
-        if left:
-            log.warning("%d WebSocket(s) still busy after %.0f s: cut", left, WS_DRAIN_TIMEOUT_S)
+        ws_left, requests_left = await asyncio.gather(
+            gw.ws_sessions.drain(cfg.shutdown_timeout),
+            gw.proxy.in_flight.wait_done(cfg.shutdown_timeout) if gw.proxy else asyncio.sleep(0, 0),
+        )
+        if requests_left and gw.proxy:
+            await gw.proxy.in_flight.cut()  # each gets a `shutting_down` it can retry on
+        if ws_left or requests_left:
+            log.warning("%d WebSocket(s) and %d request(s) still busy after --shutdown-timeout %.0f s: cut",
+                        ws_left, requests_left, cfg.shutdown_timeout)
         for r in reversed(runners):
             await r.cleanup()

@@ -131,6 +131,15 @@ class RouterConfig(BaseSettings):
         2000, ge=10, description="passive health: how long a failed worker rests"
     )
 
+    # Stopping
+    shutdown_timeout: float = Field(
+        50.0, ge=0, le=3600, allow_inf_nan=False,
+        description="on SIGTERM/SIGINT, seconds for the requests in flight (streams and "
+        "WebSocket answers alike, one deadline for all) to finish before they are cut; keep it "
+        "below the orchestrator's grace period (Kubernetes: terminationGracePeriodSeconds 60 "
+        "less the 5 s preStop sleep)",
+    )
+
     # Upstream timeouts
     connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")
     first_byte_timeout_ms: int = Field(60_000, ge=1, description="a worker's first byte (then: retried)")

@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
+from router.in_flight import SHUTTING_DOWN, InFlight
 from router.metrics import RouterMetrics
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
@@ -148,6 +149,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
         self.owners = ResponseOwners()
+        self.in_flight = InFlight()  # what a stopping gateway waits for
 
     # ---- entry points ------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -157,16 +159,24 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         rec.trace = trace_id_of(request.headers.get("traceparent"))
         rec.flow = self.flow_of(request)
         self.metrics.in_flight.inc()
+        self.in_flight.enter()
         try:
             resp = await self._handle(request, rec, path)
             rec.status = resp.status if rec.status == 0 else rec.status
             return resp
         except asyncio.CancelledError:
+            if self.in_flight.cutting and rec.status == 0:
+                # Cut by the stopping gateway before any byte went out (queued, or waiting for
+                # its worker): a 503 the client retries on another replica.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                rec.status, rec.error = 503, "shutting_down"
+                return error_response(503, SHUTTING_DOWN, "server_error", code="shutting_down")
             rec.status = rec.status or 499  # client went away
             rec.error = rec.error or "client_disconnected"
             raise
         finally:
             self.metrics.in_flight.dec()
+            self.in_flight.leave()
             self._finish(rec)
 
     def flow_of(self, request: web.Request) -> str:

@@ -8,6 +8,7 @@ module small); it uses the proxy's session, timeouts, headers and lease bookkeep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from router.access_log import RequestRecord
 from router.errors import sse_error_event
+from router.in_flight import SHUTTING_DOWN, InFlight
 from router.scheduling import Route
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
@@ -58,6 +60,7 @@ class StreamForwarding:
     timeout: aiohttp.ClientTimeout
     idle_s: float
     owners: ResponseOwners
+    in_flight: InFlight
 
     # ---- stream ---------------------------------------------------------------------------
     async def _forward_stream(
@@ -161,6 +164,13 @@ class StreamForwarding:
                     # answer cut short is not stored.)
                     self._learn_owner(tap, route, 0)
             if isinstance(exc, asyncio.CancelledError):
+                if self.in_flight.cutting and resp is not None:
+                    # Cut by the stopping gateway, not left by its client: a last event says
+                    # so (the transport is still open; aiohttp closes it after).
+                    rec.status, rec.error = 503, "shutting_down"
+                    with contextlib.suppress(Exception):
+                        await resp.write(sse_error_event(SHUTTING_DOWN, "server_error", "shutting_down"))
+                        await resp.write_eof()
                 raise  # the caller gives the lease back
             self._release_client_left(route, rec)
             return resp if resp is not None else web.Response(status=499)

@@ -250,3 +250,53 @@ def test_a_message_the_worker_takes_as_a_request_is_one_to_the_gateway_too():
     ends = [m.get("type") or m["error"]["param"] for m in messages if "choices" not in m]
     assert ends == ["done", "prompt", "done"]
     assert len([m for m in messages if "choices" in m]) == 5 + 150
+
+
+async def _a_socket_a_stream_and_a_queued_call_past_the_shutdown_timeout(stack: SimStack) -> dict:
+    """A WebSocket and an SSE stream each owed ~10 s of answer, and a call queued in the gateway
+    behind them (the worker runs two at most), when the gateway gets SIGTERM."""
+    body = {"model": "m", "prompt": "long", "max_tokens": 300, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session, session.ws_connect(stack.gateway + "/v1/ws") as ws:
+        await ws.send_str(json.dumps(body))
+        await ws.receive(timeout=30)
+        stream = asyncio.ensure_future(asyncio.to_thread(_stream_until_cut, stack.gateway, body))
+        await until(lambda: open_leases(stack.scheduler) == 2)
+        queued = asyncio.ensure_future(session.post(stack.gateway + "/v1/completions",
+                                                    json={"model": "m", "prompt": "q", "max_tokens": 3}))
+        await asyncio.sleep(0.5)
+        assert not queued.done()
+        t0 = time.monotonic()
+        stack.gateway_proc.p.send_signal(signal.SIGTERM)
+        exit_code = await asyncio.to_thread(stack.gateway_proc.p.wait, 30)
+        exited_after = time.monotonic() - t0
+        queued_answer = await queued
+        return {"exit_code": exit_code, "exited_after": exited_after, "stream_events": await stream,
+                "queued": (queued_answer.status, await queued_answer.json())}
+
+
+def _stream_until_cut(gw: str, body: dict) -> list[str]:
+    events = []
+    with httpx.stream("POST", gw + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return events
+
+
+def test_the_shutdown_timeout_is_one_deadline_and_what_it_cuts_is_told_shutting_down():
+    """A busy WebSocket, a long stream and a queued call when the gateway stops: all get
+    --shutdown-timeout (3 s) together, and the gateway is gone soon after, before an
+    orchestrator's grace period runs out (waiting for the sockets first and then as long again
+    for the streams took 60 + 2 x 60 s by default against Kubernetes' 60). What the deadline
+    cuts is told so, in a form the client can retry on: the stream's last event is a
+    `shutting_down` error, the queued call a 503 `shutting_down`."""
+    with sim_stack(1, *SLOW, "--max-num-seqs", "2", gateway_flags=("--shutdown-timeout", "3"),
+                   scheduler_flags=("--worker-max-running", '{"*": 2}')) as stack:
+        out = asyncio.run(_a_socket_a_stream_and_a_queued_call_past_the_shutdown_timeout(stack))
+    assert out["exit_code"] == 0
+    assert 2.5 < out["exited_after"] < 5.5, out  # one 3 s deadline, not 3 s each
+    events = out["stream_events"]
+    assert 1 < len(events) < 301 and events[-1] == "[DONE]", events[-3:]  # cut, not finished
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+    status, body = out["queued"]
+    assert status == 503 and body["error"]["code"] == "shutting_down", out["queued"]
