@@ -72,6 +72,12 @@ class SchedulerConfig(BaseSettings):
     dead_after_ms: int = Field(10_000, ge=100, description="no success for this long: out (silent host)")
     stale_after_ms: int = Field(2000, ge=10, description="older load data: treat the worker as saturated")
     models_refresh_ms: int = Field(5000, ge=100, description="how often /v1/models is re-read")
+    model_gone_grace_s: float = Field(
+        300.0, ge=0, allow_inf_nan=False,
+        description="a model whose last worker left (its pod restarting, a rollout, a lapsed "
+        "registration) is answered 'no healthy worker' (the gateway's 503, which clients retry) "
+        "for this long before it is 'no such model' (404)",
+    )
     scrape_only_used_series: bool = Field(
         True, description="ask vLLM and SGLang (prometheus_client pages) for the series the "
         "scheduler reads, `/metrics/?name[]=...`, instead of the whole page: a real vLLM's page "

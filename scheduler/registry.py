@@ -238,7 +238,8 @@ class WorkerState:
 class Registry:
     """Workers by id, plus a model -> workers index for the decision's first filter."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_gone_grace_s: float = 0.0) -> None:
+        self.model_gone_grace_s = model_gone_grace_s
         self.workers: dict[str, WorkerState] = {}
         self.by_model: dict[str, list[WorkerState]] = {}
         # URL -> the worker there: one engine found by two discovery sources under two ids
@@ -246,6 +247,9 @@ class Registry:
         # two and draws twice its share. Looked up on every registration heartbeat.
         self._by_url: dict[str, WorkerState] = {}
         self.listeners: list[Callable[[], None]] = []  # called when membership/models change
+        # Model -> when its last worker left (monotonic): a model that is only between workers
+        # (its one pod restarting, a rollout, a registration that lapsed) is not "no such model".
+        self.gone_since: dict[str, float] = {}
 
     def add(self, worker: WorkerState) -> WorkerState:
         existing = self.workers.get(worker.worker_id)
@@ -280,6 +284,11 @@ class Registry:
         self.reindex()
         return w
 
+    def recently_gone(self, model: str, now: float) -> bool:
+        """Whether the model's last worker left within --model-gone-grace-s."""
+        since = self.gone_since.get(model)
+        return since is not None and now - since <= self.model_gone_grace_s
+
     def by_url(self, url: str) -> WorkerState | None:
         """The worker at this URL, whatever its id."""
         return self._by_url.get(url.rstrip("/"))
@@ -294,6 +303,12 @@ class Registry:
         for w in self.workers.values():
             for m in w.models:
                 index.setdefault(m, []).append(w)
+        now = time.monotonic()
+        for model in self.by_model.keys() - index.keys():
+            self.gone_since[model] = now
+        for model in [m for m, t in self.gone_since.items()
+                      if m in index or now - t > self.model_gone_grace_s]:
+            del self.gone_since[model]
         self.by_model = index
         for fn in self.listeners:
             fn()

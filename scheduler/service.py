@@ -65,7 +65,7 @@ class _Held:
 class SchedulerService:
     def __init__(self, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
         self.cfg = config
-        self.registry = Registry()
+        self.registry = Registry(config.model_gone_grace_s)
         self.leases = LeaseTable(config.lease_ttl_s)
         self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0)
         self.policy = make_policy(config.policy, config.effective_policy_params, self.env)
@@ -201,6 +201,10 @@ class SchedulerService:
         if cands is None:
             pool = by_model.get(key)
             if pool is None:
+                if self.registry.recently_gone(key, now):
+                    # Between workers, not unknown: the gateway answers 503 no_worker, which
+                    # clients retry, where a 404 would tell them the model does not exist.
+                    return Wait(self._retry_after_ms, "no_routable_worker")
                 return UNKNOWN_MODEL
             cands = self._routable[key] = [w for w in pool if w.routable]
         excl = req.exclude

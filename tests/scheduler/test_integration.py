@@ -323,7 +323,11 @@ def test_registered_worker_leaves_on_shutdown(cluster):
     # Only meaningful if shutdown was faster than the 3 s registration ttl (else expiry
     # could have removed it): guard the test's own validity.
     assert time.monotonic() - t0 < 3, "shutdown slower than the registration ttl"
-    assert post(f"{base}/v1/schedule", {"model": "other"})[0] == 404
+    # Its model is between workers, not unknown (--model-gone-grace-s): a wait, which the
+    # gateway answers with a retryable 503 no_worker instead of a 404 model_not_found.
+    status, body = post(f"{base}/v1/schedule", {"model": "other"})
+    assert status == 503 and body["reason"] == "no_routable_worker", body
+    assert post(f"{base}/v1/schedule", {"model": "never-served"})[0] == 404
 
 
 async def test_kubernetes_endpointslices(cluster):

@@ -11,6 +11,7 @@ import pytest
 from scheduler.health import DOWN, HALF_OPEN, UP
 from scheduler.policies import POLICIES, Request
 from scheduler.protocol import CLIENT_LEFT, LeaseRelease
+from scheduler.registry import WorkerState
 from scheduler.service import UNKNOWN_MODEL, Wait
 from tests.scheduler.helpers import feed, make_service, worker
 
@@ -635,3 +636,26 @@ def test_release_outcomes_are_counted_by_what_the_lease_was():
     d = decide(svc)
     assert svc.release_reported(LeaseRelease(lease_id=d["lease_id"], ok=False, error="upstream"))
     assert [count(o)._value.get() for o in ("ok", "failed", "unknown")] == [1, 1, 2]
+
+
+def test_a_model_between_workers_is_a_wait_then_unknown_after_the_grace():
+    """Its last worker gone (a pod restarting, a lapsed registration), a model is 'no healthy
+    worker' (the gateway's retryable 503), not 'no such model' (a 404 clients do not retry),
+    for --model-gone-grace-s; then unknown. A worker serving it again ends the grace."""
+    svc = make_service(n=1, config={"model_gone_grace_s": 60})
+    svc.remove_worker("w0")
+    out = decide(svc)
+    assert isinstance(out, Wait) and out.reason == "no_routable_worker"
+    assert svc.decide(Request("m", 10, 10), time.monotonic() + 61) == UNKNOWN_MODEL
+    assert decide(svc, model="never-served") == UNKNOWN_MODEL
+    back = svc.add_worker(WorkerState("http://127.0.0.1:9000", worker_id="w0", models=["m"]))
+    back.health.on_success(time.monotonic(), 1)
+    feed(svc, back)
+    assert decide(svc)["worker_id"] == "w0"
+    assert "m" not in svc.registry.gone_since
+
+
+def test_with_no_grace_a_model_whose_workers_left_is_unknown_at_once():
+    svc = make_service(n=1, config={"model_gone_grace_s": 0})
+    svc.remove_worker("w0")
+    assert svc.decide(Request("m", 10, 10), time.monotonic() + 0.01) == UNKNOWN_MODEL
