@@ -126,13 +126,13 @@ class SchedulerService:
     def refresh(self, w: WorkerState) -> None:
         self.policy.refresh(w)
 
-    def _gone(self, w: WorkerState) -> bool:
+    def is_gone(self, w: WorkerState) -> bool:
         """Removed while its scrape was in flight (the scrape ends later): what it found is
         about no worker of ours, and its id may be another worker's by now (re-added)."""
         return self.registry.workers.get(w.worker_id) is not w
 
     def on_snapshot(self, w: WorkerState, snap: LoadSnapshot) -> None:
-        if self._gone(w):
+        if self.is_gone(w):
             return
         self.leases.drop_handed_off(w, snap.taken_at - self._lag_s)
         w.on_snapshot(snap, self._lag_s)
@@ -140,7 +140,7 @@ class SchedulerService:
         self.capacity_changed()
 
     def on_health_change(self, w: WorkerState) -> None:
-        if self._gone(w):
+        if self.is_gone(w):
             return  # else a removed worker's late verdict landed on the id's new worker
         log.info("worker %s is %s (%s)", w.worker_id, w.health.state, w.health.last_error or "ok")
         self._routable.clear()

@@ -159,17 +159,13 @@ class Scraper:
                     status = resp.status
                     # read + decode: no charset sniffing on a 50 KB body, every 100 ms
                     text = (await read_capped(resp)).decode("utf-8", "replace") if status == 200 else ""
-            except TimeoutError:
-                m.scrape_failures.labels(w.worker_id, "timeout").inc()
-                await self._probe_after_timeout(w)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                if not svc.is_gone(w):
+                    await self._fetch_failed(w, exc)
                 return
-            except CONNECTION_ERRORS as exc:
-                m.scrape_failures.labels(w.worker_id, "connection").inc()
-                self._failure(w, f"{type(exc).__name__}", connection_level=True)
-                return
-            except aiohttp.ClientError as exc:
-                m.scrape_failures.labels(w.worker_id, "http").inc()
-                self._failure(w, f"{type(exc).__name__}", connection_level=False)
+            if svc.is_gone(w):
+                # Removed while this scrape was out: its answer is about no worker of ours, and
+                # counting it would bring back the removed worker's metric series for good.
                 return
             now = time.monotonic()
             m.scrape_latency.labels(w.worker_id).observe(now - sent)
@@ -239,6 +235,18 @@ class Scraper:
         log.warning("%s: a filtered /metrics scrape %s (%d of %d); reading the whole page%s",
                     w.worker_id, what, w.filtered_misses, FILTERED_MISSES_MAX,
                     " from now on" if w.filtered_misses >= FILTERED_MISSES_MAX else " next")
+
+    async def _fetch_failed(self, w: WorkerState, exc: BaseException) -> None:
+        m = self.service.metrics
+        if isinstance(exc, TimeoutError):
+            m.scrape_failures.labels(w.worker_id, "timeout").inc()
+            await self._probe_after_timeout(w)
+        elif isinstance(exc, CONNECTION_ERRORS):
+            m.scrape_failures.labels(w.worker_id, "connection").inc()
+            self._failure(w, f"{type(exc).__name__}", connection_level=True)
+        else:
+            m.scrape_failures.labels(w.worker_id, "http").inc()
+            self._failure(w, f"{type(exc).__name__}", connection_level=False)
 
     def _failure(self, w: WorkerState, error: str, connection_level: bool) -> None:
         if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level):

@@ -375,3 +375,27 @@ async def test_a_tick_that_raises_does_not_end_the_scraping(caplog):
         scrapes_after_the_failures = worker.scrapes
         await _until(lambda: worker.scrapes >= scrapes_after_the_failures + 3)
     assert caplog.text.count("scrape loop tick failed; going on") == 2
+
+
+@pytest.mark.parametrize("answer", ["page", "timeout"])
+async def test_a_scrape_that_ends_after_its_worker_left_leaves_no_trace(answer):
+    """A worker removed (its pod gone, its registration withdrawn) while a scrape of it was
+    out: when that scrape ends, with a page or a timeout, nothing of it is counted. The
+    worker's scrape latency and failure series stay gone (they came back, for good, on the
+    scheduler's /metrics as a worker that no longer exists) and no health verdict runs."""
+    stall = 0.6 if answer == "page" else 5.0
+    gone = StandIn("vllm-0.32-cpu-idle.txt", "m")
+    runners = [await gone.start()]
+    svc = SchedulerService(SchedulerConfig(scrape_interval_ms=50, scrape_timeout_ms=1000))
+    add_static_workers(svc, [gone.url])
+    [w] = svc.registry.workers.values()
+    async with scraping([svc], runners):
+        await _until(lambda: w.snapshot is not None)
+        gone.stall_s = stall
+        scrapes = gone.scrapes
+        await _until(lambda: gone.scrapes > scrapes)  # one is out now, held by the worker
+        assert svc.remove_worker(w.worker_id)
+        assert w.worker_id.encode() not in generate_latest(svc.metrics.registry)
+        await asyncio.sleep(1.3)  # the held scrape ends (a page at 0.6 s, a timeout at 1 s)
+        assert not w.scraping
+    assert w.worker_id.encode() not in generate_latest(svc.metrics.registry)
