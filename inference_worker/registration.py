@@ -12,12 +12,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 import aiohttp
 
 from inference_worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+
+DEFAULT_HEARTBEAT_S = 3.0
+# What the scheduler may ask for: a zero or negative interval would heart-beat in a tight loop.
+HEARTBEAT_BOUNDS_S = (0.1, 3600.0)
+
+
+def heartbeat_interval(value: object) -> float:
+    """The scheduler's heartbeat_interval_s, or the default if it sent no usable number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return DEFAULT_HEARTBEAT_S
+    low, high = HEARTBEAT_BOUNDS_S
+    return min(max(float(value), low), high)
 
 
 class Registrar:
@@ -69,7 +83,7 @@ class Registrar:
                         log.info("registered with scheduler %s as %s", self.scheduler, data.get("worker_id"))
                     self.worker_id = data.get("worker_id")
                     self.registered.set()
-                    return float(data.get("heartbeat_interval_s") or 3.0)
+                    return heartbeat_interval(data.get("heartbeat_interval_s"))
                 log.warning("scheduler %s refused registration (%s): %s", self.scheduler, resp.status, data)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("cannot register with scheduler %s: %r", self.scheduler, exc)
