@@ -283,6 +283,24 @@ def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
     assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
 
 
+def test_a_change_to_any_rendered_config_restarts_its_pods():
+    """Each Deployment's checksum/config annotation hashes its config file as rendered, so
+    `helm upgrade` rolls the pods whenever the file changes. It hashed the values' config block
+    alone: a new scheduler port changed the gateway's file but not its pods, which kept
+    calling the old port."""
+    def checksums(values: dict | None) -> dict[str, str]:
+        return {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for o in render(values) if o["kind"] == "Deployment"}
+
+    base = checksums(None)
+    assert set(base) == {"prod-gateway", "prod-scheduler", "prod-worker"}
+    moved = checksums({"scheduler": {"port": 9090}, "worker": {"port": 8011}})
+    assert moved["prod-gateway"] != base["prod-gateway"]  # its scheduler and workers URLs
+    assert moved["prod-scheduler"] != base["prod-scheduler"]  # its own port
+    assert moved["prod-worker"] != base["prod-worker"]
+    assert checksums(None) == base  # stable: an upgrade that changes nothing restarts nothing
+
+
 # ---------------------------------------------------------------- official Kubernetes schemas
 
 KUBE_VERSION = "1.30.0"
