@@ -176,6 +176,9 @@ async def stream_request(
     result = RequestResult(prompt_len=inp.prompt_len)
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else aiohttp.ClientTimeout(total=None)
     st = time.perf_counter()
+    # Set before anything can return: a request refused with an HTTP error was sent too, and
+    # its start time must be on the run's clock (reports take min(start_times) as the start).
+    result.start_time = st
     state = _StreamState(st)
     try:
         payload = build_payload(inp)
@@ -201,7 +204,6 @@ async def stream_request(
     except (ValueError, UnicodeDecodeError) as exc:
         state.error = f"malformed stream chunk: {exc}"[:_MAX_ERROR_CHARS]
 
-    result.start_time = st
     result.ttft = state.ttft
     result.itl = state.itl
     result.latency = state.last - st

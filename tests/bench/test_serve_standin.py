@@ -93,6 +93,9 @@ async def test_failed_requests_are_counted_with_their_errors(standin):
     assert result["errors"][6:] == ["HTTP 400: prompt rejected by the stand-in"] * 3
     assert result["total_input_tokens"] == sum(r.prompt_len for r in reqs[:6])
     assert result["output_lens"][6:] == [0, 0, 0]
+    # A request the server refused was still sent during the run: its start time is seconds
+    # since the run began like any other (reports take min(start_times) as the run's start).
+    assert all(0 <= s <= result["duration"] for s in result["start_times"])
     wrong_model = await run_benchmark(standin.url, "nope", workload=workload(2), show_progress=False,
                                       print_summary=False)
     assert wrong_model["failed"] == 2 and "does not exist" in wrong_model["errors"][0]
