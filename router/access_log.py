@@ -31,6 +31,7 @@ class RequestRecord:
         "prompt_tokens",
         "queue_ms",
         "retries",
+        "sequences",
         "start",
         "status",
         "stream",
@@ -46,6 +47,10 @@ class RequestRecord:
         self.start = time.perf_counter()
         self.model = "-"
         self.choices = 1  # sequences the engine generates (n)
+        # Answers the output tokens are spread over (n x the prompts of a batch): they are
+        # generated side by side, so the time per output token is per answer, not per token
+        # of all of them together.
+        self.sequences = 1
         self.worker = "-"
         self.status = 0
         self.stream = False

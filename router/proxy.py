@@ -46,7 +46,7 @@ from router.streaming import (
     StreamForwarding,
     failure_kind,
 )
-from router.tokens import RESPONSES_PATH, TokenCounter, schedule_request
+from router.tokens import RESPONSES_PATH, TokenCounter, answers_of, schedule_request
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -231,8 +231,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             e2e_h.observe(e2e)
             if rec.ttft_ms is not None:
                 ttft_h.observe(rec.ttft_ms / 1000)
-                if rec.output_tokens > 1:
-                    tpot_h.observe((e2e - rec.ttft_ms / 1000) / (rec.output_tokens - 1))
+                # Per answer: n answers (or a batch's) stream side by side, so their tokens
+                # together over the time would read n times too fast.
+                per_answer = rec.output_tokens / rec.sequences
+                if per_answer > 1:
+                    tpot_h.observe((e2e - rec.ttft_ms / 1000) / (per_answer - 1))
         self.settle_fair(rec)
         self.stats.add(rec)
         if self.access_log is not None:
@@ -552,6 +555,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
     def schedule_body(self, rec: RequestRecord, model: str, body: dict[str, Any]) -> dict[str, Any]:
         """What the scheduler is told of a request; notes its prompt estimate and choices."""
         sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body, rec.path)
+        rec.sequences = answers_of(body)
         return sched_body
 
     def _release(

@@ -135,6 +135,15 @@ def choices_of(body: dict[str, Any]) -> int:
     return min(count, MAX_CHOICES)
 
 
+def answers_of(body: dict[str, Any]) -> int:
+    """How many answers the usage's completion tokens are spread over: n per prompt (best_of
+    beyond n is generated but not returned, nor counted in the usage), times a batch's prompts."""
+    n = body.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        n = 1
+    return min(n, MAX_CHOICES) * batch_size_of(body)
+
+
 class TokenCounter:
     """Prompt token counts: exact with a local tokenizer (a `tokenizer.json`, or a directory
     holding one, given by --tokenizer), else the 4-characters-per-token estimate.
