@@ -20,12 +20,19 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _MAX_CARRY = 1 << 20
+# A chat stream's opening chunk of a choice: its role and no text (OpenAI, vLLM and our worker
+# send one per choice before any token). It is no token: counted as one, a stream cut short
+# without usage (its worker failed, its client left) counted n tokens too many.
+ROLE_OPENING = re.compile(
+    rb'"delta"\s*:\s*\{\s*"role"\s*:\s*"[a-z]*"\s*(?:,\s*"content"\s*:\s*(?:""|null)\s*)?'
+    rb'(?:,\s*"refusal"\s*:\s*null\s*)?\}'
+)
 
 
 class StreamTap:
     __slots__ = (
         "awaiting", "carry", "completion_tokens", "events", "last", "on_first_token", "opening",
-        "passthrough", "prompt_tokens", "strip_usage",
+        "opening_roles", "passthrough", "prompt_tokens", "strip_usage",
     )
 
     def __init__(self, strip_usage: bool, first_token: bytes | None = None,
@@ -38,6 +45,8 @@ class StreamTap:
         self.on_first_token = on_first_token
         self.carry = b""
         self.events = 0
+        # Until the first event that is not a choice's role chunk: those are not counted.
+        self.opening_roles = True
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.passthrough = False
@@ -51,7 +60,7 @@ class StreamTap:
         if self.awaiting is not None:
             return self._feed_before_first_token(piece)
         if self.passthrough:
-            self.events += piece.count(b"data:")
+            self._count(piece)
             if _USAGE.search(piece):
                 self._scan_usage_bytes(piece)
             self.last = piece
@@ -71,11 +80,22 @@ class StreamTap:
         if cut < len(piece):
             self.carry = piece[cut:]
             piece = piece[:cut]
-        self.events += piece.count(b"data:")
+        self._count(piece)
         self.last = piece
         if _USAGE.search(piece) is not None:
             piece = self._take_usage(piece)
         return piece
+
+    def _count(self, piece: bytes) -> None:
+        """Count a piece's events; the role chunks that open a chat stream are none (looked
+        for only until the first other event, so a stream's tokens pay nothing for it)."""
+        events = piece.count(b"data:")
+        if self.opening_roles:
+            roles = len(ROLE_OPENING.findall(piece))
+            if events > roles:
+                self.opening_roles = False
+            events -= roles
+        self.events += events
 
     def _feed_before_first_token(self, piece: bytes) -> bytes:
         """feed(), looking for the first token's marker in what it passes on: whole events,

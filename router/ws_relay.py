@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -37,6 +38,7 @@ from router.access_log import RequestRecord
 from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
+from router.sse import ROLE_OPENING
 from router.tokens import schedule_request
 from router.ws_leases import TurnLeases, WsTurn
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
@@ -49,6 +51,8 @@ log = logging.getLogger("router.ws")
 # worker's chunks are compact JSON. Counted as one output token each, the stand-in the SSE
 # path uses when a stream ends without usage (the socket's usage chunks are the client's).
 _CHOICE_CHUNK = '"choices":[{'
+# A chat answer's opening chunk of each choice (its role, no text) is no token, as over SSE.
+_ROLE_OPENING = re.compile(ROLE_OPENING.pattern.decode())
 # The worker's messages that end a request's answer (its websocket.py): `done`, or an error;
 # as json.dumps writes them, or compact (as the echo worker and other servers do).
 _TERMINAL_PREFIXES = ('{"type": "done"', '{"type":"done"', '{"error"')
@@ -244,7 +248,7 @@ class WsRelay:
                 if msg.type == aiohttp.WSMsgType.TEXT:
                     data = msg.data
                     turn = pending[0] if pending else None  # the request being answered
-                    if _CHOICE_CHUNK in data:
+                    if _CHOICE_CHUNK in data and not ('"role"' in data and _ROLE_OPENING.search(data)):
                         self.rec.output_tokens += 1
                         if turn is not None:
                             turn.output_tokens += 1

@@ -75,3 +75,66 @@ def test_time_per_output_token_is_per_answer_for_n_and_batches(
     client_tpot = seen["span"] / (tokens - 1)
     # Both time the same answer's tokens; they differ by delivery jitter, not by a factor n.
     assert 0.6 < gateway_tpot / client_tpot < 1.6, (gateway_tpot, client_tpot)
+
+
+def _content_chunks(chunk: dict[str, Any]) -> int:
+    """Choices in a chunk that carry text (a token each, as the sim writes one per chunk)."""
+    return sum(1 for c in chunk.get("choices") or [] if (c.get("delta") or {}).get("content"))
+
+
+def _wait_for_change(gw: str, series: str, before: float, timeout_s: float = 5.0) -> float:
+    """The series' value once it moved from `before` (written when the request is done)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := series_value(gw, series, 0.0)) == before:
+        assert time.monotonic() < deadline, f"{series} never moved from {before}"
+        time.sleep(0.02)
+    return now
+
+
+_GENERATED = 'router_generation_tokens_total{model="m"}'
+
+
+def test_a_chat_stream_cut_by_its_worker_counts_the_tokens_it_carried_not_its_role_chunks() -> None:
+    """A stream cut short has no usage: the gateway counts its events. The role chunk that
+    opens each choice of a chat stream is no token, yet counted as one: a worker that died
+    mid-answer showed n tokens more than its client got (in the token counters, the tenant's
+    token turns and the lease's KV credit)."""
+    with sim_stack(1) as st:
+        gw = st.gateway
+        before = series_value(gw, _GENERATED, 0.0)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+                "n": 2, "stream": True}
+        got, events = 0, []
+        with httpx.stream("POST", gw + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    got += _content_chunks(events[-1])
+                    if got >= 10 and all(p.alive() for p in st.workers.values()):
+                        next(iter(st.workers.values())).kill()
+        assert "error" in events[-1]  # it was cut: the gateway said so in the stream
+        assert got < 2 * 300
+        assert _wait_for_change(gw, _GENERATED, before) - before == got
+
+
+async def test_a_chat_answer_over_a_websocket_counts_its_tokens_not_its_role_chunks(
+    stack: SimStack,
+) -> None:
+    """The socket's chunks are counted as tokens (the worker's usage there is the client's to
+    ask for); the role chunk opening each choice was counted too, n tokens too many."""
+    import aiohttp
+
+    gw = stack.gateway
+    before = series_value(gw, _GENERATED, 0.0)
+    got = 0
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 7, "n": 2}))
+        for _ in range(100):  # bounded: 2 role chunks, 14 tokens and a `done`
+            msg = json.loads((await ws.receive(timeout=30)).data)
+            if msg.get("type") == "done":
+                break
+            assert "error" not in msg, msg
+            got += _content_chunks(msg)
+    assert got == 2 * 7
+    assert _wait_for_change(gw, _GENERATED, before) - before == got
