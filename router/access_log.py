@@ -31,6 +31,7 @@ class RequestRecord:
         "prompt_tokens",
         "queue_ms",
         "retries",
+        "routed",
         "sequences",
         "start",
         "status",
@@ -59,6 +60,7 @@ class RequestRecord:
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.retries = 0
+        self.routed = False  # a worker was found for it (so its model is one the pool serves)
         self.error: str | None = None
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
         # The worker goes on with the request after its answer (a background response).

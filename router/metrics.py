@@ -167,6 +167,10 @@ class RouterMetrics:
             child = self._req_children[key] = self.requests.labels(*key)
         child.inc()
 
+    def has_model(self, model: str) -> bool:
+        """A worker served the model here (it has series of its own)."""
+        return model in self._model_children
+
     def per_model(self, model: str) -> tuple:
         """(prompt_tokens, generation_tokens, ttft, tpot, e2e) children for a model."""
         children = self._model_children.get(model)

@@ -216,7 +216,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
     def _finish(self, rec: RequestRecord) -> None:
         self._live_client_ids.discard(rec.id)
         m = self.metrics
-        m.request_done(rec.model, rec.status, rec.worker)
+        model = rec.model
+        if not (rec.routed or m.has_model(model) or model in self.sched.fallback.models()):
+            # Refused before any worker took it (a malformed body, a full queue): its model is
+            # the client's word, and made-up names would each open a series, until the bound
+            # counted the real models' new series as "other".
+            model = "unknown"
+        m.request_done(model, rec.status, rec.worker)
         # A refusal counts in router_requests_total only (see RequestRecord.served); nor
         # does an invented model name open a label set of the per-model series.
         if rec.served and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):
@@ -470,6 +476,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         refused = False
         try:
             route = await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
+            rec.routed = True
             rec.fair_charge = (rec.fair_charge or 0.0) + route.charge  # a retry is charged again
             return route
         except QueueFull as exc:

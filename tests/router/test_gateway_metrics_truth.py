@@ -138,3 +138,22 @@ async def test_a_chat_answer_over_a_websocket_counts_its_tokens_not_its_role_chu
             got += _content_chunks(msg)
     assert got == 2 * 7
     assert _wait_for_change(gw, _GENERATED, before) - before == got
+
+
+def test_a_made_up_model_name_refused_before_routing_opens_no_series(stack: SimStack) -> None:
+    """A request refused before any worker took it (here a malformed body) was counted under
+    its model as the client spelled it: each made-up name a series of its own, and past the
+    bound (2,000) the real models' new series were counted as model "other"."""
+    gw = stack.gateway
+    unknown = 'router_requests_total{model="unknown",status="400",worker="-"}'
+    real = 'router_requests_total{model="m",status="400",worker="-"}'
+    unknown0, real0 = series_value(gw, unknown, 0.0), series_value(gw, real, 0.0)
+    names = [f"made-up-{i}" for i in range(3)]
+    for name in [*names, "m"]:
+        r = httpx.post(gw + "/v1/completions", json={"model": name, "prompt": "x", "stream": "yes"},
+                       timeout=10)
+        assert r.status_code == 400
+    text = httpx.get(gw + "/metrics", timeout=10).text
+    assert not [line for line in text.splitlines() if "made-up-" in line]
+    assert series_value(gw, unknown) - unknown0 == len(names)
+    assert series_value(gw, real) - real0 == 1  # a model the pool serves keeps its name
