@@ -21,6 +21,9 @@ MAX_MODELS = 200
 # Tenants (the queue's flows) with series of their own; later ones are counted as "other". A
 # fairness id is the client's word, so the bound keeps made-up ids from growing the page.
 MAX_TENANTS = 200
+# How a worker fails a stream that had begun (router/streaming.py's failure kinds, and a
+# WebSocket worker that closed with answers owed): a fixed set, so a fixed set of series.
+STREAM_ERROR_REASONS = ("connection", "timeout", "idle_timeout", "upstream_closed")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _SCHED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5)
@@ -118,6 +121,15 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.stream_errors = Counter(
+            "router_stream_errors_total",
+            "Streams whose worker failed after the answer had begun (its status, 200, was sent): "
+            "the client got an error event instead of the rest, by how the worker failed",
+            ["reason"],
+            registry=r,
+        )
+        for reason in STREAM_ERROR_REASONS:  # at 0 from the start, for rate()
+            self.stream_errors.labels(reason)
         self.fallback_mode = Gauge(
             "router_fallback_mode",
             "1 while routing by round robin because the scheduler is unreachable",
@@ -201,6 +213,9 @@ class RouterMetrics:
                 self.tenant_tokens.labels(tenant, "output"),
             )
         return children
+
+    def stream_failed(self, reason: str) -> None:
+        self.stream_errors.labels(reason if reason in STREAM_ERROR_REASONS else "connection").inc()
 
     def observe_scheduler(self, call: str, seconds: float) -> None:
         self._sched_children[call].observe(seconds)

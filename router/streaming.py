@@ -17,6 +17,7 @@ from aiohttp import web
 from router.access_log import RequestRecord
 from router.errors import sse_error_event
 from router.in_flight import SHUTTING_DOWN, InFlight
+from router.metrics import RouterMetrics
 from router.scheduling import Route
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
@@ -61,6 +62,7 @@ class StreamForwarding:
     idle_s: float
     owners: ResponseOwners
     in_flight: InFlight
+    metrics: RouterMetrics
 
     # ---- stream ---------------------------------------------------------------------------
     async def _forward_stream(
@@ -129,6 +131,9 @@ class StreamForwarding:
                 complete = True
             else:
                 rec.error = upstream_error
+                # The client's status says 200: without this, router_requests_total would be
+                # all an operator sees of a worker that cut streams short.
+                self.metrics.stream_failed(upstream_error)
                 await resp.write(sse_error_event(f"the worker failed mid-stream ({upstream_error})"))
             if tap.prompt_tokens is not None:
                 rec.prompt_tokens = tap.prompt_tokens

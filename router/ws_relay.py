@@ -300,6 +300,7 @@ class WsRelay:
             return
         reason = "connection" if code in (None, WSCloseCode.ABNORMAL_CLOSURE) else "upstream_closed"
         self.proxy.report_failed(self.route, reason)
+        self.proxy.metrics.stream_failed(reason)  # once per socket: its answer being streamed
         for turn in owed:
             self.leases.end(turn, ok=False, error=reason)
 

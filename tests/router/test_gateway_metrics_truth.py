@@ -92,16 +92,20 @@ def _wait_for_change(gw: str, series: str, before: float, timeout_s: float = 5.0
 
 
 _GENERATED = 'router_generation_tokens_total{model="m"}'
+# A killed worker's connection drops: aiohttp reads it as a payload error ("connection").
+_STREAM_ERRORS = 'router_stream_errors_total{reason="connection"}'
 
 
-def test_a_chat_stream_cut_by_its_worker_counts_the_tokens_it_carried_not_its_role_chunks() -> None:
+def test_a_chat_stream_cut_by_its_worker_counts_the_tokens_it_carried_and_a_stream_error() -> None:
     """A stream cut short has no usage: the gateway counts its events. The role chunk that
     opens each choice of a chat stream is no token, yet counted as one: a worker that died
     mid-answer showed n tokens more than its client got (in the token counters, the tenant's
-    token turns and the lease's KV credit)."""
+    token turns and the lease's KV credit). And the stream's status had gone out as 200, all
+    that router_requests_total said of it: no metric counted the failure."""
     with sim_stack(1) as st:
         gw = st.gateway
         before = series_value(gw, _GENERATED, 0.0)
+        errors0 = series_value(gw, _STREAM_ERRORS, 0.0)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
                 "n": 2, "stream": True}
         got, events = 0, []
@@ -115,6 +119,7 @@ def test_a_chat_stream_cut_by_its_worker_counts_the_tokens_it_carried_not_its_ro
         assert "error" in events[-1]  # it was cut: the gateway said so in the stream
         assert got < 2 * 300
         assert _wait_for_change(gw, _GENERATED, before) - before == got
+        assert series_value(gw, _STREAM_ERRORS) - errors0 == 1
 
 
 async def test_a_chat_answer_over_a_websocket_counts_its_tokens_not_its_role_chunks(
@@ -157,3 +162,27 @@ def test_a_made_up_model_name_refused_before_routing_opens_no_series(stack: SimS
     assert not [line for line in text.splitlines() if "made-up-" in line]
     assert series_value(gw, unknown) - unknown0 == len(names)
     assert series_value(gw, real) - real0 == 1  # a model the pool serves keeps its name
+
+
+async def test_a_websocket_answer_cut_by_its_worker_is_a_stream_error() -> None:
+    """The socket's status (101) says nothing of an answer its worker cut: only the client's
+    error message did, and no metric."""
+    import aiohttp
+
+    with sim_stack(1) as st:
+        gw = st.gateway
+        series = [f'router_stream_errors_total{{reason="{r}"}}' for r in ("connection", "upstream_closed")]
+        before = sum(series_value(gw, s, 0.0) for s in series)
+        async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+            await ws.send_str(json.dumps({"model": "m", "prompt": "long", "max_tokens": 400}))
+            for _ in range(3):
+                assert "choices" in json.loads((await ws.receive(timeout=30)).data)
+            next(iter(st.workers.values())).kill()
+            last: dict[str, Any] = {}
+            for _ in range(1000):  # bounded: at most the 400 tokens, then the error
+                msg = await ws.receive(timeout=30)
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                last = json.loads(msg.data)
+            assert "error" in last
+        assert sum(series_value(gw, s, 0.0) for s in series) - before == 1
