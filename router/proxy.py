@@ -217,10 +217,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self._live_client_ids.discard(rec.id)
         m = self.metrics
         model = rec.model
-        if not (rec.routed or m.has_model(model) or model in self.sched.fallback.models()):
-            # Refused before any worker took it (a malformed body, a full queue): its model is
-            # the client's word, and made-up names would each open a series, until the bound
-            # counted the real models' new series as "other".
+        # Refused before any worker took it (a malformed body, a full queue), a request's model
+        # is the client's word: made-up names would each open a series, until the bound
+        # counted the real models' new series as "other". ("-": it names none, as a GET of a
+        # stored response.)
+        if not (rec.routed or model == "-" or m.has_model(model)
+                or model in self.sched.fallback.models()):
             model = "unknown"
         m.request_done(model, rec.status, rec.worker)
         # A refusal counts in router_requests_total only (see RequestRecord.served); nor

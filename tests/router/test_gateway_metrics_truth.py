@@ -162,6 +162,13 @@ def test_a_made_up_model_name_refused_before_routing_opens_no_series(stack: SimS
     assert not [line for line in text.splitlines() if "made-up-" in line]
     assert series_value(gw, unknown) - unknown0 == len(names)
     assert series_value(gw, real) - real0 == 1  # a model the pool serves keeps its name
+    # A request that names no model (a stored response's GET) keeps "-", not "unknown".
+    made = httpx.post(gw + "/v1/responses", json={"model": "m", "input": "x", "max_output_tokens": 2},
+                      timeout=10)
+    no_model = f'router_requests_total{{model="-",status="200",worker="{made.headers["x-router-worker"]}"}}'
+    no_model0 = series_value(gw, no_model, 0.0)
+    assert httpx.get(gw + f"/v1/responses/{made.json()['id']}", timeout=10).status_code == 200
+    assert series_value(gw, no_model) - no_model0 == 1
 
 
 async def test_a_websocket_answer_cut_by_its_worker_is_a_stream_error() -> None:
