@@ -179,6 +179,21 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             self.in_flight.leave()
             self._finish(rec)
 
+    def observe_answer(self, model: str, ttft_s: float | None, e2e_s: float, output_tokens: int,
+                       answers: int) -> None:
+        """One answer's latencies (a request's, or one request's on a WebSocket, whose socket
+        may stay open for hours: its life is no request's latency)."""
+        _, _, ttft_h, tpot_h, e2e_h = self.metrics.per_model(model)
+        e2e_h.observe(e2e_s)
+        if ttft_s is None:
+            return
+        ttft_h.observe(ttft_s)
+        # Per answer: n answers (or a batch's) stream side by side, so their tokens together
+        # over the time would read n times too fast.
+        per_answer = output_tokens / answers
+        if per_answer > 1:
+            tpot_h.observe((e2e_s - ttft_s) / (per_answer - 1))
+
     def flow_of(self, request: web.Request) -> str:
         """The request's flow (tenant) in the admission queue (router/fairness.py)."""
         if not self.cfg.fair_queueing:
@@ -232,18 +247,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             tenant_requests.inc()
             tenant_prompt.inc(rec.prompt_tokens)
             tenant_output.inc(rec.output_tokens)
-            prompt_c, gen_c, ttft_h, tpot_h, e2e_h = m.per_model(rec.model)
-            e2e = time.perf_counter() - rec.start
+            prompt_c, gen_c, _, _, _ = m.per_model(rec.model)
             prompt_c.inc(rec.prompt_tokens)
             gen_c.inc(rec.output_tokens)
-            e2e_h.observe(e2e)
-            if rec.ttft_ms is not None:
-                ttft_h.observe(rec.ttft_ms / 1000)
-                # Per answer: n answers (or a batch's) stream side by side, so their tokens
-                # together over the time would read n times too fast.
-                per_answer = rec.output_tokens / rec.sequences
-                if per_answer > 1:
-                    tpot_h.observe((e2e - rec.ttft_ms / 1000) / (per_answer - 1))
+            if rec.method != "WS":  # a socket's latencies are its answers' (observe_answer)
+                ttft_s = rec.ttft_ms / 1000 if rec.ttft_ms is not None else None
+                self.observe_answer(rec.model, ttft_s, time.perf_counter() - rec.start,
+                                    rec.output_tokens, rec.sequences)
         self.settle_fair(rec)
         self.stats.add(rec)
         if self.access_log is not None:

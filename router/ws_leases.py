@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from scheduler.protocol import CLIENT_LEFT
@@ -27,12 +28,17 @@ log = logging.getLogger("router.ws")
 class WsTurn:
     """One request on a socket, from the client's message to its answer's end."""
 
-    __slots__ = ("answering", "binding", "data", "ended", "output_tokens", "prompt_tokens", "route",
-                 "sched_body", "worker_id")
+    __slots__ = ("answering", "answers", "binding", "data", "ended", "first_s", "output_tokens",
+                 "prompt_tokens", "route", "sched_body", "start", "worker_id")
 
     def __init__(self, data: str | bytes, sched_body: dict[str, Any] | None = None,
-                 prompt_tokens: int = 0) -> None:
+                 prompt_tokens: int = 0, answers: int = 1) -> None:
         self.data = data
+        # Its latencies are the client's: from its message (queueing and placing included) to
+        # its first token and to its answer's end. `answers`: n (the TPOT is per answer).
+        self.start = time.perf_counter()
+        self.first_s: float | None = None
+        self.answers = answers
         # What the scheduler is told of it; None for a message that is no request (the worker
         # answers it with an error), which takes no lease.
         self.sched_body = sched_body

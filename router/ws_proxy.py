@@ -99,7 +99,8 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             return client
         sched_body = proxy.schedule_body(rec, model, body)
         # From here the socket is busy: placing it, then its answer.
-        session.pending.append(WsTurn(first.data, sched_body, rec.prompt_tokens * rec.choices))
+        session.pending.append(WsTurn(first.data, sched_body, rec.prompt_tokens * rec.choices,
+                                      rec.sequences))
         priority = body.get("priority")  # the first request's, as the connection is placed once
         if not isinstance(priority, int) or isinstance(priority, bool):
             priority = 0  # the worker answers a malformed one itself

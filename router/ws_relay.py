@@ -39,7 +39,7 @@ from router.proxy import Proxy
 from router.queue import QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
 from router.sse import ROLE_OPENING
-from router.tokens import schedule_request
+from router.tokens import answers_of, schedule_request
 from router.ws_leases import TurnLeases, WsTurn
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
 from scheduler.client import SchedulerError
@@ -55,7 +55,8 @@ _CHOICE_CHUNK = '"choices":[{'
 _ROLE_OPENING = re.compile(ROLE_OPENING.pattern.decode())
 # The worker's messages that end a request's answer (its websocket.py): `done`, or an error;
 # as json.dumps writes them, or compact (as the echo worker and other servers do).
-_TERMINAL_PREFIXES = ('{"type": "done"', '{"type":"done"', '{"error"')
+_DONE_PREFIXES = ('{"type": "done"', '{"type":"done"')
+_TERMINAL_PREFIXES = (*_DONE_PREFIXES, '{"error"')
 # How a stopping worker refuses a request it did not take (the worker's errors.shutting_down:
 # "send the request to another one"). An answer cut at its drain limit ends with another
 # shutting_down message, which goes to the client.
@@ -253,6 +254,7 @@ class WsRelay:
                         if turn is not None:
                             turn.output_tokens += 1
                             if not turn.answering:
+                                turn.first_s = time.perf_counter() - turn.start
                                 self.leases.first_token(turn)
                     elif data.startswith(_TERMINAL_PREFIXES):
                         if _REFUSAL in data and not self.sessions.closing:
@@ -260,6 +262,10 @@ class WsRelay:
                             self.outside += 1
                             continue
                         if turn is not None:
+                            if data.startswith(_DONE_PREFIXES) and '"cancelled"' not in data:
+                                self.proxy.observe_answer(self.rec.model, turn.first_s,
+                                                          time.perf_counter() - turn.start,
+                                                          turn.output_tokens, turn.answers)
                             self.leases.end(pending.popleft())
                         self.proxy.settle_fair(self.rec)
                     await client.send_str(data)
@@ -326,7 +332,7 @@ def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
     if not isinstance(body, dict):
         return WsTurn(data), 0
     sched_body, prompt, choices = schedule_request(proxy.tokens, model, body)
-    return WsTurn(data, sched_body, prompt * choices), prompt
+    return WsTurn(data, sched_body, prompt * choices, answers_of(body)), prompt
 
 
 def _is_cancel(text: str) -> bool:

@@ -5,6 +5,7 @@ measured in the same run are compared, never absolute times."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -193,3 +194,48 @@ async def test_a_websocket_answer_cut_by_its_worker_is_a_stream_error() -> None:
                 last = json.loads(msg.data)
             assert "error" in last
         assert sum(series_value(gw, s, 0.0) for s in series) - before == 1
+
+
+def _latency(gw: str, name: str) -> tuple[float, float]:
+    """(count, sum) of one of the per-model latency histograms."""
+    series = f"router_{name}_seconds_{{}}{{{{model=\"m\"}}}}"
+    return series_value(gw, series.format("count"), 0.0), series_value(gw, series.format("sum"), 0.0)
+
+
+async def test_websocket_answers_are_observed_each_not_the_socket_life(stack: SimStack) -> None:
+    """A socket carries many requests and may stay open for hours. Its life was observed as one
+    request's end-to-end latency (an idle socket of an hour: one request of an hour, in the +Inf
+    bucket), and its answers had no TTFT at all. Each answer is observed now, from its message
+    to its first token and to its end, which the client's own timings enclose."""
+    import aiohttp
+
+    gw = stack.gateway
+    before = {name: _latency(gw, name) for name in ("time_to_first_token", "e2e_request_latency")}
+    client_ttft = client_e2e = 0.0
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        for i in range(2):
+            sent = time.perf_counter()
+            # Different prompts, so the second is not answered from the prefix cache at once.
+            await ws.send_str(json.dumps({"model": "m", "prompt": f"{i} " + "hello world " * 60,
+                                          "max_tokens": 8}))
+            first = None
+            for _ in range(50):  # bounded: 8 chunks and a `done`
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg.get("type") == "done":
+                    break
+                assert "error" not in msg, msg
+                first = first or time.perf_counter()
+            assert first is not None
+            client_ttft += first - sent
+            client_e2e += time.perf_counter() - sent
+            await asyncio.sleep(0.3)  # the socket idles between requests, as a chat client's does
+    deadline = time.monotonic() + 5
+    while _latency(gw, "e2e_request_latency")[0] - before["e2e_request_latency"][0] < 2:
+        assert time.monotonic() < deadline, "the answers never reached the e2e histogram"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # the socket's own end comes after: it must add nothing
+    for name, client in (("time_to_first_token", client_ttft), ("e2e_request_latency", client_e2e)):
+        count, total = (a - b for a, b in zip(_latency(gw, name), before[name], strict=True))
+        assert count == 2, name
+        # The gateway times each answer inside the client's own interval for it.
+        assert 0.3 * client < total <= client, (name, total, client)
