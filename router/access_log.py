@@ -26,12 +26,12 @@ class RequestRecord:
         "id",
         "method",
         "model",
+        "model_known",
         "output_tokens",
         "path",
         "prompt_tokens",
         "queue_ms",
         "retries",
-        "routed",
         "sequences",
         "start",
         "status",
@@ -60,7 +60,9 @@ class RequestRecord:
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.retries = 0
-        self.routed = False  # a worker was found for it (so its model is one the pool serves)
+        # The pool serves its model: a worker was found for it, or the scheduler knows the model
+        # but has no healthy worker for it now (a label then, unlike a made-up name).
+        self.model_known = False
         self.error: str | None = None
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
         # The worker goes on with the request after its answer (a background response).

@@ -236,7 +236,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         # is the client's word: made-up names would each open a series, until the bound
         # counted the real models' new series as "other". ("-": it names none, as a GET of a
         # stored response.)
-        if not (rec.routed or model == "-" or m.has_model(model)
+        if not (rec.model_known or model == "-" or m.has_model(model)
                 or model in self.sched.fallback.models()):
             model = "unknown"
         m.request_done(model, rec.status, rec.worker)
@@ -488,11 +488,14 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         refused = False
         try:
             route = await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
-            rec.routed = True
+            rec.model_known = True
             rec.fair_charge = (rec.fair_charge or 0.0) + route.charge  # a retry is charged again
             return route
         except QueueFull as exc:
             refused = not isinstance(exc, QueueDisplaced)  # a displaced request did wait
+            raise
+        except NoWorkerError as exc:
+            rec.model_known = rec.model_known or not exc.unknown_model
             raise
         finally:
             if not refused:

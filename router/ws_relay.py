@@ -36,13 +36,13 @@ from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord
 from router.proxy import Proxy
-from router.queue import QueueFull, QueueTimeout
+from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
 from router.sse import ROLE_OPENING
 from router.tokens import answers_of, schedule_request
 from router.ws_leases import TurnLeases, WsTurn
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
-from scheduler.client import SchedulerError
+from scheduler.client import SchedulerError, SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.ws")
@@ -110,12 +110,28 @@ class WsRelay:
         for _ in range(proxy.cfg.retry_count + 1):
             try:
                 route = await proxy._acquire(rec, body, exclude, deadline, priority=self.priority)
-            except (QueueFull, QueueTimeout):
+            except (QueueFull, QueueTimeout) as exc:
+                # Counted as the HTTP path counts them: router_rejected_requests_total missed
+                # every socket refused so.
+                reason = ("queue_timeout" if isinstance(exc, QueueTimeout)
+                          else "displaced" if isinstance(exc, QueueDisplaced) else "queue_full")
+                proxy.metrics.rejected.labels(reason).inc()
                 rec.status = 429
                 return ws_error("no worker available, retry later", 429)
             except (SchedulerError, NoWorkerError) as exc:
-                rec.status = 404
-                return ws_error(str(exc), 404)
+                if isinstance(exc, UnknownModelError) or getattr(exc, "unknown_model", False):
+                    rec.status = 404
+                elif isinstance(exc, SchedulerRequestError):
+                    rec.status = 400  # the scheduler found the request malformed
+                elif exclude:  # the workers tried failed it, and no other is left: as below
+                    break
+                else:
+                    # The model is served, but no worker of it is healthy now (or the scheduler
+                    # refused the request): the HTTP path's 503 no_worker, not a 404 that told
+                    # the operator (and the client) of a model nobody serves.
+                    proxy.metrics.rejected.labels("no_worker").inc()
+                    rec.status = 503
+                return ws_error(str(exc), rec.status)
             try:
                 self.upstream = await proxy.session.ws_connect(
                     route.url + "/v1/ws",

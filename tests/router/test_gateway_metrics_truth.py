@@ -14,7 +14,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.router.procs import SimStack, series_value, sim_stack
+from tests.router.procs import (
+    SimStack,
+    series_value,
+    sim_stack,
+    start_gateway,
+    start_scheduler,
+    start_sim_workers,
+)
 
 _TPOT = 'router_time_per_output_token_seconds_{}{{model="m"}}'
 
@@ -239,3 +246,47 @@ async def test_websocket_answers_are_observed_each_not_the_socket_life(stack: Si
         assert count == 2, name
         # The gateway times each answer inside the client's own interval for it.
         assert 0.3 * client < total <= client, (name, total, client)
+
+
+async def _first_ws_answer(gw: str, request: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.ws_connect(gw + "/v1/ws") as ws:
+        await ws.send_str(json.dumps(request))
+        return json.loads((await ws.receive(timeout=30)).data)
+
+
+def test_a_websocket_refused_for_want_of_a_healthy_worker_is_a_503_no_worker() -> None:
+    """Over HTTP, a model whose every worker is down gets 503 no_worker and counts in
+    router_rejected_requests_total; a socket refused so was counted as a 404 (model=unknown,
+    as if nobody served the model) and as no rejection at all."""
+    procs = []
+    try:
+        [(w, wu)] = start_sim_workers(1)
+        procs.append(w)
+        s, su = start_scheduler([wu], "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su)
+        procs.append(g)
+        w.kill()
+        deadline = time.monotonic() + 10
+        while any(x["healthy"] for x in httpx.get(su + "/v1/workers").json()["workers"]):
+            assert time.monotonic() < deadline, "the scheduler never saw the worker down"
+            time.sleep(0.05)
+        rejected = 'router_rejected_requests_total{reason="no_worker"}'
+        before = series_value(gu, rejected, 0.0)
+        answer = asyncio.run(_first_ws_answer(gu, {"model": "m", "prompt": "x", "max_tokens": 2}))
+        assert answer["error"]["code"] == 503, answer
+        deadline = time.monotonic() + 5
+        while series_value(gu, rejected, 0.0) == before:
+            assert time.monotonic() < deadline, "the refusal never reached the rejected counter"
+            time.sleep(0.05)
+        # The scheduler knows the model (its worker is only down): it keeps its name, over a
+        # socket as over HTTP, though no worker has served it here yet.
+        assert series_value(gu, 'router_requests_total{model="m",status="503",worker="-"}') == 1
+        r = httpx.post(gu + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=20)
+        assert r.status_code == 503
+        assert series_value(gu, 'router_requests_total{model="m",status="503",worker="-"}') == 2
+    finally:
+        for p in procs:
+            p.stop()
