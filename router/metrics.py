@@ -85,7 +85,8 @@ class RouterMetrics:
         )
         self.tpot = Histogram(
             "router_time_per_output_token_seconds",
-            "(e2e - TTFT) / (output tokens - 1), streams only",
+            "(e2e - TTFT) / (output tokens per answer - 1), streams only (n answers, or a "
+            "batch's, are generated side by side)",
             ["model"],
             buckets=_TPOT_BUCKETS,
             registry=r,
