@@ -24,8 +24,9 @@ _MAX_CARRY = 1 << 20
 # send one per choice before any token). It is no token: counted as one, a stream cut short
 # without usage (its worker failed, its client left) counted n tokens too many.
 ROLE_OPENING = re.compile(
-    rb'"delta"\s*:\s*\{\s*"role"\s*:\s*"[a-z]*"\s*(?:,\s*"content"\s*:\s*(?:""|null)\s*)?'
-    rb'(?:,\s*"refusal"\s*:\s*null\s*)?\}'
+    # The role first, then only empty fields: `"content": ""` (vLLM, our worker), `"refusal":
+    # null` (OpenAI), `"reasoning_content": null, "tool_calls": null` (SGLang dumps its unset ones).
+    rb'"delta"\s*:\s*\{\s*"role"\s*:\s*"[a-z]*"(?:\s*,\s*"[a-z_]+"\s*:\s*(?:""|null|\[\]))*\s*\}'
 )
 
 

@@ -36,3 +36,26 @@ def test_a_usage_event_nested_too_deeply_to_parse_is_passed_on_uncounted():
     deep = b'data: {"choices": [], "usage": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}\n\n"
     assert tap.feed(deep) == deep
     assert (tap.prompt_tokens, tap.completion_tokens) == (None, None)
+
+
+def _event(delta: dict) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    "opening",
+    [
+        {"role": "assistant", "content": ""},  # vLLM, our worker
+        {"role": "assistant", "content": "", "refusal": None},  # OpenAI
+        {"role": "assistant", "content": "", "reasoning_content": None, "tool_calls": None},  # SGLang
+    ],
+    ids=["vllm", "openai", "sglang"],
+)
+def test_a_cut_chat_stream_counts_its_tokens_not_its_role_chunk(opening):
+    """A stream cut short has no usage: its events stand in for tokens. The role chunk that
+    opens a chat stream, as each server spells it, is none of them."""
+    tap = StreamTap(strip_usage=True)
+    tap.feed(_event(opening))
+    for word in ("a", "b", "c"):
+        tap.feed(_event({"content": word}))
+    assert tap.content_events == 3
