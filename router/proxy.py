@@ -250,7 +250,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             prompt_c, gen_c, _, _, _ = m.per_model(rec.model)
             prompt_c.inc(rec.prompt_tokens)
             gen_c.inc(rec.output_tokens)
-            if rec.method != "WS":  # a socket's latencies are its answers' (observe_answer)
+            # A socket's latencies are its answers' (observe_answer); a background response's
+            # answer is its `queued` acknowledgment, a few milliseconds that are no answer's
+            # latency (its generation goes on in the worker, unseen here).
+            if rec.method != "WS" and not (rec.detached and not rec.stream):
                 ttft_s = rec.ttft_ms / 1000 if rec.ttft_ms is not None else None
                 self.observe_answer(rec.model, ttft_s, time.perf_counter() - rec.start,
                                     rec.output_tokens, rec.sequences)

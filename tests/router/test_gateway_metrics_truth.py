@@ -290,3 +290,25 @@ def test_a_websocket_refused_for_want_of_a_healthy_worker_is_a_503_no_worker() -
     finally:
         for p in procs:
             p.stop()
+
+
+def test_a_background_response_acknowledged_queued_is_no_end_to_end_latency(stack: SimStack) -> None:
+    """A background response is answered `queued` at once and generated afterwards: that
+    acknowledgment (a few milliseconds) was observed as the request's end-to-end latency,
+    pulling the e2e percentiles down by as many requests as went to the background."""
+    gw = stack.gateway
+    # The stack's one worker: every request of "m" goes to it.
+    [worker] = [w["worker_id"] for w in httpx.get(stack.scheduler + "/v1/workers").json()["workers"]]
+    served = f'router_requests_total{{model="m",status="200",worker="{worker}"}}'
+    served0 = series_value(gw, served, 0.0)
+    e2e_count0 = _latency(gw, "e2e_request_latency")[0]
+    r = httpx.post(gw + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 20,
+                                               "background": True}, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "queued"
+    assert r.headers["x-router-worker"] == worker
+    # The request is counted (so it was finished here) and its acknowledgment is no latency.
+    deadline = time.monotonic() + 5
+    while series_value(gw, served, 0.0) == served0:
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.02)
+    assert _latency(gw, "e2e_request_latency")[0] == e2e_count0
