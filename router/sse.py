@@ -20,6 +20,7 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _MAX_CARRY = 1 << 20
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
 # A chat stream's opening chunk of a choice: its role and no text (OpenAI, vLLM and our worker
 # send one per choice before any token). It is no token: counted as one, a stream cut short
 # without usage (its worker failed, its client left) counted n tokens too many.
@@ -70,14 +71,21 @@ class StreamTap:
             piece = self.carry + piece
             self.carry = b""
         cut = piece.rfind(b"\n\n")
-        if cut < 0:
-            if b"\r\n" in piece or len(piece) > _MAX_CARRY:
-                # CRLF framing or a giant event: stop cutting, forward as is.
-                self.passthrough = True
-                return self.feed(piece)
-            self.carry = piece
-            return b""
-        cut += 2
+        if cut >= 0:
+            cut += 2
+        else:
+            # CRLF framing (sse-starlette's default, so servers built on it): cut there too.
+            # Forwarded as is, its usage chunk went to a client that had not asked for usage.
+            # (A stream framed with LF, as nearly all are, never holds this, and skips it.)
+            cut = piece.rfind(b"\r\n\r\n")
+            if cut < 0:
+                if len(piece) > _MAX_CARRY:
+                    # A giant event: stop cutting, forward as is.
+                    self.passthrough = True
+                    return self.feed(piece)
+                self.carry = piece
+                return b""
+            cut += 4
         if cut < len(piece):
             self.carry = piece[cut:]
             piece = piece[:cut]
@@ -131,7 +139,9 @@ class StreamTap:
 
     def _take_usage(self, piece: bytes) -> bytes:
         out: list[bytes] = []
-        for event in piece.split(b"\n\n"):
+        start = 0
+        for end in _EVENT_END.finditer(piece):
+            event, separator, start = piece[start:end.start()], end.group(), end.end()
             if not event:
                 continue
             if _USAGE.search(event) is not None:
@@ -155,7 +165,8 @@ class StreamTap:
                         self.events -= 1
                         continue
             out.append(event)
-            out.append(b"\n\n")
+            out.append(separator)
+        out.append(piece[start:])  # nothing: the piece was cut at an event's end
         return b"".join(out)
 
     def _scan_usage_bytes(self, piece: bytes) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from tests.router.procs import (
     SimStack,
@@ -22,6 +24,7 @@ from tests.router.procs import (
     start_scheduler,
     start_sim_workers,
 )
+from tests.router.stand_ins import stand_ins_behind_router
 
 _TPOT = 'router_time_per_output_token_seconds_{}{{model="m"}}'
 
@@ -312,3 +315,56 @@ def test_a_background_response_acknowledged_queued_is_no_end_to_end_latency(stac
         assert time.monotonic() < deadline, "the request was never counted"
         time.sleep(0.02)
     assert _latency(gw, "e2e_request_latency")[0] == e2e_count0
+
+
+_CRLF_PROMPT_TOKENS, _CRLF_WORDS = 7, ("one", "two", "three")
+
+
+async def _crlf_chat(request: web.Request) -> web.StreamResponse:
+    """A chat stream framed with CRLF, as servers built on sse-starlette frame theirs: a role
+    chunk, a token a chunk, and the usage chunk only when asked for, as OpenAI's API does."""
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return b"data: " + json.dumps({"object": "chat.completion.chunk", "choices": choices,
+                                       **extra}).encode() + b"\r\n\r\n"
+
+    await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}}]))
+    for word in _CRLF_WORDS:
+        await resp.write(chunk([{"index": 0, "delta": {"content": word}}]))
+    await resp.write(chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"prompt_tokens": _CRLF_PROMPT_TOKENS, "completion_tokens": len(_CRLF_WORDS)}
+        await resp.write(chunk([], usage=usage))
+    await resp.write(b"data: [DONE]\r\n\r\n")
+    await resp.write_eof()
+    return resp
+
+
+async def test_a_crlf_framed_stream_hides_the_usage_the_client_did_not_ask_for() -> None:
+    """The gateway asks the worker for usage (its token counts) and drops the usage chunk for a
+    client that had not asked for it. A stream framed with CRLF was passed through untouched:
+    its client got a usage chunk it had not asked for (a client that takes `choices[0]` of
+    every chunk fails on it)."""
+    async with stand_ins_behind_router([([("POST", "/v1/chat/completions", _crlf_chat)], None)]) as (
+        _, gw,
+    ):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with httpx.AsyncClient(timeout=30) as client:
+            before = [series_value(gw, f'router_{kind}_tokens_total{{model="m"}}', 0.0)
+                      for kind in ("prompt", "generation")]
+            r = await client.post(gw + "/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        events = [e for e in re.split(r"\r\n\r\n|\n\n", r.text) if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert [c.get("usage") for c in chunks] == [None] * 5  # role, 3 tokens, finish: no usage
+        # ...and the gateway read the usage it asked for: the worker's counts, not estimates
+        # (written as the request ends, just after the client has its last byte).
+        await asyncio.to_thread(_wait_for_change, gw, _GENERATED, before[1])
+        after = [series_value(gw, f'router_{kind}_tokens_total{{model="m"}}', 0.0)
+                 for kind in ("prompt", "generation")]
+        assert [a - b for a, b in zip(after, before, strict=True)] == [_CRLF_PROMPT_TOKENS,
+                                                                       len(_CRLF_WORDS)]
