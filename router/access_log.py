@@ -102,8 +102,13 @@ class Stats:
         self.prompt_tokens += rec.prompt_tokens
         self.output_tokens += rec.output_tokens
         if rec.ttft_ms is not None:
-            self.ttft_sum_ms += rec.ttft_ms
-            self.ttft_n += 1
+            self.add_ttft(rec.ttft_ms)
+
+    def add_ttft(self, ms: float) -> None:
+        """A first token's time (a request's; or one answer's on a WebSocket, whose record has
+        none: a socket's answers are timed each)."""
+        self.ttft_sum_ms += ms
+        self.ttft_n += 1
 
 
 MAX_FIELD_CHARS = 120

@@ -282,6 +282,8 @@ class WsRelay:
                                 self.proxy.observe_answer(self.rec.model, turn.first_s,
                                                           time.perf_counter() - turn.start,
                                                           turn.output_tokens, turn.answers)
+                                if turn.first_s is not None:  # the stats line's mean TTFT too
+                                    self.proxy.stats.add_ttft(turn.first_s * 1000)
                             self.leases.end(pending.popleft())
                         self.proxy.settle_fair(self.rec)
                     await client.send_str(data)

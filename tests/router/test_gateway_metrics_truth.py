@@ -368,3 +368,31 @@ async def test_a_crlf_framed_stream_hides_the_usage_the_client_did_not_ask_for()
                  for kind in ("prompt", "generation")]
         assert [a - b for a, b in zip(after, before, strict=True)] == [_CRLF_PROMPT_TOKENS,
                                                                        len(_CRLF_WORDS)]
+
+
+async def test_the_stats_line_mean_ttft_counts_websocket_answers() -> None:
+    """The periodic stats line's mean TTFT took each request's record, and a socket's has none:
+    a gateway serving WebSockets logged mean_ttft_ms=0.0 however slow its answers were."""
+    import aiohttp
+
+    with sim_stack(1, gateway_flags=("--log-stats-interval", "0.2")) as st:
+        async with aiohttp.ClientSession() as s, s.ws_connect(st.gateway + "/v1/ws") as ws:
+            sent = time.perf_counter()
+            await ws.send_str(json.dumps({"model": "m", "prompt": "hello world " * 60, "max_tokens": 4}))
+            client_ttft = None
+            for _ in range(20):  # bounded: 4 chunks and a `done`
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg.get("type") == "done":
+                    break
+                client_ttft = client_ttft or time.perf_counter() - sent
+            assert client_ttft is not None
+            means: list[float] = []
+            deadline = time.monotonic() + 5
+            while not any(means):  # the socket stays open: its answer is what the line counts
+                assert time.monotonic() < deadline, "no stats line counted the answer's TTFT"
+                await asyncio.sleep(0.1)
+                means = [float(m) for m in re.findall(r"router\.stats: .* mean_ttft_ms=(\S+)",
+                                                      st.gateway_proc.output())]
+        # One answer in its interval: the line's mean is its TTFT, which the client's encloses.
+        [mean] = [m for m in means if m]
+        assert 0 < mean <= client_ttft * 1000 + 0.1  # the line rounds to 0.1 ms
