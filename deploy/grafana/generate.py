@@ -169,7 +169,8 @@ def router_dashboard() -> dict:
               description="Arrival at the gateway to the first streamed chunk (streamed requests); "
               "max/min are bucket bounds"),
         panel(ts, "Time per output token", max_avg_min("router_time_per_output_token_seconds", m), "s",
-              description="(e2e - TTFT) / (output tokens - 1), streamed requests"),
+              description="(e2e - TTFT) / (output tokens - 1) of each answer (n choices or a "
+              "batch of prompts: per answer), streamed requests and WebSocket answers"),
         panel(ts, "End-to-end latency", quantiles("router_e2e_request_latency_seconds", "", m), "s"),
         panel(ts, "Queue wait", quantiles("router_queue_wait_seconds", "", ""), "s",
               description="Time a request waited for a worker (gateway queue + scheduler holds)"),
@@ -179,6 +180,11 @@ def router_dashboard() -> dict:
         panel(ts, "Rejected by reason", [
             (f"sum by (reason) (rate(router_rejected_requests_total[{RATE}]))", "{{reason}}")], "reqps",
             width=8, description="429 queue full / queue timeout, auth, body size, ..."),
+        panel(ts, "Streams cut by their worker", [
+            (f"sum by (reason) (rate(router_stream_errors_total[{RATE}]))", "{{reason}}")], "reqps",
+            width=8, description="Answers whose worker failed after the first bytes (their 200 "
+            "was sent, so the request counters show them as served): the client got an error event "
+            "instead of the rest"),
         panel(ts, "Fallback mode and fallback requests", [
             ("max by (instance) (router_fallback_mode)", "fallback {{instance}}"),
             (f"sum(rate(router_fallback_requests_total[{RATE}]))", "fallback req/s")], width=8),
