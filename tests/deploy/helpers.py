@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,3 +74,13 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not gone within timeout_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

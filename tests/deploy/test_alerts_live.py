@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.helpers import DEPLOY, REPO, free_ports, wait_until
+from tests.deploy.helpers import DEPLOY, REPO, free_ports, stop_process, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -36,12 +36,7 @@ def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.deploy.helpers import DEPLOY, MEASURED, free_port, pid_alive, wait_until
+from tests.deploy.helpers import DEPLOY, MEASURED, free_port, pid_alive, stop_process, wait_until
 from tests.deploy.promql import (
     PROMETHEUS_BUILTINS,
     exposed_label_names,
@@ -181,12 +181,7 @@ def prometheus(stack, tmp_path_factory):
     finally:
         api.close()
         log.close()
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def query(api: httpx.Client, expr: str) -> list[dict]:

@@ -20,9 +20,6 @@ from tests.router.procs import (
     SimStack,
     series_value,
     sim_stack,
-    start_gateway,
-    start_scheduler,
-    start_sim_workers,
 )
 from tests.router.stand_ins import stand_ins_behind_router
 
@@ -265,15 +262,10 @@ def test_a_websocket_refused_for_want_of_a_healthy_worker_is_a_503_no_worker() -
     """Over HTTP, a model whose every worker is down gets 503 no_worker and counts in
     router_rejected_requests_total; a socket refused so was counted as a 404 (model=unknown,
     as if nobody served the model) and as no rejection at all."""
-    procs = []
-    try:
-        [(w, wu)] = start_sim_workers(1)
-        procs.append(w)
-        s, su = start_scheduler([wu], "--scrape-interval-ms", "100")
-        procs.append(s)
-        g, gu = start_gateway("--scheduler", su)
-        procs.append(g)
-        w.kill()
+    with sim_stack(1) as down:
+        su, gu = down.scheduler, down.gateway
+        for worker in down.workers.values():
+            worker.kill()
         deadline = time.monotonic() + 10
         while any(x["healthy"] for x in httpx.get(su + "/v1/workers").json()["workers"]):
             assert time.monotonic() < deadline, "the scheduler never saw the worker down"
@@ -292,9 +284,6 @@ def test_a_websocket_refused_for_want_of_a_healthy_worker_is_a_503_no_worker() -
         r = httpx.post(gu + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=20)
         assert r.status_code == 503
         assert series_value(gu, 'router_requests_total{model="m",status="503",worker="-"}') == 2
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_a_background_response_acknowledged_queued_is_no_end_to_end_latency(stack: SimStack) -> None:
