@@ -18,11 +18,21 @@ def _key_bytes(key: str) -> bytes:
         return key.encode("utf-8", "surrogatepass")
 
 
+def _inline_keys(inline: str) -> list[str]:
+    """--api-keys / ROUTER_API_KEYS: comma-separated, or a key file's text, one key per line
+    and '#' lines comments (a Kubernetes Secret's key file handed over as this variable)."""
+    keys: list[str] = []
+    for line in inline.splitlines():
+        if not line.lstrip().startswith("#"):
+            keys += [k.strip() for k in line.split(",") if k.strip()]
+    return keys
+
+
 def load_api_keys(path: str | None, inline: str = "") -> list[bytes]:
     # Keys are compared as bytes (bearer_token): taken as bytes here too, as the file holds them
     # and as the environment gave them (surrogateescape). A byte that is not UTF-8, in the file
     # or in ROUTER_API_KEYS, stopped start-up with a traceback.
-    keys = [_key_bytes(k.strip()) for k in inline.split(",") if k.strip()]
+    keys = [_key_bytes(k) for k in _inline_keys(inline)]
     if path:
         try:
             lines = Path(path).read_bytes().splitlines()

@@ -149,7 +149,8 @@ class RouterConfig(BaseSettings):
 
     # Security
     api_key_file: str | None = Field(None, description="file with one accepted API key per line")
-    api_keys: str = Field("", description="comma-separated accepted API keys (prefer --api-key-file)")
+    api_keys: str = Field("", description="accepted API keys, comma-separated or one per line "
+                          "(prefer --api-key-file, or ROUTER_API_KEYS from a secret)")
     forward_api_key: bool = Field(False, description="pass the client's Authorization header upstream")
     upstream_api_key: str | None = Field(None, description="Bearer key the gateway sends to workers")
     admin_token: str | None = Field(None, description="Bearer token required for /metrics and /admin/*")

@@ -301,6 +301,38 @@ def test_a_change_to_any_rendered_config_restarts_its_pods():
     assert checksums(None) == base  # stable: an upgrade that changes nothing restarts nothing
 
 
+def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admin_token(monkeypatch):
+    """gateway.auth: client keys and the admin token reach the gateway from a Secret (never the
+    ConfigMap), as variables its config reads; with the admin token, /metrics wants it, and the
+    ServiceMonitor sends it (without, the gateway's own scrape failed with 401 and its
+    LLMGatewayDown alert fired)."""
+    values = {"gateway": {"auth": {"secret": "llm-gateway-auth", "apiKeys": True, "adminToken": True}},
+              "metrics": {"serviceMonitor": {"enabled": True}}}
+    objs = render(values)
+    check_cluster(objs, "prod", "llm")
+    [gateway] = find(objs, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"]}
+    assert refs == {"ROUTER_API_KEYS": {"name": "llm-gateway-auth", "key": "api-keys"},
+                    "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"}}
+    for name in refs:  # variables the gateway's config really reads
+        monkeypatch.setenv(name, "sk-1\nsk-2")
+    cfg = RouterConfig(workers="http://w:1")
+    assert cfg.admin_token and cfg.api_keys
+    assert "admin_token" not in config_of(objs, "prod", "gateway")
+    [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer",
+                                         "credentials": {"name": "llm-gateway-auth", "key": "admin-token"}}
+    assert validate_against_kubernetes_schemas(objs) > 0
+
+    keys_only = render({"gateway": {"auth": {"secret": "llm-gateway-auth"}},
+                        "metrics": {"serviceMonitor": {"enabled": True}}})
+    [gateway] = find(keys_only, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    assert [e["name"] for e in gateway["env"]] == ["ROUTER_API_KEYS"]
+    assert "authorization" not in find(keys_only, "ServiceMonitor", "prod-llm-router")["spec"]["endpoints"][0]
+    [gateway] = find(render(None), "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    assert "env" not in gateway  # no Secret named: no auth, and no reference to a missing Secret
+
+
 # ---------------------------------------------------------------- official Kubernetes schemas
 
 KUBE_VERSION = "1.30.0"

@@ -86,6 +86,15 @@ def test_api_keys_that_are_not_utf8_are_taken_as_their_bytes(tmp_path):
     assert load_api_keys(str(key_file), "k\udcfe, k2") == [b"k\xfe", b"k2", b"sk-\xff"]
 
 
+def test_api_keys_from_the_environment_may_be_a_key_files_text():
+    """A Kubernetes Secret's key file, handed to the gateway as ROUTER_API_KEYS (the chart's
+    gateway.auth), is one key per line with '#' comments: each line is a key, as in
+    --api-key-file, where the whole text had been taken as one key."""
+    text = "# team a\nsk-a1\nsk-a2\n\n  # team b\nsk-b1, sk-b2\n"
+    assert load_api_keys(None, text) == [b"sk-a1", b"sk-a2", b"sk-b1", b"sk-b2"]
+    assert load_api_keys(None, "k1, k2,k3") == [b"k1", b"k2", b"k3"]
+
+
 def test_config_file_from_the_environment(tmp_path, monkeypatch):
     """ROUTER_CONFIG was taken as the field's value and the file never read."""
     y = tmp_path / "gateway.yaml"
