@@ -97,6 +97,24 @@ class WsRelay:
         # How many of the newest requests in session.pending no worker has (refused, or held).
         self.outside = 0
         self.leases = TurnLeases(proxy, rec)
+        self.answers = 0  # answers ended on this socket: each gets its access-log line
+
+    def _log_answer(self, turn: WsTurn, terminal: str) -> None:
+        """One access-log line per request (DESIGN.md), a socket's too: each answer's line as it
+        ends, `id=<socket's id>.<n>`; the socket's own line (status 101, its totals) comes at
+        its close."""
+        access_log = self.proxy.access_log
+        if access_log is None:
+            return
+        self.answers += 1
+        rec = self.rec
+        line = RequestRecord(f"{rec.id}.{self.answers}", "WS", self.request.path)
+        line.start, line.model, line.flow, line.trace = turn.start, rec.model, rec.flow, rec.trace
+        line.worker, line.stream = turn.worker_id or "-", True
+        line.prompt_tokens, line.output_tokens = turn.prompt_tokens, turn.output_tokens
+        line.ttft_ms = turn.first_s * 1000 if turn.first_s is not None else None
+        line.status, line.error = answer_status(terminal)
+        access_log.add(line)
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
@@ -278,6 +296,7 @@ class WsRelay:
                             self.outside += 1
                             continue
                         if turn is not None:
+                            self._log_answer(turn, data)
                             if data.startswith(_DONE_PREFIXES) and '"cancelled"' not in data:
                                 self.proxy.observe_answer(self.rec.model, turn.first_s,
                                                           time.perf_counter() - turn.start,
@@ -336,6 +355,20 @@ class WsRelay:
             self.leases.end(turn, error=CLIENT_LEFT)
         if self.upstream is not None:
             await self.upstream.close()
+
+
+def answer_status(terminal: str) -> tuple[int, str | None]:
+    """The HTTP status and error an answer's last message stands for, for its log line."""
+    if terminal.startswith(_DONE_PREFIXES):
+        return (499, "cancelled") if '"cancelled"' in terminal else (200, None)
+    try:
+        error = json.loads(terminal)["error"]
+        code, kind = error.get("code"), error.get("type")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return 502, "upstream_error"
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600:
+        return code, str(kind or code)
+    return (400 if kind == "invalid_request_error" else 502), str(code or kind or "error")
 
 
 def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:

@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import itertools
 import json
+import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -284,6 +285,42 @@ def test_access_log_line_per_request(stack):
         "tokens_out=3",
     ):
         assert field in line, (field, line)
+
+
+async def _ws_answers_then_a_bad_message(gw: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+        for max_tokens in (3, 5):
+            await ws.send_str(json.dumps({"model": "m", "prompt": "ws log", "max_tokens": max_tokens}))
+            while json.loads((await ws.receive(timeout=10)).data).get("type") != "done":
+                pass
+        await ws.send_str("[1, 2]")  # no request: the worker answers it with a 400
+        assert "error" in json.loads((await ws.receive(timeout=10)).data)
+
+
+def test_access_log_line_per_websocket_request(stack):
+    """DESIGN.md: one access-log line per request. A WebSocket had one for its whole life (at
+    its close, status 101); each answer now has its own, with its worker, status, TTFT and
+    tokens, under the socket's id and its number on the socket."""
+    asyncio.run(_ws_answers_then_a_bad_message(stack["gw"]))
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [x for x in stack["procs"][0].output().splitlines() if " WS /v1/ws " in x]
+        sockets = [x for x in lines if "status=101" in x]
+        if sockets:
+            socket_id = re.search(r"id=(\S+) ", sockets[-1]).group(1)
+            answers = [x for x in lines if f"id={socket_id}." in x]
+            if len(answers) == 3:
+                break
+        assert time.monotonic() < deadline, lines[-6:]
+        time.sleep(0.05)
+    first, second, bad = sorted(answers, key=lambda x: re.search(r"id=\S+\.(\d+) ", x).group(1))
+    for line, tokens in ((first, 3), (second, 5)):
+        for field in ("status=200", "worker=http://", f"tokens_out={tokens}", "model=m", "stream=1"):
+            assert field in line, (field, line)
+        assert re.search(r"ttft_ms=\d", line), line
+    assert "status=400" in bad and "tokens_out=0" in bad, bad
 
 
 def _tokens_counted(gw: str, kind: str = "generation") -> float:
