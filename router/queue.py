@@ -71,6 +71,13 @@ class QueueTimeout(Exception):
 _Entry = tuple[float, int, float, asyncio.Future[None]]  # (place, ticket, arrival, future)
 
 
+def _expire(fut: asyncio.Future[None]) -> None:
+    """A waiter's deadline passed before its turn: it leaves with QueueTimeout (promote() skips
+    it); one already woken is asking, and checks its deadline itself."""
+    if not fut.done():
+        fut.set_exception(QueueTimeout())
+
+
 class _Band:
     """One priority's waiters: a heap per flow, and the flows' turns (round robin)."""
 
@@ -217,8 +224,12 @@ class AdmissionQueue:
 
     @asynccontextmanager
     async def place(self, model: str, prompt_tokens: int = 0, priority: int = 0,
-                    flow: str = "") -> AsyncIterator[None]:
-        """Join `model`'s line and return once it is among those asking; leave the line on exit."""
+                    flow: str = "", deadline: float | None = None) -> AsyncIterator[None]:
+        """Join `model`'s line and return once it is among those asking; leave the line on exit.
+        deadline (time.monotonic()): a waiter still in line then is refused (QueueTimeout) there
+        and then. Those asking check it themselves (the caller's loop); one behind them must
+        not wait for its turn to learn it is late: priorities, flows' turns and shortest-first
+        let later requests (later deadlines) ask ahead of it, for as long as they keep coming."""
         if self.size >= self.max_size and not self._displace_for(flow, priority):
             raise QueueFull
         line = self._lines.get(model)
@@ -235,9 +246,17 @@ class AdmissionQueue:
                 place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
                 line.push(priority, flow, (place, next(self._tickets), arrival, me))
                 self._waiting[flow] += 1
+                timer = (None if deadline is None else asyncio.get_running_loop().call_later(
+                    max(0.0, deadline - time.monotonic()), _expire, me))
                 try:
                     await me  # resolved by promote() when it is this waiter's turn
                 finally:
+                    if timer is not None:
+                        timer.cancel()
+                    if me.done() and not me.cancelled():
+                        # Read, so that a refusal (timeout, displacement) that came as the
+                        # task was being cancelled is not logged as never retrieved.
+                        me.exception()
                     self._waiting[flow] -= 1
                     if not self._waiting[flow]:
                         del self._waiting[flow]

@@ -205,7 +205,7 @@ class Scheduling:
         # may be one no worker serves (the counters would keep every name a client makes up).
         if self.fallback_active:
             return self._fallback_pick(model, exclude, pin, pinned_url)
-        async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow):
+        async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow, deadline):
             while True:
                 if self.fallback_active:
                     return self._fallback_pick(model, exclude, pin, pinned_url)

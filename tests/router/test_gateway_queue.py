@@ -241,3 +241,43 @@ def test_a_request_of_a_better_priority_overtakes_those_waiting(cluster):
     assert finished["urgent"] < finished["plain"]
     r = _post(cluster, {**SLOW, "priority": "high"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+def test_a_request_waiting_behind_others_gets_its_timeout_on_time(cluster):
+    """The queue timeout holds for a request that waits behind the one asking the scheduler:
+    a batch request (priority 5) passed by a later urgent one (priority 0) got its 429 only when
+    its turn came, after the later one had left, not when its own time was up."""
+    _wait_queue_empty(cluster)
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    g, gu = start_gateway("--scheduler", scheduler, "--queue-timeout-ms", "1500")
+    long_running = {**SLOW, "max_tokens": 450}  # outlasts every wait below
+    finished: dict[str, tuple[float, httpx.Response]] = {}
+
+    def post(name: str, gw: str, body: dict) -> None:
+        r = _post(gw, body)
+        finished[name] = (time.monotonic(), r)
+
+    try:
+        with ThreadPoolExecutor(5) as ex:
+            running = [ex.submit(post, f"running{i}", cluster, long_running) for i in range(2)]
+            _wait_leases(scheduler, 2)  # both workers are full
+            queued = [ex.submit(post, "head", gu, SLOW)]  # asks the scheduler until its timeout
+            _wait_queued(gu, 1)
+            queued.append(ex.submit(post, "batch", gu, {**SLOW, "priority": 5}))
+            _wait_queued(gu, 2)
+            time.sleep(0.4)
+            # Later, and of a better priority: it asks when the head leaves, ahead of "batch".
+            queued.append(ex.submit(post, "urgent", gu, {**SLOW, "priority": 0}))
+            _wait_queued(gu, 3)
+            for f in running + queued:
+                f.result()
+        for name in ("head", "batch", "urgent"):
+            r = finished[name][1]
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout", name
+        # "batch" is refused when its own time is up, before "urgent", which came later (and
+        # waited out its own timeout asking), is.
+        assert finished["batch"][0] < finished["urgent"][0]
+        assert series_value(gu, "router_requests_queued") == 0
+        assert [finished[f"running{i}"][1].status_code for i in range(2)] == [200, 200]
+    finally:
+        g.stop()
