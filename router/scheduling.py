@@ -86,6 +86,7 @@ class Scheduling:
         self.down_since: float | None = None
         self.last_switch_s: dict[str, float] = {}
         self._probe: asyncio.Task | None = None
+        self._fallback_timer: asyncio.TimerHandle | None = None  # the switch, while it is down
         self._refresher: asyncio.Task | None = None
         self._static: asyncio.Task | None = None
         self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
@@ -151,6 +152,8 @@ class Scheduling:
             self.pipe.close()
         if self._static is not None:
             self._static.cancel()
+        if self._fallback_timer is not None:
+            self._fallback_timer.cancel()
         for t in (self._probe, self._refresher, self._renewer):
             if t is not None:
                 t.cancel()
@@ -267,14 +270,27 @@ class Scheduling:
         elif "wait_ms" in body:
             del body["wait_ms"]
         t0 = time.perf_counter()
+        started = time.monotonic()
         try:
-            if wait_ms == 0 and self.pipe is not None:
-                status, payload = await self.pipe.schedule_raw(body)  # gives back orphans itself
+            if self.down_since is None:
+                status, payload = await self._schedule_call(body, wait_ms)
             else:
-                status, payload = await self._long_poll(body, wait_ms)
+                # Already unreachable: a hung scheduler (stopped, its host frozen: connections
+                # accepted, never answered) would hold this call for the whole client timeout
+                # past the fallback switch; the call is given up at the switch instead. A
+                # cancelled call gives back a lease that came too late (_long_poll, the pipe).
+                async with asyncio.timeout_at(self._fallback_due_loop_time()):
+                    status, payload = await self._schedule_call(body, wait_ms)
+        except TimeoutError:
+            # asyncio.timeout_at's expiry (the clients turn their own timeouts into
+            # SchedulerUnavailableError): no answer until the fallback switch.
+            self.metrics.scheduler_errors.labels("schedule").inc()
+            await self._scheduler_failed(SchedulerUnavailableError("no answer before the fallback switch"),
+                                         started, wait_ms)
+            return None
         except SchedulerUnavailableError as exc:
             self.metrics.scheduler_errors.labels("schedule").inc()
-            await self._scheduler_failed(exc)
+            await self._scheduler_failed(exc, started, wait_ms)
             return None
         self.metrics.observe_scheduler("wait" if wait_ms else "schedule", time.perf_counter() - t0)
         if self.down_since is not None:
@@ -302,6 +318,17 @@ class Scheduling:
         if time.perf_counter() - t0 < 0.005:
             await asyncio.sleep(min(payload.get("retry_after_ms", 50), 250) / 1000)
         return None
+
+    async def _schedule_call(self, body: dict[str, Any], wait_ms: int) -> tuple[int, dict]:
+        if wait_ms == 0 and self.pipe is not None:
+            return await self.pipe.schedule_raw(body)  # gives back orphans itself
+        return await self._long_poll(body, wait_ms)
+
+    def _fallback_due_loop_time(self) -> float:
+        """When (event-loop clock) the fallback switch is due while the scheduler is down."""
+        assert self.down_since is not None
+        loop = asyncio.get_running_loop()
+        return loop.time() + max(0.0, self.down_since + self.wait_timeout_s - time.monotonic())
 
     async def _long_poll(self, body: dict[str, Any], wait_ms: int) -> tuple[int, dict]:
         """A schedule call over HTTP, held (wait_ms > 0) or not. If our client leaves meanwhile,
@@ -334,10 +361,17 @@ class Scheduling:
         return Route(w.worker_id, w.url, None, "fallback_round_robin", {}, fallback=True)
 
     # ---- scheduler availability --------------------------------------------------------
-    async def _scheduler_failed(self, exc: Exception) -> None:
+    async def _scheduler_failed(self, exc: Exception, started: float, wait_ms: int = 0) -> None:
+        """A call sent at `started` (monotonic) with `wait_ms` of long poll got no answer."""
         now = time.monotonic()
         if self.down_since is None:
-            self.down_since = now
+            # The scheduler owed this call an answer since it was sent (a long poll: since its
+            # wait ran out), not since the client gave up on it: a hung scheduler's calls fail
+            # only at the client timeout (--scheduler-timeout-ms), and counting from then put
+            # the switch to round robin that much past --wait-schedule-timeout-ms.
+            self.down_since = min(now, started + wait_ms / 1000)
+            self._fallback_timer = asyncio.get_running_loop().call_later(
+                max(0.0, self.down_since + self.wait_timeout_s - now), self._fallback_due)
             log.warning(
                 "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
                 exc,
@@ -351,6 +385,13 @@ class Scheduling:
             return
         await asyncio.sleep(min(self.try_period_s, self.wait_timeout_s - elapsed))
         if self.down_since is not None and time.monotonic() - self.down_since >= self.wait_timeout_s:
+            self._enter_fallback(time.monotonic() - self.down_since)
+
+    def _fallback_due(self) -> None:
+        """The switch on time even when no call ends then (every request's call hangs, or none
+        is asking): /health, the fallback metric and newcomers see fallback mode at once."""
+        self._fallback_timer = None
+        if self.down_since is not None:
             self._enter_fallback(time.monotonic() - self.down_since)
 
     def _enter_fallback(self, elapsed: float) -> None:
@@ -371,6 +412,9 @@ class Scheduling:
         was_fallback = self.fallback_active
         down_for = time.monotonic() - (self.down_since or time.monotonic())
         self.down_since = None
+        if self._fallback_timer is not None:
+            self._fallback_timer.cancel()
+            self._fallback_timer = None
         self.fallback_active = False
         if was_fallback:
             # How late we noticed, at most: time since the last failed probe.

@@ -1,0 +1,86 @@
+"""The gateway while its scheduler hangs or dies and comes back, with real processes: the switch
+to round robin on time (DESIGN.md, "Gateway behaviour": past --wait-schedule-timeout-ms),
+and the way back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.router.procs import (
+    Proc,
+    free_port,
+    series_value,
+    start_gateway,
+    start_scheduler,
+    start_sim_workers,
+)
+
+WAIT_TIMEOUT_S = 3.0  # --wait-schedule-timeout-ms of the gateways here
+BODY = {"model": "m", "prompt": "x", "max_tokens": 2}
+
+
+@pytest.fixture
+def stack() -> Iterator[dict]:
+    """Two sim workers, a scheduler on a port kept for a restart, a gateway with a 3 s switch."""
+    procs: list[Proc] = []
+    try:
+        workers = start_sim_workers(2)
+        procs += [p for p, _ in workers]
+        urls = [u for _, u in workers]
+        port = free_port()
+        s, su = start_scheduler(urls, "--scrape-interval-ms", "100", port=port)
+        procs.append(s)
+        g, gu = start_gateway(
+            "--scheduler", su, "--debug-headers",
+            "--wait-schedule-timeout-ms", str(int(WAIT_TIMEOUT_S * 1000)),
+            "--wait-schedule-try-period-ms", "200",
+            "--scheduler-timeout-ms", "2000",
+        )
+        procs.append(g)
+        yield {"gw": gu, "scheduler": s, "scheduler_url": su, "port": port, "urls": urls, "procs": procs}
+    finally:
+        for p in procs:
+            if p.alive():
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.stop()
+
+
+def _call(gw: str) -> tuple[float, httpx.Response]:
+    t0 = time.monotonic()
+    r = httpx.post(gw + "/v1/completions", json=BODY, timeout=30)
+    return time.monotonic() - t0, r
+
+
+def test_a_hung_scheduler_is_left_for_round_robin_at_the_wait_timeout_not_later(stack):
+    """A stopped scheduler (its port accepts connections, nothing answers) made the first
+    request wait the scheduler call's timeout (2 s) before the fallback clock even started,
+    and then until a held long poll timed out too: 9.5 s for a 5 s --wait-schedule-timeout-ms."""
+    gw = stack["gw"]
+    took, r = _call(gw)
+    assert r.status_code == 200 and r.headers["x-router-policy"] == "llm_aware"
+    os.kill(stack["scheduler"].pid, signal.SIGSTOP)
+    took, r = _call(gw)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-router-policy"] == "fallback_round_robin"
+    # Not before the timeout (the gateway keeps trying the scheduler until then), and not much
+    # after it: the margin covers a busy machine, far less than the 2 s call timeout.
+    assert WAIT_TIMEOUT_S - 0.3 <= took <= WAIT_TIMEOUT_S + 1.2, took
+    assert httpx.get(gw + "/health").json()["mode"] == "fallback"
+    assert series_value(gw, "router_fallback_mode") == 1
+    took, r = _call(gw)  # in fallback mode nothing waits for the hung scheduler
+    assert r.status_code == 200 and r.headers["x-router-policy"] == "fallback_round_robin"
+    assert took < 1.0, took
+
+    os.kill(stack["scheduler"].pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and httpx.get(gw + "/health").json()["mode"] != "scheduled":
+        time.sleep(0.05)
+    _, r = _call(gw)
+    assert r.status_code == 200 and r.headers["x-router-policy"] == "llm_aware"
+    assert series_value(gw, "router_fallback_mode") == 0
