@@ -25,7 +25,12 @@ from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
 from router.sched_pipe import SchedulerPipe, orphan_release
-from scheduler.client import SchedulerClient, SchedulerError, SchedulerUnavailableError
+from scheduler.client import (
+    SchedulerClient,
+    SchedulerError,
+    SchedulerUnavailableError,
+    UnknownModelError,
+)
 
 log = logging.getLogger("router.scheduling")
 # How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
@@ -292,8 +297,20 @@ class Scheduling:
             self.metrics.scheduler_errors.labels("schedule").inc()
             await self._scheduler_failed(exc, started, wait_ms)
             return None
+        except UnknownModelError:
+            if self.down_since is None:
+                raise
+            # Answered by a scheduler that was away (restarted): it knows no worker yet, not
+            # that nobody serves the model; as unreachable until it can route (the probe says
+            # when), and the fallback answers for a model no last-known worker serves.
+            await self._scheduler_failed(SchedulerUnavailableError("scheduler knows no worker yet"), started)
+            return None
         self.metrics.observe_scheduler("wait" if wait_ms else "schedule", time.perf_counter() - t0)
         if self.down_since is not None:
+            if status != 200 and payload.get("reason") == "no_routable_worker" and not body.get("exclude"):
+                # The same for its "no healthy worker" (a request that excluded none).
+                await self._scheduler_failed(SchedulerUnavailableError("no routable worker yet"), started)
+                return None
             self._scheduler_back()
         if status == 200:
             return self._leased(payload)
@@ -435,7 +452,11 @@ class Scheduling:
         last_failed = time.monotonic()
         while self.down_since is not None:
             t0 = time.monotonic()
-            if await self.client.health():
+            # Back only once it can route: a restarted scheduler answers /health at once but
+            # knows no worker until it has scraped them (self-registered or discovered ones:
+            # until they register again, seconds); scheduled routing then answered clients
+            # 404 model_not_found, where round robin over the last-known workers serves them.
+            if await self.client.routable():
                 if self.down_since is not None:
                     # The scheduler came back at some point after the last failed probe.
                     self._scheduler_back(probe_started=last_failed)

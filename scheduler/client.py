@@ -233,6 +233,25 @@ class SchedulerClient:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    async def routable(self) -> int | None:
+        """How many workers the scheduler can route to now, from GET /health: None when it
+        does not answer 200. A scheduler that does not say is counted as ready (1)."""
+        session = self._get_session()
+        try:
+            async with session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+        try:
+            n = _loads(raw).get("routable", 1)
+        except (ValueError, AttributeError):
+            return 1
+        return n if isinstance(n, int) and not isinstance(n, bool) else 1
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)

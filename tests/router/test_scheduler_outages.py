@@ -84,3 +84,46 @@ def test_a_hung_scheduler_is_left_for_round_robin_at_the_wait_timeout_not_later(
     _, r = _call(gw)
     assert r.status_code == 200 and r.headers["x-router-policy"] == "llm_aware"
     assert series_value(gw, "router_fallback_mode") == 0
+
+
+def test_a_restarted_scheduler_that_knows_no_worker_yet_leaves_round_robin_serving(stack):
+    """A scheduler restarted with discovery (self-registration, Kubernetes) answers /health at
+    once but knows no worker until they register again (their heartbeat: seconds). The gateway
+    went back to scheduled routing on that first answer, and its clients got 404
+    model_not_found (and 503 no_worker) until the workers were back in the scheduler's pool."""
+    gw, port, urls = stack["gw"], stack["port"], stack["urls"]
+    stack["scheduler"].kill()
+    deadline = time.monotonic() + WAIT_TIMEOUT_S + 5
+    while time.monotonic() < deadline and httpx.get(gw + "/health").json()["mode"] != "fallback":
+        _call(gw)
+        time.sleep(0.05)
+    assert httpx.get(gw + "/health").json()["mode"] == "fallback"
+
+    # The same port, no static workers: what a registration-based scheduler is on restart.
+    s2, su = start_scheduler([], "--registration-token", "t", "--scrape-interval-ms", "100", port=port)
+    stack["procs"].append(s2)
+    assert httpx.get(su + "/health").json()["routable"] == 0
+    t_end = time.monotonic() + 1.5  # fifteen probe periods of the gateway's (100 ms)
+    policies: list[str] = []
+    while time.monotonic() < t_end:
+        _, r = _call(gw)
+        assert r.status_code == 200, r.text
+        policies.append(r.headers["x-router-policy"])
+        time.sleep(0.05)
+    assert set(policies) == {"fallback_round_robin"}, policies
+    assert httpx.get(gw + "/health").json()["mode"] == "fallback"
+
+    # The workers register again (as their heartbeats would): scheduled routing resumes.
+    for url in urls:
+        r = httpx.post(su + "/v1/workers", json={"url": url, "models": ["m"]},
+                       headers={"Authorization": "Bearer t"})
+        assert r.status_code in (200, 201), r.text
+    deadline = time.monotonic() + 10
+    policy = ""
+    while time.monotonic() < deadline and policy != "llm_aware":
+        _, r = _call(gw)
+        assert r.status_code == 200, r.text
+        policy = r.headers["x-router-policy"]
+        time.sleep(0.05)
+    assert policy == "llm_aware"
+    assert httpx.get(gw + "/health").json()["mode"] == "scheduled"
