@@ -385,7 +385,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 return error_response(
                     429,
                     "too many requests waiting: the queue is full, retry later"
-                    + (" (this request's place went to another tenant's)" if displaced else ""),
+                    + (f" (this request's place went to {exc.by})" if displaced else ""),
                     "rate_limit_error",
                     code="queue_full",
                     headers={"Retry-After": "1"},

@@ -35,7 +35,9 @@ does not take most of the GPUs by taking as many turns as a tenant of short ones
 The bound is fair too: when the queue is full, a newcomer whose flow has at least two
 waiters fewer than the flow with the most takes the place of that flow's last waiter (of its
 worst priority, and none better than the newcomer's), which is refused (429, QueueDisplaced)
-instead of the newcomer. So a flood fills the queue only while nobody else needs it. (The
+instead of the newcomer. So a flood fills the queue only while nobody else needs it. Failing
+that, a newcomer takes the place of the last waiter of the worst priority, if that is worse
+than its own (so a queue full of batch requests still takes an interactive one). (The
 displaced waiter leaves a moment later, so the count can pass `max_size` by the displacements
 still under way.)
 """
@@ -61,7 +63,12 @@ class QueueFull(Exception):
 
 
 class QueueDisplaced(QueueFull):
-    """A waiter whose place went to another flow's newcomer (the queue is full)."""
+    """A waiter whose place went to a newcomer (the queue is full): another flow's, or one of
+    a better priority."""
+
+    def __init__(self, by: str = "another tenant's request") -> None:
+        super().__init__(by)
+        self.by = by
 
 
 class QueueTimeout(Exception):
@@ -230,7 +237,8 @@ class AdmissionQueue:
         and then. Those asking check it themselves (the caller's loop); one behind them must
         not wait for its turn to learn it is late: priorities, flows' turns and shortest-first
         let later requests (later deadlines) ask ahead of it, for as long as they keep coming."""
-        if self.size >= self.max_size and not self._displace_for(flow, priority):
+        if (self.size >= self.max_size and not self._displace_for(flow, priority)
+                and not self._displace_worse_than(priority)):
             raise QueueFull
         line = self._lines.get(model)
         if line is None:
@@ -290,4 +298,22 @@ class AdmissionQueue:
         if victim is None:
             return False
         victim[2].set_exception(QueueDisplaced())
+        return True
+
+    def _displace_worse_than(self, priority: int) -> bool:
+        """The queue is full and no flow is owed a place: refuse the last waiter of the worst
+        priority, if that is worse than the newcomer's. Priorities are strict in the line; a
+        full line of batch requests must not turn away an interactive one that would be next."""
+        victim: tuple[int, int, asyncio.Future[None]] | None = None
+        for line in self._lines.values():
+            for band_priority, band in line.bands.items():
+                if band_priority <= priority or (victim is not None and band_priority < victim[0]):
+                    continue
+                for entries in band.flows.values():
+                    for _, ticket, _, fut in entries:
+                        if not fut.done() and (victim is None or (band_priority, ticket) > victim[:2]):
+                            victim = (band_priority, ticket, fut)
+        if victim is None:
+            return False
+        victim[2].set_exception(QueueDisplaced("a request of better priority"))
         return True

@@ -15,7 +15,7 @@ from router.auth import KeyChecker, bearer_token
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
-from router.queue import AdmissionQueue, QueueFull
+from router.queue import AdmissionQueue, QueueDisplaced, QueueFull
 from router.sse import StreamTap, usage_of_body
 from router.tokens import (
     PREFIX_CHUNK_CHARS,
@@ -335,6 +335,43 @@ async def test_a_full_queue_refuses_the_flooding_flows_last_waiter_not_a_newcome
     release.set()
     await asyncio.gather(*tasks)
     assert order == ["a0", "b0", "c0", "a1"] and q.size == 0
+
+
+async def test_a_queue_full_of_batch_requests_takes_a_better_priority_one_in_place_of_the_last():
+    """Priorities are strict in the line, yet a full queue (here of one flow's priority-5 batch
+    requests, so no flow is owed a place) turned away an interactive priority-0 request that
+    would have been next. It now takes the place of the last waiter of the worst priority,
+    which is refused (QueueDisplaced, saying why); a newcomer no better than every waiter is
+    still refused."""
+    q = AdmissionQueue(max_size=4)
+    order: list[str] = []
+    refused: list[str] = []
+    release = asyncio.Event()
+
+    async def waiter(name: str, priority: int) -> None:
+        try:
+            async with q.place("m", 100, priority, "batch"):
+                order.append(name)
+                await release.wait()
+        except QueueDisplaced as exc:
+            refused.append(f"{name} displaced by {exc.by}")
+        except QueueFull:
+            refused.append(f"{name} full")
+
+    tasks = [asyncio.create_task(waiter(f"b{i}", 5 if i != 2 else 7)) for i in range(4)]
+    await asyncio.sleep(0.001)
+    tasks.append(asyncio.create_task(waiter("same", 7)))  # no better than any waiter: refused
+    await asyncio.sleep(0.001)
+    assert refused == ["same full"]
+    tasks.append(asyncio.create_task(waiter("urgent", 0)))
+    await asyncio.sleep(0.001)
+    assert refused == ["same full", "b2 displaced by a request of better priority"]  # the worst first
+    tasks.append(asyncio.create_task(waiter("urgent2", 0)))
+    await asyncio.sleep(0.001)
+    assert refused[-1] == "b3 displaced by a request of better priority"  # then the newest of 5
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == ["b0", "urgent", "urgent2", "b1"] and q.size == 0
 
 
 async def _token_turns(q: AdmissionQueue, arrivals: list[tuple[str, str, int]]) -> list[str]:
