@@ -381,21 +381,8 @@ class Scheduling:
     async def _scheduler_failed(self, exc: Exception, started: float, wait_ms: int = 0) -> None:
         """A call sent at `started` (monotonic) with `wait_ms` of long poll got no answer."""
         now = time.monotonic()
-        if self.down_since is None:
-            # The scheduler owed this call an answer since it was sent (a long poll: since its
-            # wait ran out), not since the client gave up on it: a hung scheduler's calls fail
-            # only at the client timeout (--scheduler-timeout-ms), and counting from then put
-            # the switch to round robin that much past --wait-schedule-timeout-ms.
-            self.down_since = min(now, started + wait_ms / 1000)
-            self._fallback_timer = asyncio.get_running_loop().call_later(
-                max(0.0, self.down_since + self.wait_timeout_s - now), self._fallback_due)
-            log.warning(
-                "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
-                exc,
-                self.try_period_s * 1000,
-                self.wait_timeout_s * 1000,
-            )
-            self._start_probe()
+        self._mark_down(exc, min(now, started + wait_ms / 1000))
+        assert self.down_since is not None
         elapsed = now - self.down_since
         if elapsed >= self.wait_timeout_s:
             self._enter_fallback(elapsed)
@@ -403,6 +390,26 @@ class Scheduling:
         await asyncio.sleep(min(self.try_period_s, self.wait_timeout_s - elapsed))
         if self.down_since is not None and time.monotonic() - self.down_since >= self.wait_timeout_s:
             self._enter_fallback(time.monotonic() - self.down_since)
+
+    def _mark_down(self, exc: Exception, since: float) -> None:
+        """Start the fallback clock (if not running) at `since`: when the scheduler was first
+        owed an answer it did not give. A call's start (a long poll's: when its wait ran out),
+        not when the client gave up on it: a hung scheduler's calls fail only at the client
+        timeout (--scheduler-timeout-ms), and counting from then put the switch to round robin
+        that much past --wait-schedule-timeout-ms."""
+        if self.down_since is not None:
+            return
+        now = time.monotonic()
+        self.down_since = since
+        self._fallback_timer = asyncio.get_running_loop().call_later(
+            max(0.0, since + self.wait_timeout_s - now), self._fallback_due)
+        log.warning(
+            "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
+            exc,
+            self.try_period_s * 1000,
+            self.wait_timeout_s * 1000,
+        )
+        self._start_probe()
 
     def _fallback_due(self) -> None:
         """The switch on time even when no call ends then (every request's call hangs, or none
@@ -456,7 +463,9 @@ class Scheduling:
             # knows no worker until it has scraped them (self-registered or discovered ones:
             # until they register again, seconds); scheduled routing then answered clients
             # 404 model_not_found, where round robin over the last-known workers serves them.
-            if await self.client.routable():
+            routable = await self.client.routable()
+            # (Or it answers and round robin has no worker to offer instead: nothing to wait for.)
+            if routable or (routable is not None and not self.fallback.workers):
                 if self.down_since is not None:
                     # The scheduler came back at some point after the last failed probe.
                     self._scheduler_back(probe_started=last_failed)
@@ -469,7 +478,12 @@ class Scheduling:
     async def _refresh_loop(self) -> None:
         while True:
             if self.down_since is None:
-                await self._refresh_workers()
+                started = time.monotonic()
+                if not await self._refresh_workers():
+                    # The clock starts here too: an idle gateway showed mode "scheduled" (and
+                    # router_fallback_mode 0) for as long as its scheduler was gone, and its
+                    # first requests afterwards all waited out the switch.
+                    self._mark_down(SchedulerUnavailableError("worker list refresh failed"), started)
             await asyncio.sleep(self.workers_refresh_s)
 
     async def _refresh_workers(self) -> bool:

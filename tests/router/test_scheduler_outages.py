@@ -127,3 +127,21 @@ def test_a_restarted_scheduler_that_knows_no_worker_yet_leaves_round_robin_servi
         time.sleep(0.05)
     assert policy == "llm_aware"
     assert httpx.get(gw + "/health").json()["mode"] == "scheduled"
+
+
+def test_an_idle_gateway_notices_its_scheduler_gone_and_serves_its_next_request_at_once(stack):
+    """With no request asking, the gateway's periodic worker-list refresh is what sees the
+    scheduler gone. It started no fallback clock: /health said "scheduled" and
+    router_fallback_mode 0 for as long as the scheduler was away, and the first requests to
+    come then each waited out the whole switch."""
+    gw = stack["gw"]
+    stack["scheduler"].kill()
+    # The refresh every 2 s (--workers-refresh-ms' default) sees it, then the switch's 3 s.
+    deadline = time.monotonic() + 2.0 + WAIT_TIMEOUT_S + 3.0
+    while time.monotonic() < deadline and httpx.get(gw + "/health").json()["mode"] != "fallback":
+        time.sleep(0.1)
+    assert httpx.get(gw + "/health").json()["mode"] == "fallback"
+    assert series_value(gw, "router_fallback_mode") == 1
+    took, r = _call(gw)
+    assert r.status_code == 200 and r.headers["x-router-policy"] == "fallback_round_robin"
+    assert took < WAIT_TIMEOUT_S / 2, took  # it did not wait out the switch
