@@ -17,6 +17,7 @@ from pydantic_core import from_json, to_json
 from scheduler.channel import (
     LEASE_OPS,
     OPEN_CHANNELS,
+    caller_gone,
     close_channels,
     request_of,
     run_batch_bytes,
@@ -24,7 +25,7 @@ from scheduler.channel import (
 )
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
 from scheduler.policies import Request
-from scheduler.protocol import ScheduleRequest
+from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ async def schedule(request: web.Request) -> web.Response:
         return error_response(400, str(exc), exc.param)
     out = await svc.schedule(req, wait_ms)
     if isinstance(out, dict):
+        if caller_gone(request.transport):
+            # Nobody to answer (a call read late, its gateway gone meanwhile): the lease back.
+            svc.release(out["lease_id"], ok=True, error=CLIENT_LEFT)
+            return web.Response(status=499)
         return web.Response(body=to_json(out), content_type="application/json")
     if out == UNKNOWN_MODEL:
         return error_response(404, f"no worker serves model {req.model!r}", "model", "model_not_found")

@@ -38,6 +38,7 @@ from pydantic_core import from_json, to_json
 
 from scheduler.policies import Request
 from scheduler.protocol import (
+    CLIENT_LEFT,
     MAX_TOKENS_COUNTED,
     LeasePrefilled,
     LeaseRelease,
@@ -124,6 +125,34 @@ def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
     return answers, any_schedule
 
 
+def caller_gone(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the caller of a call just decided has hung up: its connection is closing here,
+    or its end is closed with the close not read yet (a pending EOF or reset). A scheduler
+    that was stopped (SIGSTOP, a frozen host) reads, when it resumes, calls its gateways gave
+    up on and closed meanwhile, and each lease decided for them counted as load on its worker
+    until it expired (--lease-ttl-s, 10 minutes). One peek at the socket: no loop iteration."""
+    if transport is None or transport.is_closing():
+        return True
+    tsock = transport.get_extra_info("socket")
+    if tsock is None:
+        return False
+    try:
+        # A dup of the descriptor (asyncio's socket wrapper has no recv), closed at once.
+        with tsock.dup() as sock:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing unread: the caller is there
+    except OSError:
+        return True  # reset
+
+
+def give_back_decided(svc: SchedulerService, answers: list) -> None:
+    """Release the leases of a batch's decisions that cannot reach their caller (caller_gone)."""
+    for status, payload in answers:
+        if status == 200 and isinstance(payload, dict) and payload.get("lease_id"):
+            svc.release(payload["lease_id"], ok=True, error=CLIENT_LEFT)
+
+
 def run_batch_bytes(svc: SchedulerService, raw: bytes) -> list | None:
     """POST /v1/batch: the answers, or None when the body is not a JSON array."""
     try:
@@ -187,7 +216,8 @@ async def serve_channel(request: web.Request, svc: SchedulerService) -> web.Stre
         answers, any_schedule = run_batch(svc, ops)
         if not any_schedule:
             continue
-        if transport is None or transport.is_closing():
+        if caller_gone(transport):
+            give_back_decided(svc, answers)
             break
         # Written straight to the transport: aiohttp's frame writer (Python) cost more than
         # the decision (py-spy at concurrency 1). A whole frame per write() call, so it never

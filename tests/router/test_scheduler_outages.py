@@ -4,14 +4,17 @@ and the way back."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from router.sched_wire import ws_frame
 from tests.router.procs import (
     Proc,
     free_port,
@@ -145,3 +148,54 @@ def test_an_idle_gateway_notices_its_scheduler_gone_and_serves_its_next_request_
     took, r = _call(gw)
     assert r.status_code == 200 and r.headers["x-router-policy"] == "fallback_round_robin"
     assert took < WAIT_TIMEOUT_S / 2, took  # it did not wait out the switch
+
+
+_UPGRADE = (b"GET /v1/channel HTTP/1.1\r\nHost: s\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+@pytest.mark.parametrize("wire", ["http", "channel"])
+def test_calls_a_stopped_scheduler_reads_after_their_gateway_gave_up_hold_no_lease(wire):
+    """A stopped scheduler's port still takes the gateway's calls; the gateway gives up on
+    them at its timeout (its channel connection aborted, a long poll's closed) and serves
+    elsewhere. Resumed, the scheduler read them and issued a lease for each, to nobody: each
+    counted as load on its worker until it expired (10 minutes), so after a hang of seconds
+    under load the scheduler saw its workers full and held or skewed the traffic."""
+    procs: list[Proc] = []
+    socks: list[socket.socket] = []
+    try:
+        [(w, wu)] = start_sim_workers(1)
+        procs.append(w)
+        s, su = start_scheduler([wu], "--scrape-interval-ms", "100")
+        procs.append(s)
+        port = int(su.rsplit(":", 1)[1])
+        body = json.dumps({"model": "m", "prompt_tokens": 8}).encode()
+        for _ in range(5):  # the channels are open before the scheduler stops, as the gateway's are
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            socks.append(c)
+            if wire == "channel":
+                c.sendall(_UPGRADE)
+                assert b" 101 " in c.recv(4096)
+        os.kill(s.pid, signal.SIGSTOP)
+        for c in socks:
+            if wire == "channel":
+                c.sendall(ws_frame(b'[{"op":"schedule",' + body[1:] + b"]"))
+            else:
+                c.sendall(b"POST /v1/schedule HTTP/1.1\r\nHost: s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        for c in socks:
+            c.close()  # the gateway's timeout: it gives up on them
+        os.kill(s.pid, signal.SIGCONT)
+        r = httpx.post(su + "/v1/schedule", json={"model": "m", "prompt_tokens": 8}, timeout=10)
+        assert r.status_code == 200, r.text  # it has read and decided everything before this
+        httpx.post(su + "/v1/release", json={"lease_id": r.json()["lease_id"], "ok": True}, timeout=10)
+        time.sleep(0.5)  # a stale call read late is decided by now (a leaked lease stays 10 minutes)
+        [view] = httpx.get(su + "/v1/workers", timeout=10).json()["workers"]
+        assert view["in_flight_leases"] == 0, view
+    finally:
+        for c in socks:
+            c.close()
+        for p in procs:
+            if p.alive():
+                os.kill(p.pid, signal.SIGCONT)
+            p.stop()
