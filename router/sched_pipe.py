@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,6 +58,11 @@ log = logging.getLogger("router.sched_pipe")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _loads = json.loads
 CHANNELS = ("auto", "ws", "http")
+
+
+# Lease operations held while no connection to the scheduler can be made, at most: about
+# 150 bytes each, 15 MB at most; past it the oldest go (their leases expire in the scheduler).
+MAX_HELD_LAZY = 100_000
 
 
 def orphan_release(lease_id: str) -> dict:
@@ -103,6 +109,13 @@ class SchedulerPipe:
         self._connecting: asyncio.Future | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._closed = False
+        # Releases, first-token reports and renewals that found no connection to be had (the
+        # scheduler hung: its port takes connections and never answers the handshake), sent
+        # on the next connection made. Dropped, a release left its lease counted as load on
+        # its worker until it expired (10 minutes) once the scheduler resumed; a restarted
+        # scheduler answers them 404, which is harmless. Entries: (kind, encoded message) for
+        # messages already written in one wire form, or (None, op, head, body).
+        self._held: deque[tuple] = deque(maxlen=MAX_HELD_LAZY)
 
     @property
     def kind(self) -> str | None:
@@ -147,12 +160,25 @@ class SchedulerPipe:
         self._pipe = pipe
         if self._watchdog is None:
             self._watchdog = self.loop.call_later(self.timeout_s / 4, self._check_timeouts)
+        if self._held:
+            self._send_held(pipe)
         return pipe
+
+    def _send_held(self, pipe: _Pipe | _WsPipe) -> None:
+        held, self._held = self._held, deque(maxlen=MAX_HELD_LAZY)
+        for entry in held:
+            if entry[0] is None:
+                _, op, head, body = entry
+                pipe.send_lazy(self._lazy_message(pipe, op, head, body))
+            elif entry[0] == pipe.kind:  # else written in the other wire form: expiry covers it
+                pipe.send_lazy(entry[1])
+        pipe._flush()  # at once; again only if this connection is aborted too before an answer
 
     def _lost(self, pipe: _Pipe | _WsPipe, unsent: list[bytes]) -> None:
         """A connection ended. `unsent`: its releases and first-token reports that were waiting
-        for company and never went out; they go on the next connection (a lost release would
-        count its request as load on the worker until the lease expired, 10 minutes)."""
+        for company and never went out, and on the channel those written that no answer showed
+        read yet; they go on the next connection (a lost release would count its request as
+        load on the worker until the lease expired, 10 minutes)."""
         if self._pipe is pipe:
             self._pipe = None
         if unsent and not self._closed:
@@ -162,12 +188,13 @@ class SchedulerPipe:
         try:
             pipe = await self._get_pipe()
         except SchedulerUnavailableError:
-            return  # the scheduler is away: the lease expiry covers them
+            self._held.extend((kind, data) for data in unsent)  # for the next connection
+            return
         if pipe.kind != kind:
             return  # written in the other wire form (the scheduler changed): expiry covers them
         for data in unsent:
             pipe.send_lazy(data)
-        pipe._flush()  # at once: written, they are never sent again (no loop on a flapping link)
+        pipe._flush()  # at once; again only if this connection is aborted too before an answer
 
     def _check_timeouts(self) -> None:
         """One timer for every call: a call older than the timeout poisons the pipeline
@@ -253,6 +280,8 @@ class SchedulerPipe:
         try:
             pipe = await self._get_pipe()
         except SchedulerUnavailableError:
+            if not self._closed:
+                self._held.append((None, op, head, body))  # for the next connection
             return
         msg = self._lazy_message(pipe, op, head, body)
         if pipe.kind == "ws":

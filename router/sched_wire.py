@@ -31,6 +31,9 @@ RELEASE_DELAY_S = 0.002
 # Operations per channel message at most: with at most 64 prefix fingerprints an operation
 # is under 1.5 kB, so a message stays far below the scheduler's 4 MiB message limit.
 MAX_BATCH_OPS = 256
+# Lease operations a channel keeps until the scheduler's next answer confirms them read, at
+# most (_WsPipe.unconfirmed); past it the oldest go (their leases expire in the scheduler).
+UNCONFIRMED_MAX = 10_000
 
 
 def _error_message(raw: bytes) -> str:
@@ -125,6 +128,16 @@ class _WsPipe(_ChannelProtocol):
         self.ops: list[bytes] = []
         self.futs: list[asyncio.Future | None] = []
         self.has_schedule = False
+        # Releases, first-token reports and renewals written but not yet known to be read:
+        # (message number, operation). The scheduler answers the messages with a schedule call
+        # in order, so an answer confirms every operation written up to its message. Those
+        # left when the connection is aborted (a hung scheduler: the watchdog) may be lost
+        # with it: a scheduler that resumes and finds the connection closed drops what it had
+        # not read, so they go again on the next connection (again is harmless: the second
+        # release of a lease is a 404).
+        self.sent = 0
+        self.schedule_msgs: deque[int] = deque()  # message numbers of `pending`, in order
+        self.unconfirmed: deque[tuple[int, bytes]] = deque(maxlen=UNCONFIRMED_MAX)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -157,9 +170,13 @@ class _WsPipe(_ChannelProtocol):
         if not self.ops or self.closed:
             return
         payload = b"[" + b",".join(self.ops) + b"]"
+        self.sent += 1
+        n = self.sent
+        self.unconfirmed.extend((n, op) for op, fut in zip(self.ops, self.futs, strict=True) if fut is None)
         self.ops = []
         if self.has_schedule:
             self.pending.append((self.futs, time.monotonic()))
+            self.schedule_msgs.append(n)
             self.futs = []
             self.has_schedule = False
         else:
@@ -220,6 +237,10 @@ class _WsPipe(_ChannelProtocol):
             self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
             return
         futs, _ = self.pending.popleft()
+        upto = self.schedule_msgs.popleft() if self.schedule_msgs else self.sent
+        unconfirmed = self.unconfirmed
+        while unconfirmed and unconfirmed[0][0] <= upto:
+            unconfirmed.popleft()
         try:
             answers = from_json(payload)
         except ValueError:
@@ -246,7 +267,10 @@ class _WsPipe(_ChannelProtocol):
             for fut in futs:
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
-        self.owner._lost(self, [op for op, fut in zip(ops, unsent, strict=True) if fut is None])
+        written = [op for _, op in self.unconfirmed]
+        self.unconfirmed.clear()
+        self.schedule_msgs.clear()
+        self.owner._lost(self, written + [op for op, fut in zip(ops, unsent, strict=True) if fut is None])
 
 
 class _Pipe(_ChannelProtocol):
@@ -260,10 +284,17 @@ class _Pipe(_ChannelProtocol):
         # (future or None for fire-and-forget, time sent)
         self.pending: deque[tuple[asyncio.Future | None, float]] = deque()
         self.out: list[bytes] = []
+        # The fire-and-forget calls of `pending` (its None entries), in order: those not yet
+        # answered when the connection is aborted (a hung scheduler: the watchdog) may be lost
+        # with it, unread by a scheduler that resumes, so they go again on the next connection
+        # (again is harmless: the second release of a lease is a 404).
+        self.lazy: deque[bytes] = deque()
 
     def send(self, data: bytes, fut: asyncio.Future | None) -> None:
         self.out.append(data)
         self.pending.append((fut, time.monotonic()))
+        if fut is None:
+            self.lazy.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
             self.owner.loop.call_soon(self._flush)
@@ -273,6 +304,7 @@ class _Pipe(_ChannelProtocol):
         with the next urgent call (under load it always does)."""
         self.out.append(data)
         self.pending.append((None, time.monotonic()))
+        self.lazy.append(data)
         if not self.flush_scheduled and self.lazy_timer is None:
             self.lazy_timer = self.owner.loop.call_later(RELEASE_DELAY_S, self._flush)
 
@@ -311,6 +343,8 @@ class _Pipe(_ChannelProtocol):
                 self.abort(SchedulerUnavailableError("unexpected answer from the scheduler"))
                 return
             fut, _ = self.pending.popleft()
+            if fut is None and self.lazy:
+                self.lazy.popleft()
             self._deliver(fut, (status, body))
             if b"\r\nconnection: close" in head:
                 self.abort(SchedulerUnavailableError("scheduler closed the connection"))
@@ -318,9 +352,9 @@ class _Pipe(_ChannelProtocol):
 
     def abort(self, exc: Exception) -> None:
         self._close_transport()
-        # The calls not yet written are the last len(out) of those pending, in order.
-        unsent = list(self.pending)[len(self.pending) - len(self.out):] if self.out else []
-        lazy = [data for data, (fut, _) in zip(self.out, unsent, strict=True) if fut is None]
+        # Fire-and-forget calls not answered, written or not: they go on the next connection.
+        lazy = list(self.lazy)
+        self.lazy.clear()
         self.out = []
         while self.pending:
             fut, _ = self.pending.popleft()

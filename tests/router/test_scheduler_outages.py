@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -194,6 +195,74 @@ def test_calls_a_stopped_scheduler_reads_after_their_gateway_gave_up_hold_no_lea
         assert view["in_flight_leases"] == 0, view
     finally:
         for c in socks:
+            c.close()
+        for p in procs:
+            if p.alive():
+                os.kill(p.pid, signal.SIGCONT)
+            p.stop()
+
+
+@pytest.mark.parametrize("channel", ["ws", "http"])
+def test_releases_made_while_the_scheduler_hangs_reach_it_when_it_resumes(channel):
+    """Requests leased before the scheduler hung end during the hang. Their releases were lost
+    two ways: written on the channel the gateway then aborted (its schedule call timed out),
+    which the resumed scheduler drops unread; or made after that, when no connection could be
+    had (the handshake hangs), and dropped. Each left its lease counted as load on its worker
+    until it expired, 10 minutes after the hang."""
+    procs: list[Proc] = []
+    streams: list[tuple[httpx.Client, Any, Iterator[str]]] = []
+    try:
+        workers = start_sim_workers(2, "m", "--time-scale", "10")  # streams of seconds
+        procs += [p for p, _ in workers]
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--scheduler-channel", channel, "--debug-headers",
+                              "--scheduler-timeout-ms", "1000", "--wait-schedule-timeout-ms", "1000",
+                              "--wait-schedule-try-period-ms", "100")
+        procs.append(g)
+        body = {"model": "m", "prompt": "x", "max_tokens": 400, "stream": True}
+        for _ in range(4):
+            c = httpx.Client(timeout=30)
+            cm = c.stream("POST", gu + "/v1/completions", json=body)
+            r = cm.__enter__()
+            assert r.status_code == 200 and r.headers["x-router-policy"] == "llm_aware"
+            lines = r.iter_lines()  # kept: a generator dropped closes the stream
+            next(lines)  # it runs on its worker, leased
+            streams.append((c, cm, lines))
+        leases = sum(w["in_flight_leases"] for w in httpx.get(su + "/v1/workers").json()["workers"])
+        assert leases == 4
+
+        def leave(n: int) -> None:  # n clients leave: their requests end, their leases go back
+            for _ in range(n):
+                c, cm, _ = streams.pop()
+                cm.__exit__(None, None, None)
+                c.close()
+
+        os.kill(s.pid, signal.SIGSTOP)
+        leave(2)  # written on the channel still open
+        time.sleep(0.3)
+        _, r = _call(gu)  # its schedule call times out: the gateway aborts the channel
+        assert r.status_code == 200 and r.headers["x-router-policy"] == "fallback_round_robin"
+        leave(2)  # no connection to be had now
+        time.sleep(1.5)  # the connection tried for them times out (1 s) before the scheduler resumes
+        os.kill(s.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        policy = ""
+        while time.monotonic() < deadline and policy != "llm_aware":
+            _, r = _call(gu)
+            policy = r.headers["x-router-policy"]
+            time.sleep(0.05)
+        assert policy == "llm_aware"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            leases = sum(w["in_flight_leases"] for w in httpx.get(su + "/v1/workers").json()["workers"])
+            if leases == 0:
+                break
+            time.sleep(0.1)
+        assert leases == 0
+    finally:
+        for c, cm, _ in streams:
+            cm.__exit__(None, None, None)
             c.close()
         for p in procs:
             if p.alive():
