@@ -197,6 +197,10 @@ async def serve_channel(request: web.Request, svc: SchedulerService) -> web.Stre
         return web.Response(status=400, body=to_json(_error(400, "this endpoint takes only a WebSocket "
                                                             "upgrade (GET with Upgrade: websocket)")[1]),
                             content_type="application/json")
+    if caller_gone(request.transport):
+        # An upgrade read late (the scheduler was stopped, its gateway gave up and closed):
+        # prepare() would fail writing to the closed connection, an ERROR with a traceback.
+        return web.Response(status=499)
     await ws.prepare(request)
     request.app[OPEN_CHANNELS].add(ws)
     transport = request.transport

@@ -155,7 +155,7 @@ _UPGRADE = (b"GET /v1/channel HTTP/1.1\r\nHost: s\r\nUpgrade: websocket\r\nConne
             b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
 
 
-@pytest.mark.parametrize("wire", ["http", "channel"])
+@pytest.mark.parametrize("wire", ["http", "channel", "channel_opened_while_stopped"])
 def test_calls_a_stopped_scheduler_reads_after_their_gateway_gave_up_hold_no_lease(wire):
     """A stopped scheduler's port still takes the gateway's calls; the gateway gives up on
     them at its timeout (its channel connection aborted, a long poll's closed) and serves
@@ -179,7 +179,9 @@ def test_calls_a_stopped_scheduler_reads_after_their_gateway_gave_up_hold_no_lea
                 assert b" 101 " in c.recv(4096)
         os.kill(s.pid, signal.SIGSTOP)
         for c in socks:
-            if wire == "channel":
+            if wire == "channel_opened_while_stopped":  # its upgrade is read late too
+                c.sendall(_UPGRADE + ws_frame(b'[{"op":"schedule",' + body[1:] + b"]"))
+            elif wire == "channel":
                 c.sendall(ws_frame(b'[{"op":"schedule",' + body[1:] + b"]"))
             else:
                 c.sendall(b"POST /v1/schedule HTTP/1.1\r\nHost: s\r\nContent-Type: application/json\r\n"
@@ -193,6 +195,8 @@ def test_calls_a_stopped_scheduler_reads_after_their_gateway_gave_up_hold_no_lea
         time.sleep(0.5)  # a stale call read late is decided by now (a leaked lease stays 10 minutes)
         [view] = httpx.get(su + "/v1/workers", timeout=10).json()["workers"]
         assert view["in_flight_leases"] == 0, view
+        # A late upgrade was answered into a closed connection: an ERROR with a traceback.
+        assert "Traceback" not in s.output()
     finally:
         for c in socks:
             c.close()
