@@ -287,33 +287,34 @@ class AdmissionQueue:
         biggest, count = self._waiting.most_common(1)[0]
         if count < self._waiting[flow] + 2:
             return False
-        victim: tuple[int, int, asyncio.Future[None]] | None = None
-        for line in self._lines.values():
-            for band_priority, band in line.bands.items():
-                if band_priority < priority:
-                    continue  # a better priority than the newcomer's keeps its place
-                for _, ticket, _, fut in band.flows.get(biggest, ()):
-                    if not fut.done() and (victim is None or (band_priority, ticket) > victim[:2]):
-                        victim = (band_priority, ticket, fut)
+        # A better priority than the newcomer's keeps its place.
+        victim = self._last_waiter(priority, biggest)
         if victim is None:
             return False
-        victim[2].set_exception(QueueDisplaced())
+        victim.set_exception(QueueDisplaced())
         return True
 
     def _displace_worse_than(self, priority: int) -> bool:
         """The queue is full and no flow is owed a place: refuse the last waiter of the worst
         priority, if that is worse than the newcomer's. Priorities are strict in the line; a
         full line of batch requests must not turn away an interactive one that would be next."""
+        victim = self._last_waiter(priority + 1)
+        if victim is None:
+            return False
+        victim.set_exception(QueueDisplaced("a request of better priority"))
+        return True
+
+    def _last_waiter(self, min_priority: int, flow: str | None = None) -> asyncio.Future[None] | None:
+        """The waiter of the worst priority, at least `min_priority`, that came last, of `flow`
+        (None: of any flow), over every model's line: the one a full queue gives up first."""
         victim: tuple[int, int, asyncio.Future[None]] | None = None
         for line in self._lines.values():
             for band_priority, band in line.bands.items():
-                if band_priority <= priority or (victim is not None and band_priority < victim[0]):
+                if band_priority < min_priority or (victim is not None and band_priority < victim[0]):
                     continue
-                for entries in band.flows.values():
-                    for _, ticket, _, fut in entries:
+                heaps = band.flows.values() if flow is None else (band.flows.get(flow, ()),)
+                for heap in heaps:
+                    for _, ticket, _, fut in heap:
                         if not fut.done() and (victim is None or (band_priority, ticket) > victim[:2]):
                             victim = (band_priority, ticket, fut)
-        if victim is None:
-            return False
-        victim[2].set_exception(QueueDisplaced("a request of better priority"))
-        return True
+        return None if victim is None else victim[2]

@@ -99,7 +99,7 @@ class WsRelay:
         self.leases = TurnLeases(proxy, rec)
         self.answers = 0  # answers ended on this socket: each gets its access-log line
 
-    def _log_answer(self, turn: WsTurn, terminal: str) -> None:
+    def _log_answer(self, turn: WsTurn, status: int, error: str | None) -> None:
         """One access-log line per request (DESIGN.md), a socket's too: each answer's line as it
         ends, `id=<socket's id>.<n>`; the socket's own line (status 101, its totals) comes at
         its close."""
@@ -113,7 +113,7 @@ class WsRelay:
         line.worker, line.stream = turn.worker_id or "-", True
         line.prompt_tokens, line.output_tokens = turn.prompt_tokens, turn.output_tokens
         line.ttft_ms = turn.first_s * 1000 if turn.first_s is not None else None
-        line.status, line.error = answer_status(terminal)
+        line.status, line.error = status, error
         access_log.add(line)
 
     # ---- placing ----------------------------------------------------------------------
@@ -296,8 +296,9 @@ class WsRelay:
                             self.outside += 1
                             continue
                         if turn is not None:
-                            self._log_answer(turn, data)
-                            if data.startswith(_DONE_PREFIXES) and '"cancelled"' not in data:
+                            status, error = answer_status(data)
+                            self._log_answer(turn, status, error)
+                            if status == 200:  # done, and not cancelled
                                 self.proxy.observe_answer(self.rec.model, turn.first_s,
                                                           time.perf_counter() - turn.start,
                                                           turn.output_tokens, turn.answers)

@@ -221,18 +221,6 @@ class SchedulerClient:
         except (ValueError, KeyError, TypeError) as exc:
             raise SchedulerUnavailableError(f"malformed /v1/workers answer: {exc}") from exc
 
-    async def health(self) -> bool:
-        """True when the scheduler answers GET /health with 200."""
-        session = self._get_session()
-        try:
-            async with session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            ) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
-
     async def routable(self) -> int | None:
         """How many workers the scheduler can route to now, from GET /health: None when it
         does not answer 200. A scheduler that does not say is counted as ready (1)."""
