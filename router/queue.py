@@ -6,7 +6,8 @@ long-poll `wait_ms`, so they are answered the moment capacity frees, without a
 polling delay); when one is placed it leaves and the next one asks at once. With
 more than one asker, room the head cannot use (its prompt does not fit the KV a
 worker has free) goes to the next one that fits instead of idling: the scheduler
-wakes held calls in the order they came, so the head still has first pick. New
+wakes held calls by priority, then in the order they came (or by their flows' token counters),
+so the head still has first pick. New
 arrivals for a model that already has a line join it instead of overtaking the head.
 The bound is global: past `max_size` waiting requests, a newcomer is refused (429).
 A request cancelled while waiting (its client went away) leaves the line and wakes

@@ -187,6 +187,10 @@ class Scheduling:
             # The scheduler keeps the same counters over every replica's traffic and orders the
             # replicas' held calls by them (scheduler/service.py).
             body["flow"] = flow
+        if priority:
+            # And by priority before that: this queue's askers (--queue-askers) and the other
+            # replicas' compete for the room that frees, as they do in this queue.
+            body["priority"] = priority
         if not self.fallback_active:
             if not self.queue.has_waiters(line):
                 route = await self._try_schedule(body, 0)

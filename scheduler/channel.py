@@ -66,7 +66,8 @@ def request_of(r: ScheduleRequest) -> Request:
     max_tokens = None if r.max_tokens is None else min(r.max_tokens, cap)
     return Request(r.model, min(r.prompt_tokens, cap), max_tokens, r.prefix_hashes, r.lora,
                    frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id,
-                   min(r.cached_tokens, cap), r.flow, r.attach and r.worker_id is not None)
+                   min(r.cached_tokens, cap), r.flow, r.attach and r.worker_id is not None,
+                   r.priority)
 
 
 def _schedule(svc: SchedulerService, op: dict) -> list:

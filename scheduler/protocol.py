@@ -70,6 +70,11 @@ class ScheduleRequest(BaseModel):
     # under 800). With it, held calls of a model are served in the order of their flows' token
     # counters over every gateway (scheduler/fair_share.py), not in arrival order.
     flow: str | None = Field(None, max_length=1024)
+    # The request's priority in the gateway's queue (vLLM's field: lower first, 0 by default).
+    # Held calls go in its order before their flows' (the gateway's askers, and other
+    # gateways' heads, compete for freed room: without it a priority 5 request already asking
+    # took room before a priority -1 one asking beside it).
+    priority: int = 0
 
 
 class ScheduleDecision(BaseModel):

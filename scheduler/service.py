@@ -1,13 +1,15 @@
 """The decision core: candidates for a request, the policy's pick, leases, and holding
 requests while every candidate is saturated (woken by events, never by polling).
 
-Held calls of a model are woken, when something may have freed room, in the order of their
-flows' token counters (scheduler/fair_share.py: the tenant served the fewest weighted tokens
-over every gateway's traffic first), arrival order among equals and for calls without a flow;
-calls of different models keep their arrival order between them (their counters do not
-compare). Each gateway sends only the head of its own queue, so this orders the replicas'
-heads: without it a tenant alone on one replica got one turn per request against the tenants
-of the others, whatever its requests cost."""
+Held calls are woken, when something may have freed room, in the order of their priorities
+(the gateway queue's, lower first: ScheduleRequest.priority). Within a priority, a model's
+calls go in the order of their flows' token counters (scheduler/fair_share.py: the tenant
+served the fewest weighted tokens over every gateway's traffic first), arrival order among
+equals and for calls without a flow; calls of different models keep their arrival order
+between them (their counters do not compare). Each gateway sends only the head of its own
+queue (or its best few: --queue-askers), so this orders the replicas' heads: without it a
+tenant alone on one replica got one turn per request against the tenants of the others,
+whatever its requests cost."""
 
 from __future__ import annotations
 
@@ -50,16 +52,19 @@ class Wait:
 class _Held:
     """A schedule call held until something may have freed room."""
 
-    __slots__ = ("flow", "future", "ledger", "seq")
+    __slots__ = ("flow", "future", "ledger", "priority", "seq")
 
-    def __init__(self, seq: int, ledger: FlowLedger | None, flow: str | None) -> None:
+    def __init__(self, seq: int, ledger: FlowLedger | None, flow: str | None,
+                 priority: int = 0) -> None:
         self.seq = seq  # arrival order
         self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
         self.flow = flow
+        self.priority = priority
         self.future: asyncio.Future | None = None
 
-    def turn(self) -> tuple[float, int]:
-        return (self.ledger.served(self.flow) if self.ledger is not None else 0.0, self.seq)
+    def turn(self) -> tuple[int, float, int]:
+        served = self.ledger.served(self.flow) if self.ledger is not None else 0.0
+        return (self.priority, served, self.seq)
 
 
 class SchedulerService:
@@ -102,6 +107,8 @@ class SchedulerService:
         self._held = []
         if any(h.ledger is not None for h in held):
             held = _fair_order(held)
+        if any(h.priority for h in held):
+            held = sorted(held, key=_priority_of)  # stable: each priority keeps the order above
         for h in held:
             if h.future is not None and not h.future.done():
                 h.future.set_result(None)
@@ -334,7 +341,7 @@ class SchedulerService:
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
-        held = _Held(next(self._held_seq), ledger, req.flow)
+        held = _Held(next(self._held_seq), ledger, req.flow, req.priority)
         if ledger is not None and self._idle(ledger, req.flow):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:
@@ -496,6 +503,10 @@ class SchedulerService:
     def workers_view(self) -> list[dict]:
         now = time.monotonic()
         return [w.view(now) for w in self.registry.workers.values()]
+
+
+def _priority_of(held: _Held) -> int:
+    return held.priority
 
 
 def _fair_order(held: list[_Held]) -> list[_Held]:

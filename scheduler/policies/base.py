@@ -21,13 +21,13 @@ class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
     __slots__ = ("attach", "cached_tokens", "exclude", "flow", "lora", "max_tokens", "model", "pin",
-                 "prefix_hashes", "prompt_tokens", "reserved_only")
+                 "prefix_hashes", "priority", "prompt_tokens", "reserved_only")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
                  exclude: frozenset[str] | None = None, reserved_only: bool = False,
                  pin: str | None = None, cached_tokens: int = 0, flow: str | None = None,
-                 attach: bool = False) -> None:
+                 attach: bool = False, priority: int = 0) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -46,6 +46,9 @@ class Request:
         self.flow = flow
         # Already bound for `pin` (ScheduleRequest.attach): a lease there, not a choice.
         self.attach = attach
+        # Its priority in the gateway's queue (ScheduleRequest.priority): held calls go in its
+        # order, lower first.
+        self.priority = priority
 
 
 class Pick(NamedTuple):

@@ -243,6 +243,41 @@ def test_a_request_of_a_better_priority_overtakes_those_waiting(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
+def test_among_several_askers_freed_room_goes_to_the_better_priority(cluster):
+    """With --queue-askers 2, two batch requests (priority 5) ask the scheduler; an urgent one
+    (priority -1) asks once the first of them is placed. The scheduler holds both calls side by
+    side: the next room must go to the urgent one, though the batch call was held first (the
+    gateway sends the priority with its call)."""
+    _wait_queue_empty(cluster)
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    # Long polls that outlast the test: a call that re-asks goes behind those held (arrival
+    # order), which would hide the order under test.
+    g, gu = start_gateway("--scheduler", scheduler, "--queue-askers", "2", "--schedule-wait-ms", "20000")
+    finished: dict[str, float] = {}
+
+    def post(name: str, body: dict) -> int:
+        status = _post(gu, body).status_code
+        finished[name] = time.monotonic()
+        return status
+
+    try:
+        with ThreadPoolExecutor(5) as ex:
+            # The workers free up a second apart: one place at a time.
+            running = [ex.submit(post, "short", SLOW), ex.submit(post, "long", {**SLOW, "max_tokens": 450})]
+            _wait_leases(scheduler, 2)
+            queued = [ex.submit(post, "batch1", {**SLOW, "priority": 5})]
+            _wait_queued(gu, 1)
+            queued.append(ex.submit(post, "batch2", {**SLOW, "priority": 5}))
+            _wait_queued(gu, 2)
+            queued.append(ex.submit(post, "urgent", {**SLOW, "priority": -1}))
+            _wait_queued(gu, 3)
+            assert [f.result() for f in running + queued] == [200] * 5
+        # batch1 takes the first place (urgent was not asking yet); the next is urgent's.
+        assert finished["batch1"] < finished["urgent"] < finished["batch2"]
+    finally:
+        g.stop()
+
+
 def test_a_request_waiting_behind_others_gets_its_timeout_on_time(cluster):
     """The queue timeout holds for a request that waits behind the one asking the scheduler:
     a batch request (priority 5) passed by a later urgent one (priority 0) got its 429 only when

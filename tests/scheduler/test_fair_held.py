@@ -1,5 +1,6 @@
-"""Held calls get freed room in the order of their flows' token counters (scheduler/service.py,
-scheduler/fair_share.py): over every gateway's traffic, the tenant served least goes first."""
+"""Held calls get freed room by priority, then in the order of their flows' token counters
+(scheduler/service.py, scheduler/fair_share.py): over every gateway's traffic, the tenant served
+least goes first."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def one_at_a_time(config: dict | None = None, models: tuple[str, ...] = ("m",)):
     return svc, first["lease_id"]
 
 
-async def placement_order(svc, blocker: str, calls: list[tuple[str, str, int, int]]) -> list[str]:
-    """Hold `calls` (name, flow, prompt, output) in this order, then free the worker's one place
-    again and again: the names in the order they got it. Each ends using what it said."""
+async def placement_order(svc, blocker: str, calls: list[tuple]) -> list[str]:
+    """Hold `calls` (name, flow, prompt, output[, priority]) in this order, then free the
+    worker's one place again and again: the names in the order they got it. Each ends using
+    what it said."""
     tasks: dict[asyncio.Task, tuple[str, str, int, int]] = {}
-    for name, flow, prompt, output in calls:
-        req = Request("m", prompt, 4 * output, flow=flow)
+    for name, flow, prompt, output, *priority in calls:
+        req = Request("m", prompt, 4 * output, flow=flow, priority=priority[0] if priority else 0)
         tasks[asyncio.create_task(svc.schedule(req, wait_ms=5000))] = (name, flow, prompt, output)
         await asyncio.sleep(0.002)
     assert not any(t.done() for t in tasks), "the worker was full: every call should wait"
@@ -83,6 +85,27 @@ def test_calls_without_a_flow_keep_their_place_in_arrival_order():
     # The flow-less calls keep slots 2 and 5; the flows' calls fill the others in their order.
     assert order[1] == "x1" and order[4] == "x2"
     assert [n for n in order if not n.startswith("x")] == ["d1", "c1", "c2", "d2"]
+
+
+def test_freed_room_goes_to_the_better_priority_first_then_to_the_flows_turns():
+    """The gateway's askers (--queue-askers) and other replicas' heads are held side by side:
+    a priority -1 call held last must get the next room before priority 0 and 5 calls held
+    before it, whatever the flows' counters say; within a priority the counters decide."""
+    svc, blocker = one_at_a_time()
+    calls = [("late1", *CHAT, 5), ("now1", *CHAT, 0), ("d1", *DOCS, 0), ("late2", *DOCS, 5),
+             ("urgent", *DOCS, -1), ("c2", *CHAT, 0)]
+    order = asyncio.run(placement_order(svc, blocker, calls))
+    assert order[0] == "urgent"
+    # Priority 0: docs was served a 2000-token prompt (urgent's), so chat's two go first.
+    assert order[1:4] == ["now1", "c2", "d1"]
+    assert order[4:] == ["late1", "late2"]
+
+
+def test_with_fair_share_off_each_priority_keeps_its_arrival_order():
+    svc, blocker = one_at_a_time(config={"fair_share": False})
+    calls = [("b1", *CHAT, 3), ("a1", *DOCS, 0), ("b2", *DOCS, 3), ("a2", *CHAT, 0), ("x", None, 10, 5, -2)]
+    order = asyncio.run(placement_order(svc, blocker, calls))
+    assert order == ["x", "a1", "a2", "b1", "b2"]
 
 
 def test_counters_of_different_models_do_not_reorder_their_calls():
