@@ -340,7 +340,28 @@ def _trtllm_pool(fams: Families) -> tuple[float | None, int | None, int | None]:
     return sum(f * b * s for f, b, s in pools) / tokens, 1, int(tokens)
 
 
+def _is_draft(labels: dict[str, str]) -> bool:
+    """A draft model of TensorRT-LLM's draft-target speculative decoding on Triton. The BLS model
+    (tensorrt_llm_bls, `tensorrt_llm_draft_model_name`) sends every request to the draft model and
+    then to the target, round after round; NVIDIA's model repository, scripts and docs name the
+    draft `tensorrt_llm_draft`. The page says nothing else about which model drafts, so the name
+    is the one sign there is."""
+    return "draft" in labels.get("model", "").lower()
+
+
+def _served(samples: list[Sample]) -> list[Sample]:
+    """The samples of the models that serve requests: a draft model's are the target's requests
+    again (summed, each request ran twice and its prompt was counted at every draft round). A page
+    of draft-named models only is taken whole: better a draft's count than none."""
+    served = [s for s in samples if not _is_draft(s[0])]
+    return served or samples
+
+
 def _trtllm(fams: Families) -> RawSample:
+    # Each request once: the draft model's request counts and token histograms repeat the
+    # target's (its KV pool is still memory in use, and _trtllm_pool keeps it).
+    fams = {**fams, **{key: _served(fams[key]) for key in
+                       ("requests", "pending", "prompt_tokens", "generation_tokens") if key in fams}}
     waiting = _total(fams, "requests", request_type="waiting")
     if waiting is None:
         waiting = _total(fams, "pending")

@@ -78,6 +78,37 @@ def test_trtllm_pools_of_several_models_are_pooled_not_their_fractions_summed():
     assert (raw.block_size, raw.num_blocks) == (64, 6000)
 
 
+def _trtllm_models_page(models: dict[str, tuple[int, int, int, int]]) -> str:
+    """Request gauges and token histograms per model: (active, waiting, input tokens, output
+    tokens), as the TensorRT-LLM backend reports each of its models."""
+    lines = ["# TYPE nv_trt_llm_request_metrics gauge"]
+    for model, (active, waiting, _, _) in models.items():
+        for kind, value in (("active", active), ("waiting", waiting)):
+            labels = f'model="{model}",request_type="{kind}",version="1"'
+            lines.append(f"nv_trt_llm_request_metrics{{{labels}}} {value}")
+    for family, col, kind in (("input", 2, "total_input_tokens"), ("output", 3, "total_output_tokens")):
+        lines.append(f"# TYPE nv_llm_{family}_token_len histogram")
+        for model, row in models.items():
+            lines.append(f'nv_llm_{family}_token_len_sum{{model="{model}",response_metric_type="{kind}",'
+                         f'version="1"}} {row[col]}')
+    return "\n".join(lines) + "\n"
+
+
+def test_trtllm_draft_model_requests_are_the_targets_counted_once():
+    """Draft-target speculative decoding on Triton: tensorrt_llm_bls sends each request to the
+    draft model (tensorrt_llm_draft) and to the target, so both report it active; summed, the
+    worker showed twice its running requests and queue, and every draft round's prompt as prompt
+    tokens. The target's counts are the requests."""
+    page = _trtllm_models_page({"tensorrt_llm": (3, 1, 6000, 900),
+                                "tensorrt_llm_draft": (3, 1, 25000, 2400)})
+    raw = read(dialects.TRTLLM, page)
+    assert (raw.running, raw.waiting) == (3.0, 1.0)
+    assert (raw.counters["prompt_tokens"], raw.counters["generation_tokens"]) == (6000.0, 900.0)
+    # Two LLMs served side by side are two sets of requests: those still add up.
+    raw = read(dialects.TRTLLM, _trtllm_models_page({"llama": (3, 1, 6000, 900), "qwen": (2, 0, 100, 50)}))
+    assert (raw.running, raw.waiting, raw.counters["prompt_tokens"]) == (5.0, 1.0, 6100.0)
+
+
 def test_trtllm_pools_of_different_block_sizes_are_counted_in_tokens():
     page = _trtllm_page({"a": (1000, 500, 64, 0.5), "b": (1000, 0, 32, 0.0)})
     raw = read(dialects.TRTLLM, page)
