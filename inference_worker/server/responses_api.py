@@ -239,10 +239,12 @@ class ResponseAnswer:
     def frame(event: str) -> bytes:
         return event.encode()  # events() writes whole SSE events
 
-    @staticmethod
-    def error_event(err: APIError) -> bytes:
-        error = {"type": "error", **err.body()["error"]}
-        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+    def error_event(self, err: APIError) -> bytes:
+        """OpenAI's `error` event: `type` "error" (an SDK picks the event's model by it, so the
+        error's own type must not take its place), the stream's next sequence number, and a
+        string code (the error's type when it has no code)."""
+        return self._event("error", code=err.code or err.type, message=err.message,
+                           param=err.param).encode()
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {**fields, "sequence_number": self._sequence, "type": kind}

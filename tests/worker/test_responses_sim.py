@@ -1,0 +1,57 @@
+"""The Responses API of a sim worker (`python -m inference_worker --backend sim`, 127.0.0.1):
+what OpenAI's API and its clients expect of it where a real model changes nothing. A stream
+the worker cuts ends with OpenAI's `error` event."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai.types.responses import ResponseErrorEvent
+
+from tests.worker.conftest import SIM_AVAILABLE, SIM_SKIP_REASON, Worker, launch_worker
+
+pytestmark = pytest.mark.skipif(not SIM_AVAILABLE, reason=SIM_SKIP_REASON)
+
+SIM = ("--backend", "sim", "--sim-profile", "tiny")
+SLOW_SIM = (*SIM, "--time-scale", "5")
+
+
+def _sse(worker: Worker, body: dict, started: threading.Event) -> list[tuple[str, dict]]:
+    """A streamed POST /v1/responses as (event name, data) pairs."""
+    events: list[tuple[str, dict]] = []
+    name = ""
+    with httpx.stream("POST", worker.api_url + "/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                started.set()
+    return events
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_stream_cut_by_the_worker_ends_with_openais_error_event(background) -> None:
+    """Cut at the drain limit: the last event is an `error` whose `type` is "error" (the SDK
+    picks the event's model by it) and whose sequence number follows the others'."""
+    with launch_worker(*SLOW_SIM, "--shutdown-timeout", "1", model="m") as worker, \
+            ThreadPoolExecutor(1) as pool:
+        body = {"model": "m", "input": "cut me", "max_output_tokens": 400, "ignore_eos": True,
+                "stream": True, "background": background}
+        started = threading.Event()
+        stream = pool.submit(_sse, worker, body, started)
+        assert started.wait(30)
+        worker.process.send_signal(signal.SIGTERM)
+        events = stream.result(timeout=30)
+    name, last = events[-1]
+    assert name == "error"
+    error = ResponseErrorEvent.model_validate(last)
+    assert error.type == "error" and error.code == "shutting_down"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert events[-2][1]["type"] == "response.output_text.delta"  # it had streamed, not finished
