@@ -246,36 +246,73 @@ class Registry:
         # (a pod's name, a registration's host:port) must be one worker, or it is counted as
         # two and draws twice its share. Looked up on every registration heartbeat.
         self._by_url: dict[str, WorkerState] = {}
+        # (source, the id that source gave it) -> the id the worker is known by here. A worker
+        # found at one URL by two sources keeps the first one's id; the other source still
+        # names it by its own (a pod's name, a static URL's host:port) when it drops it.
+        self._aliases: dict[tuple[str, str], str] = {}
         self.listeners: list[Callable[[], None]] = []  # called when membership/models change
         # Model -> when its last worker left (monotonic): a model that is only between workers
         # (its one pod restarting, a rollout, a registration that lapsed) is not "no such model".
         self.gone_since: dict[str, float] = {}
 
     def add(self, worker: WorkerState) -> WorkerState:
-        existing = self.workers.get(worker.worker_id)
-        if existing is not None:
-            existing.sources |= worker.sources
-            if worker.models_from_registration:
-                existing.models = set(worker.models)
-                existing.models_from_registration = True
-                self.reindex()
-            if worker.engine_hint:
-                existing.engine_hint = worker.engine_hint
-            return existing
-        self.workers[worker.worker_id] = worker
-        self._by_url.setdefault(worker.url, worker)
-        self.reindex()
-        return worker
+        """Add a worker, or merge it into the one already known: by the id its source gave it
+        before, by its id, or by its URL. One URL is one worker whatever announced it (a
+        --workers entry and the pod Kubernetes found there, under two ids): as two, the engine
+        drew two shares of the traffic and each counted only its own leases."""
+        source = next(iter(worker.sources))  # a new WorkerState has the one source it came from
+        key = (source, worker.worker_id)
+        existing = self.workers.get(self._aliases.get(key, worker.worker_id))
+        if existing is not None and existing.url != worker.url and source not in existing.sources \
+                and worker_id_for(existing.url) != worker_id_for(worker.url):
+            # Its id is another source's worker somewhere else (a StatefulSet pod, listed
+            # statically too, came back at a new address under its old name): a new worker.
+            existing = None
+        if existing is None:
+            existing = self._by_url.get(worker.url)
+        if existing is None:
+            worker.worker_id = self._free_id(worker.worker_id)
+            self.workers[worker.worker_id] = worker
+            self._by_url.setdefault(worker.url, worker)
+            self._aliases[key] = worker.worker_id
+            self.reindex()
+            return worker
+        self._aliases[key] = existing.worker_id
+        existing.sources |= worker.sources
+        if worker.models_from_registration:
+            existing.models = set(worker.models)
+            existing.models_from_registration = True
+            self.reindex()
+        if worker.engine_hint:
+            existing.engine_hint = worker.engine_hint
+        return existing
+
+    def _free_id(self, worker_id: str) -> str:
+        """`worker_id`, or that id with a suffix where another worker has it already."""
+        candidate, n = worker_id, 1
+        while candidate in self.workers:
+            n += 1
+            candidate = f"{worker_id}~{n}"
+        return candidate
 
     def remove(self, worker_id: str, source: str | None = None) -> WorkerState | None:
-        w = self.workers.get(worker_id)
+        """Drop `source`'s claim on the worker it calls `worker_id` (every claim without a
+        source); the worker goes once no source claims it."""
+        if source is None:
+            w = self.workers.get(worker_id)
+        else:
+            w = self.workers.get(self._aliases.pop((source, worker_id), worker_id))
         if w is None:
             return None
         if source is not None:
-            w.sources.discard(source)
+            claims = [k for k, wid in self._aliases.items() if wid == w.worker_id]
+            if not any(s == source for s, _ in claims):
+                w.sources.discard(source)
             if w.sources:
                 return None  # still known through another discovery source
-        del self.workers[worker_id]
+        for k in [k for k, wid in self._aliases.items() if wid == w.worker_id]:
+            del self._aliases[k]
+        del self.workers[w.worker_id]
         if self._by_url.get(w.url) is w:
             del self._by_url[w.url]
             other = next((o for o in self.workers.values() if o.url == w.url), None)

@@ -172,3 +172,34 @@ async def test_a_watch_the_server_ends_resumes_from_its_last_version(fake_api):
         assert "watch=true" in resumed and "resourceVersion=3" in resumed, fake_api.requests
     finally:
         await _stop(task)
+
+
+def test_a_pod_also_listed_statically_is_one_worker():
+    """--workers names a pod's address that Kubernetes discovery also finds (under the pod's
+    name): two ids for one URL made two workers, each drawing a full share of the traffic and
+    counting only its own leases (the engine got twice its load). Either order, one worker; the
+    pod leaving discovery keeps it, as the static list still names it."""
+    from scheduler.discovery.static import add_static_workers
+
+    for static_first in (True, False):
+        svc, k8s = discovery()
+        if static_first:
+            add_static_workers(svc, ["http://10.0.0.1:8000"])
+        k8s.apply("ADDED", endpoint_slice("vllm-abc", endpoint("vllm-0", "10.0.0.1")))
+        if not static_first:
+            add_static_workers(svc, ["http://10.0.0.1:8000"])
+        (w,) = svc.registry.workers.values()
+        assert w.url == "http://10.0.0.1:8000" and w.sources == {"static", "kubernetes"}
+        lease = svc.leases.issue(w, 0.0, 10.0)
+        k8s.apply("DELETED", endpoint_slice("vllm-abc"))
+        assert list(svc.registry.workers.values()) == [w] and w.sources == {"static"}
+        assert lease.lease_id in svc.leases.leases  # its load is still there
+        # The pod back at the same address joins the same worker again, and at another
+        # address is a worker of its own beside the static one.
+        k8s.apply("ADDED", endpoint_slice("vllm-abc", endpoint("vllm-0", "10.0.0.1")))
+        assert list(svc.registry.workers.values()) == [w]
+        k8s.apply("MODIFIED", endpoint_slice("vllm-abc", endpoint("vllm-0", "10.0.0.7")))
+        assert sorted(u for u in urls(svc).values()) == ["http://10.0.0.1:8000", "http://10.0.0.7:8000"]
+        assert w.sources == {"static"}
+        k8s.apply("DELETED", endpoint_slice("vllm-abc"))
+        assert list(svc.registry.workers.values()) == [w]
