@@ -22,19 +22,20 @@ from inference_worker.server.errors import APIError, invalid_request
 @dataclass(slots=True)
 class StoredResponse:
     response: dict[str, Any]
-    # The messages the response answered (its instructions as the system message first).
+    # The conversation the response answered, without its instructions (they do not carry over
+    # to the next response, as in OpenAI's API): the earlier turns, then its input.
     messages: list[dict[str, Any]]
     # A background response's run (server/background.py): its status and its stream's events.
     run: BackgroundRun | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
-        """What a next turn continues: the earlier messages without their instructions (they do
-        not carry over to the next response, as in OpenAI's API and vLLM), then the answer."""
+        """What a next turn continues: the conversation (system messages of its input too), then
+        the answer."""
         if self.response["status"] in LIVE_STATUSES:
             raise invalid_request(
                 f"Response '{self.response['id']}' is still {self.response['status']}: a next turn can "
                 "continue it once it has completed.", param="previous_response_id")
-        history = [m for m in self.messages if m["role"] != "system"]
+        history = list(self.messages)
         for item in self.response["output"]:
             if item.get("type") == "message":
                 history.extend({"role": "assistant", "content": part["text"]} for part in item["content"])

@@ -48,8 +48,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = store.get(body.previous_response_id, "previous_response_id").conversation()
-    messages = body.messages(history)
-    chat = body.to_chat(messages)
+    messages = body.conversation(history)  # what is stored: the instructions do not carry over
+    chat = body.to_chat(body.messages(messages))
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
     gen = factory.chat_from(chat, id_base)  # streams when the body asks to

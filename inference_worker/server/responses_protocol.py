@@ -108,16 +108,21 @@ class ResponsesRequest(BaseModel):
             raise invalid_request("input must not be empty", param="input")
         return self
 
-    def messages(self, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-        """The conversation: the instructions as the system message, the earlier turns (those
-        of `previous_response_id`), then the input."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        messages.extend(history)
+    def conversation(self, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The earlier turns (those of `previous_response_id`), then the input: what a next turn
+        continues. Without the instructions, which do not carry over (OpenAI's API); system
+        and developer messages of the input do."""
+        messages = list(history)
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
             messages.extend(item.as_chat() for item in self.input)
         return messages
+
+    def messages(self, conversation: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What the model answers: the instructions as the system message, then `conversation`."""
+        instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return [*instructions, *conversation]
 
     def to_chat(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The same request as a chat completion of `messages` (see messages()): vLLM's extra

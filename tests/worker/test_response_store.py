@@ -1,5 +1,5 @@
 """The worker's store of Responses API answers: bounded, least recently used out first, and
-a next turn continues the conversation without the earlier instructions (once it is whole)."""
+a next turn continues the stored conversation, its system messages included (once it is whole)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from inference_worker.server.response_store import ResponseStore, StoredResponse
 
 def _entry(response_id: str, answer: str = "ok", status: str = "completed") -> StoredResponse:
     output = [{"type": "message", "content": [{"type": "output_text", "text": answer}]}]
+    # The conversation as stored: a system message of the input, no instructions.
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     return StoredResponse({"id": response_id, "output": output, "status": status}, messages)
 
@@ -34,9 +35,12 @@ def test_a_store_of_size_zero_keeps_nothing() -> None:
     assert len(store) == 0
 
 
-def test_a_next_turn_continues_without_the_earlier_instructions() -> None:
+def test_a_next_turn_continues_the_conversation_system_messages_of_its_input_included() -> None:
+    # The instructions are not stored (responses_protocol.conversation); a system message the
+    # client put in its input is part of the conversation, as in OpenAI's API.
     assert _entry("a", "hello").conversation() == [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}]
 
 
 @pytest.mark.parametrize("status", ["queued", "in_progress"])

@@ -1,12 +1,14 @@
 """The Responses API of a sim worker (`python -m inference_worker --backend sim`, 127.0.0.1):
 what OpenAI's API and its clients expect of it where a real model changes nothing. A stream
-the worker cuts ends with OpenAI's `error` event."""
+the worker cuts ends with OpenAI's `error` event; a next turn (`previous_response_id`) keeps
+the system messages of the conversation's input, not its instructions."""
 
 from __future__ import annotations
 
 import json
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -55,3 +57,31 @@ def test_a_stream_cut_by_the_worker_ends_with_openais_error_event(background) ->
     assert error.type == "error" and error.code == "shutting_down"
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert events[-2][1]["type"] == "response.output_text.delta"  # it had streamed, not finished
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    with launch_worker(*SIM, model="m") as w:
+        yield w
+
+
+def _create(worker: Worker, **body: object) -> dict:
+    r = httpx.post(worker.api_url + "/responses", json={"model": "m", "max_output_tokens": 3, **body},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] for part in item["content"])
+
+
+def test_a_next_turn_keeps_the_inputs_system_messages_not_the_instructions(worker) -> None:
+    system = {"role": "system", "content": "You answer like a pirate, always and everywhere."}
+    first = _create(worker, instructions="Be brief.", input=[system, {"role": "user", "content": "hi"}])
+    second = _create(worker, previous_response_id=first["id"], input="and then?")
+    # The same conversation sent whole: the first turn's input and answer, then the new input.
+    whole = _create(worker, input=[system, {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": _text(first)},
+                                   {"role": "user", "content": "and then?"}])
+    assert second["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
