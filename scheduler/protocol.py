@@ -75,6 +75,10 @@ class ScheduleRequest(BaseModel):
     # gateways' heads, compete for freed room: without it a priority 5 request already asking
     # took room before a priority -1 one asking beside it).
     priority: int = 0
+    # How long the request has waited in the gateway's queue so far. A long poll that ends
+    # unanswered is asked again: held calls go in the order their requests arrived, not their
+    # calls (else a head that re-asks goes behind every call held since).
+    waited_ms: int = Field(0, ge=0, le=86_400_000)
 
 
 class ScheduleDecision(BaseModel):

@@ -5,11 +5,12 @@ Held calls are woken, when something may have freed room, in the order of their 
 (the gateway queue's, lower first: ScheduleRequest.priority). Within a priority, a model's
 calls go in the order of their flows' token counters (scheduler/fair_share.py: the tenant
 served the fewest weighted tokens over every gateway's traffic first), arrival order among
-equals and for calls without a flow; calls of different models keep their arrival order
-between them (their counters do not compare). Each gateway sends only the head of its own
-queue (or its best few: --queue-askers), so this orders the replicas' heads: without it a
-tenant alone on one replica got one turn per request against the tenants of the others,
-whatever its requests cost."""
+equals and for calls without a flow (the arrival of the request in its gateway's queue:
+ScheduleRequest.waited_ms, so a long poll that ran out and is asked again keeps its place);
+calls of different models keep their arrival order between them (their counters do not
+compare). Each gateway sends only the head of its own queue (or its best few: --queue-askers),
+so this orders the replicas' heads: without it a tenant alone on one replica got one turn per
+request against the tenants of the others, whatever its requests cost."""
 
 from __future__ import annotations
 
@@ -52,19 +53,21 @@ class Wait:
 class _Held:
     """A schedule call held until something may have freed room."""
 
-    __slots__ = ("flow", "future", "ledger", "priority", "seq")
+    __slots__ = ("arrival", "flow", "future", "ledger", "priority")
 
-    def __init__(self, seq: int, ledger: FlowLedger | None, flow: str | None,
+    def __init__(self, arrival: tuple[float, int], ledger: FlowLedger | None, flow: str | None,
                  priority: int = 0) -> None:
-        self.seq = seq  # arrival order
+        # Arrival order: when its request started waiting (time.monotonic(), less what it
+        # waited in the gateway before this call), then the call's number.
+        self.arrival = arrival
         self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
         self.flow = flow
         self.priority = priority
         self.future: asyncio.Future | None = None
 
-    def turn(self) -> tuple[int, float, int]:
+    def turn(self) -> tuple[int, float, tuple[float, int]]:
         served = self.ledger.served(self.flow) if self.ledger is not None else 0.0
-        return (self.priority, served, self.seq)
+        return (self.priority, served, self.arrival)
 
 
 class SchedulerService:
@@ -78,7 +81,7 @@ class SchedulerService:
         self.metrics = metrics or SchedulerMetrics(self)
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
-        # Held calls waiting for the next event that may free room, in arrival order.
+        # Held calls waiting for the next event that may free room, in the order they were held.
         self._held: list[_Held] = []
         self._held_seq = itertools.count()
         self._ledgers: dict[str, FlowLedger] = {}  # by model key: the flows' token counters
@@ -332,8 +335,9 @@ class SchedulerService:
         self.metrics.decision_done(out, time.perf_counter() - t0)
         return out
 
-    async def schedule(self, req: Request, wait_ms: int = 0):
-        """decide(), holding up to wait_ms while the answer is Wait."""
+    async def schedule(self, req: Request, wait_ms: int = 0, waited_ms: int = 0):
+        """decide(), holding up to wait_ms while the answer is Wait. waited_ms: how long the
+        request has waited in its gateway's queue already (its place among held calls)."""
         now = time.monotonic()
         out = self.schedule_now(req, now)
         if not isinstance(out, Wait) or wait_ms <= 0:
@@ -341,7 +345,7 @@ class SchedulerService:
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
-        held = _Held(next(self._held_seq), ledger, req.flow, req.priority)
+        held = _Held((now - waited_ms / 1000.0, next(self._held_seq)), ledger, req.flow, req.priority)
         if ledger is not None and self._idle(ledger, req.flow):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:
@@ -350,13 +354,20 @@ class SchedulerService:
             # would undo every turn it had.
             ledger.lift(req.flow, (h.flow for h in self._held if h.ledger is ledger))
         loop = asyncio.get_running_loop()
+        # A request asking again (its last poll ran out) goes ahead of the calls held since it
+        # arrived; woken and still waiting, a call goes back in the order woken (its turn).
+        first = next((i for i, h in enumerate(self._held) if h.arrival > held.arrival), None)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.wait_done(False, time.monotonic() - now)
                 return out
             held.future = loop.create_future()
-            self._held.append(held)
+            if first is None:
+                self._held.append(held)
+            else:
+                self._held.insert(first, held)
+                first = None
             try:
                 await asyncio.wait([held.future], timeout=remaining)
             except asyncio.CancelledError:

@@ -278,6 +278,39 @@ def test_among_several_askers_freed_room_goes_to_the_better_priority(cluster):
         g.stop()
 
 
+def test_a_request_that_asks_again_keeps_its_place_among_the_held_calls(cluster):
+    """Two gateway replicas, each with one request queued: "early" on a replica whose long
+    polls run out every 300 ms (asked again each time), "late" on one whose poll outlasts the
+    test. The freed room must go to "early", which arrived first, not to the call held longest
+    (the gateway sends how long its request has waited)."""
+    _wait_queue_empty(cluster)
+    scheduler = httpx.get(cluster + "/admin/state").json()["scheduler"]
+    ga, gau = start_gateway("--scheduler", scheduler, "--schedule-wait-ms", "300")
+    gb, gbu = start_gateway("--scheduler", scheduler, "--schedule-wait-ms", "20000")
+    finished: dict[str, float] = {}
+
+    def post(name: str, gw: str, body: dict) -> int:
+        status = _post(gw, body).status_code
+        finished[name] = time.monotonic()
+        return status
+
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            running = [ex.submit(post, "short", cluster, SLOW),
+                       ex.submit(post, "long", cluster, {**SLOW, "max_tokens": 450})]
+            _wait_leases(scheduler, 2)
+            queued = [ex.submit(post, "early", gau, SLOW)]
+            _wait_queued(gau, 1)
+            time.sleep(0.15)
+            queued.append(ex.submit(post, "late", gbu, SLOW))
+            _wait_queued(gbu, 1)
+            assert [f.result() for f in running + queued] == [200] * 4
+        assert finished["early"] < finished["late"]
+    finally:
+        ga.stop()
+        gb.stop()
+
+
 def test_a_request_waiting_behind_others_gets_its_timeout_on_time(cluster):
     """The queue timeout holds for a request that waits behind the one asking the scheduler:
     a batch request (priority 5) passed by a later urgent one (priority 0) got its 429 only when

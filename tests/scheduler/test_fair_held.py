@@ -108,6 +108,29 @@ def test_with_fair_share_off_each_priority_keeps_its_arrival_order():
     assert order == ["x", "a1", "a2", "b1", "b2"]
 
 
+def test_a_request_asking_again_goes_ahead_of_calls_held_since_it_arrived():
+    """A gateway's long poll runs out and it asks again, saying how long its request has
+    waited: the call goes in at its request's arrival, not behind every call held since."""
+    svc, blocker = one_at_a_time(config={"fair_share": False})
+
+    async def scenario() -> list[str]:
+        names = {}
+        for name, waited_ms in (("new1", 0), ("new2", 0), ("old", 5000)):
+            task = asyncio.create_task(svc.schedule(Request("m", 10, 10), 5000, waited_ms))
+            names[task] = name
+            await asyncio.sleep(0.005)
+        order, lease = [], blocker
+        while names:
+            svc.release(lease, True)
+            done, _ = await asyncio.wait(names, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+            task = done.pop()
+            order.append(names.pop(task))
+            lease = task.result()["lease_id"]
+        return order
+
+    assert asyncio.run(scenario()) == ["old", "new1", "new2"]
+
+
 def test_counters_of_different_models_do_not_reorder_their_calls():
     svc, blocker = one_at_a_time(models=("m", "n"))
 
