@@ -49,14 +49,16 @@ def die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
 
 
 class StartupError(RuntimeError):
-    """A child did not become healthy; the message names it and shows its last log lines."""
+    """The stack did not come up: a child did not become healthy, or one already healthy died
+    while a later stage started. The message names it and shows its last log lines."""
 
-    def __init__(self, name: str, why: str, tail: list[str]):
+    def __init__(self, name: str, why: str, tail: list[str], headline: str | None = None):
         self.name = name
         self.why = why
         self.tail = tail
         shown = "\n".join(f"    {line}" for line in tail[-20:]) or "    (no output)"
-        super().__init__(f"{name} failed to start: {why}\n  last log lines of {name}:\n{shown}")
+        headline = headline or f"{name} failed to start: {why}"
+        super().__init__(f"{headline}\n  last log lines of {name}:\n{shown}")
 
 
 @dataclass
@@ -215,19 +217,41 @@ class Supervisor:
         for child in stage:
             await child.start()
             self.emit(f"[launcher] started {child.name} (pid {child.pid}): {' '.join(child.spec.argv)}")
+        # The children of earlier stages are watched too: a worker that died while the scheduler
+        # or the gateway started went unnoticed until after the "ready" banner, which then
+        # announced a stack that had already lost a part.
+        earlier = [child for child in self.children if child not in stage]
         async with httpx.AsyncClient(trust_env=False) as client:
             checks = [asyncio.create_task(child.wait_healthy(client, timeout_s)) for child in stage]
+            deaths = [asyncio.create_task(self._died_during(child, stage)) for child in earlier]
+            # gather() ends at the stage's first failure (or once all are healthy); a death never
+            # ends well, so it is waited beside it rather than in it.
+            healthy = asyncio.ensure_future(asyncio.gather(*checks))
             try:
                 # The first failure wins; the other checks are cancelled, not left polling.
-                done, _ = await asyncio.wait(checks, return_when=asyncio.FIRST_EXCEPTION)
+                done, _ = await asyncio.wait([healthy, *deaths], return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()
             finally:
-                for task in checks:
+                for task in [*checks, *deaths]:
                     task.cancel()
-                await asyncio.gather(*checks, return_exceptions=True)
+                await asyncio.gather(healthy, *checks, *deaths, return_exceptions=True)
+        # One whose exit was seen just after the stage's last check answered counts too.
+        for child in earlier:
+            if not child.running:
+                await self._died_during(child, stage)
         for child in stage:
             self.emit(f"[launcher] {child.name} is healthy at {child.spec.health_url}")
+
+    @staticmethod
+    async def _died_during(child: ManagedProcess, stage: list[ManagedProcess]) -> None:
+        """Wait for an earlier stage's child to exit, then fail the stage that was starting."""
+        code = await child.wait()
+        starting = ", ".join(c.name for c in stage)
+        raise StartupError(
+            child.name, f"exited with code {code}", list(child.tail),
+            headline=f"{child.name} exited with code {code} while {starting} was starting",
+        )
 
     async def watch(self, stop: asyncio.Event) -> ManagedProcess | None:
         """Block until `stop` is set (returns None) or a child exits (returns that child)."""

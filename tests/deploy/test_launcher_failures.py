@@ -107,6 +107,26 @@ def test_a_child_dying_stops_the_rest_and_fails_the_launcher():
         stop_stack(stack)
 
 
+def test_a_worker_dying_while_a_later_stage_starts_fails_the_start_up():
+    """It printed "ready" over a stack that had lost a worker while the scheduler started, and
+    only then noticed; it must fail the start-up naming the worker, and stop the rest."""
+    stack = start_stack(workers=1)
+    try:
+        assert stack.wait_for_line("[launcher] started scheduler", 150), stack.output()[-3000:]
+        pids = stack.child_pids()
+        # The scheduler (then the gateway) takes a Python start-up or more to answer /health.
+        subprocess.run(["kill", "-KILL", str(pids["worker-0"])], check=True)
+        assert stack.proc.wait(60) == 1
+        out = stack.output()
+        assert re.search(r"\[launcher\] error: worker-0 exited with code -9 while (scheduler|gateway) "
+                         r"was starting", out), out[-3000:]
+        assert "last log lines of worker-0:" in out
+        assert "LLM router ready" not in out
+        assert wait_until(lambda: not any(pid_alive(p) for p in stack.child_pids().values()), 10)
+    finally:
+        stop_stack(stack)
+
+
 def test_sigterm_stops_the_stack_like_ctrl_c():
     stack = start_stack(workers=1)
     try:

@@ -122,3 +122,34 @@ async def test_kill_all_cuts_the_grace_period_short():
         await sup.stop_all()
     assert sup.children[0].proc.returncode == -9
     assert any("killing stubborn" in line for line in lines)
+
+
+async def test_a_child_of_an_earlier_stage_dying_fails_the_stage_being_started():
+    """A worker that died while the scheduler or the gateway was starting went unnoticed until
+    the launcher had announced the stack ready; the start-up must fail, naming it."""
+    lines: list[str] = []
+    sup = Supervisor(grace_s=2.0, emit=lines.append)
+    try:
+        await sup.start_stage([spec("steady"), spec("fragile", "--exit-after", "1.0")], timeout_s=30)
+        # The next stage never answers /health: only the death can end its start-up early.
+        with pytest.raises(StartupError) as info:
+            await asyncio.wait_for(sup.start_stage([spec("slow", "--never-healthy")], timeout_s=60), 30)
+    finally:
+        await sup.stop_all()
+    assert info.value.name == "fragile"
+    assert str(info.value).startswith("fragile exited with code 3 while slow was starting")
+    assert "exiting on purpose" in str(info.value)  # its last log lines
+    assert not any(c.running for c in sup.children)
+    assert not any("slow is healthy" in line for line in lines)
+
+
+async def test_an_earlier_child_dead_before_the_stage_is_started_fails_it_at_once():
+    sup = Supervisor(grace_s=2.0, emit=lambda _line: None)
+    try:
+        await sup.start_stage([spec("fragile", "--exit-after", "0.5")], timeout_s=30)
+        await asyncio.wait_for(sup.children[0].wait_exit(), 30)
+        with pytest.raises(StartupError) as info:
+            await asyncio.wait_for(sup.start_stage([spec("next")], timeout_s=30), 30)
+    finally:
+        await sup.stop_all()
+    assert info.value.name == "fragile" and "while next was starting" in str(info.value)
