@@ -17,7 +17,11 @@ class HFTokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = len(hf_tokenizer)
-        self._own_params = frozenset(inspect.signature(hf_tokenizer.apply_chat_template).parameters)
+        # Names a request's chat_template_kwargs may not take: apply_chat_template's own
+        # arguments, and `messages`, which its renderer passes to the template itself (a second
+        # one is a TypeError, not a TemplateError).
+        own = inspect.signature(hf_tokenizer.apply_chat_template).parameters
+        self._own_params = frozenset(own) | {"messages"}
 
     def encode(self, text: str) -> list[int]:
         # The tokenizer decides about BOS (SmolLM2 adds none), as in vLLM.

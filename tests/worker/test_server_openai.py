@@ -291,9 +291,13 @@ def test_an_assistant_prefill_is_continued(worker) -> None:
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in streamed) == '{"name": "' + text
     # Template variables are taken; names of the renderer's own arguments are not (they would
     # turn the prompt into text, or fail the call).
-    for variables in ({"enable_thinking": False}, {"tokenize": False, "add_generation_prompt": False}):
+    for variables in ({"enable_thinking": False}, {"tokenize": False, "add_generation_prompt": False},
+                      {"messages": []}):
         r = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0,
                                   "chat_template_kwargs": variables}, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(worker.base_url + "/tokenize", timeout=60,
+                       json={"messages": MESSAGES, "chat_template_kwargs": variables})
         assert r.status_code == 200, r.text
 
 
