@@ -34,6 +34,12 @@ _UNIMPLEMENTED_RESPONSES: dict[str, Any] = {
 }
 
 
+# Options with a default that a request may also set to null.
+_NULL_MEANS_DEFAULT = frozenset(
+    {"stream", "store", "background", "parallel_tool_calls", "service_tier", "tool_choice", "truncation"}
+)
+
+
 class TextInput(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -76,6 +82,15 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled", "auto"] = "disabled"
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # a model that does not reason: nothing to set
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """OpenAI's API takes null for these options (clients that write every field send it):
+        null is the default, not a 400."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_MEANS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -85,3 +85,17 @@ def test_a_next_turn_keeps_the_inputs_system_messages_not_the_instructions(worke
                                    {"role": "assistant", "content": _text(first)},
                                    {"role": "user", "content": "and then?"}])
     assert second["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("field", ["stream", "store", "background", "parallel_tool_calls", "service_tier",
+                                   "tool_choice", "truncation"])
+def test_an_option_set_to_null_takes_its_default(worker, field) -> None:
+    """OpenAI's API (and its SDK's types) take null for each; a client that writes every field
+    sends it."""
+    default = _create(worker, input="hi")
+    answer = _create(worker, input="hi", **{field: None})
+    assert answer["status"] in ("completed", "incomplete")  # a whole answer: not streamed
+    if field == "store":  # stored, the default
+        assert httpx.get(f"{worker.api_url}/responses/{answer['id']}", timeout=10).status_code == 200
+    elif field != "stream":
+        assert answer[field] == default[field]
