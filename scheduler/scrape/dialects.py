@@ -188,6 +188,8 @@ def _sglang_wanted(p: str) -> dict[str, str]:
 
 # Labels that tell apart the ranks of one data-parallel group (SGLang's scheduler labels).
 _RANK_LABELS = frozenset(("tp_rank", "pp_rank", "moe_ep_rank"))
+# Without a dp_rank label the TP rank is what tells the groups apart (see _one_report_per_group).
+_RANK_LABELS_NO_DP = frozenset(("pp_rank", "moe_ep_rank"))
 
 
 def _rank_order(labels: dict[str, str]) -> tuple[int, int]:
@@ -198,17 +200,26 @@ def _rank_order(labels: dict[str, str]) -> tuple[int, int]:
 
 
 def _one_report_per_group(fams: Families) -> Families:
-    """One report per data-parallel group: the lowest (pp_rank, tp_rank) among the series that
-    differ only in rank labels. Ranks of a group repeat its scheduler's numbers (all of them with
-    --enable-metrics-for-all-schedulers), but a group is not always led by tp_rank 0: with
-    --enable-dp-attention the group of dp_rank 1 reports from tp_rank tp/dp, so keeping tp_rank 0
-    alone dropped every group but the first."""
+    """One report per data-parallel group: the lowest (pp_rank, tp_rank) of the series that
+    differ only in the labels of ranks within a group. By default only a group's first attention
+    rank (attn_tp_rank 0) writes scheduler metrics; with --enable-metrics-for-all-schedulers every
+    rank (and pipeline stage) writes its group's numbers again, counted once here.
+
+    Which labels tell the groups apart depends on how SGLang launched them (checked against its
+    scheduler and data_parallel_controller): plain data parallelism hands each group's schedulers
+    their `dp_rank`, a label (since SGLang added rank labels, mid-2025), and within it the TP
+    ranks repeat one group. --enable-dp-attention launches every rank as one TP group with no
+    dp_rank (None, so no label): group k reports from tp_rank k * tp/dp, so there the TP rank is
+    the group. Keeping tp_rank 0 alone read one attention group of dp (1/8 of a --tp 8 --dp 8
+    DeepSeek's requests and pool). Pages from before the rank labels have one series per family
+    (every group writes it, the last write shows): nothing to tell apart there."""
     out: Families = {}
     for key, samples in fams.items():
         first: dict[frozenset[tuple[str, str]], tuple[tuple[int, int], Sample]] = {}
         for sample in samples:
             labels = sample[0]
-            group = frozenset(kv for kv in labels.items() if kv[0] not in _RANK_LABELS)
+            ranks = _RANK_LABELS if "dp_rank" in labels else _RANK_LABELS_NO_DP
+            group = frozenset(kv for kv in labels.items() if kv[0] not in ranks)
             order = _rank_order(labels)
             held = first.get(group)
             if held is None or order < held[0]:

@@ -55,6 +55,36 @@ def test_sglang_ranks_that_repeat_their_group_are_counted_once():
     assert raw.kv_usage == 0.4
 
 
+def _sglang_page_without_dp_rank(rows: list[tuple[int, int, float, float, float]]) -> str:
+    """SGLang gauges as --enable-dp-attention writes them: (tp_rank, pp_rank, running, queued,
+    token_usage) per reporting scheduler, no dp_rank label (the data-parallel controller launches
+    dp-attention ranks as one TP group, dp_rank None)."""
+    lines = []
+    for name, col in (("num_running_reqs", 2), ("num_queue_reqs", 3), ("token_usage", 4)):
+        lines.append(f"# TYPE sglang:{name} gauge")
+        for tp, pp, *values in rows:
+            labels = (f'model_name="ds",engine_type="unified",tp_rank="{tp}",pp_rank="{pp}",'
+                      f'moe_ep_rank="{tp}"')
+            lines.append(f"sglang:{name}{{{labels}}} {values[col - 2]}")
+    return "\n".join(lines) + "\n"
+
+
+def test_sglang_dp_attention_groups_without_a_dp_rank_label_are_summed():
+    """--tp 4 --dp 2 --enable-dp-attention: each attention group's first rank reports, tp_rank 0
+    for the first group and tp_rank 2 for the second, with no dp_rank label. The groups differed
+    only in rank labels, so the lowest rank alone was read: half the requests and half the pool.
+    (--tp 2 --dp 2: every rank is a group of its own.)"""
+    raw = read(dialects.SGLANG_COLON, _sglang_page_without_dp_rank([(0, 0, 7, 2, 0.5), (2, 0, 5, 1, 0.3)]))
+    assert (raw.running, raw.waiting) == (12.0, 3.0)
+    assert raw.kv_usage == 0.4
+    raw = read(dialects.SGLANG_COLON, _sglang_page_without_dp_rank([(0, 0, 7, 2, 0.5), (1, 0, 5, 1, 0.3)]))
+    assert (raw.running, raw.waiting) == (12.0, 3.0)
+    # Pipeline stages still repeat their group's numbers, counted once.
+    rows = [(0, 0, 7, 2, 0.5), (0, 1, 7, 2, 0.5), (2, 0, 5, 1, 0.3), (2, 1, 5, 1, 0.3)]
+    raw = read(dialects.SGLANG_COLON, _sglang_page_without_dp_rank(rows))
+    assert (raw.running, raw.waiting) == (12.0, 3.0)
+
+
 def _trtllm_page(pools: dict[str, tuple[int, int, int, float]]) -> str:
     """A Triton page with one TensorRT-LLM pool per model: (max, used, tokens_per, fraction)."""
     lines = ["# TYPE nv_trt_llm_request_metrics gauge"]
