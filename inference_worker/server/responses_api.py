@@ -52,7 +52,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     chat = body.to_chat(body.messages(messages))
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
-    gen = factory.chat_from(chat, id_base)  # streams when the body asks to
+    try:
+        gen = factory.chat_from(chat, id_base)  # streams when the body asks to
+    except APIError as err:
+        raise _in_responses_terms(err) from None
     # Unique whatever the caller's X-Request-Id (which names the engine request, for tracing):
     # a stored response's id must not be reused, and vLLM's ignores the header too.
     answer = ResponseAnswer(f"resp_{uuid.uuid4().hex}", factory.model_name, body)
@@ -61,6 +64,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if body.store:
         answer.keep_in(store, messages)
     return await serve(request, gen, answer)
+
+
+# The chat request's names for the Responses fields it was built from: the client's 400 about
+# its output length or its input names what it sent.
+_RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _in_responses_terms(err: APIError) -> APIError:
+    if err.param in _RESPONSES_PARAMS:
+        err.param = _RESPONSES_PARAMS[err.param]
+    # A Responses body has no max_tokens (responses_protocol drops one): any is its max_output_tokens.
+    err.message = err.message.replace("max_tokens", "max_output_tokens")
+    return err
 
 
 async def _background(request: web.Request, gen: Generation, answer: ResponseAnswer,

@@ -99,3 +99,20 @@ def test_an_option_set_to_null_takes_its_default(worker, field) -> None:
         assert httpx.get(f"{worker.api_url}/responses/{answer['id']}", timeout=10).status_code == 200
     elif field != "stream":
         assert answer[field] == default[field]
+
+
+@pytest.mark.parametrize(("fields", "param", "named"), [
+    ({"input": "hi", "max_output_tokens": 100_000}, "max_output_tokens", "'max_output_tokens'"),
+    ({"input": "word " * 2000}, "input", None),
+    ({"input": "hi", "max_output_tokens": 3, "min_tokens": 50}, "min_tokens", "max_output_tokens (3)"),
+])
+@pytest.mark.parametrize("background", [False, True])
+def test_a_400_names_the_responses_fields_not_the_chat_ones(worker, fields, param, named, background) -> None:
+    r = httpx.post(worker.api_url + "/responses", json={"model": "m", **fields, "background": background},
+                   timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert "max_tokens" not in error["message"] and "messages" not in error["message"]
+    if named is not None:
+        assert named in error["message"]
