@@ -88,6 +88,7 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -96,12 +97,27 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
             raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise unsupported("tools", "tools")
+        self._check_tool_choice()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "response_format other than text")
         reject_set(self, _UNIMPLEMENTED_CHAT)
         self._check_rendering()
         self._rejectunsupported()
         return self
+
+    def _check_tool_choice(self) -> None:
+        """With no tools, "none" and "auto" answer in text; "required" or a named function would
+        demand a tool call this worker cannot make (vLLM refuses them without tools too;
+        "required" with an empty list means "none", as OpenAI and vLLM take it)."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto") or (choice == "required" and self.tools == []):
+            return
+        if isinstance(choice, dict) or choice == "required":
+            raise unsupported("tool_choice", "tool_choice that requires a tool call")
+        raise invalid_request(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, not {choice!r}",
+            param="tool_choice",
+        )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

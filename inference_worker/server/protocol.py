@@ -117,6 +117,11 @@ class GenerationRequest(BaseModel):
         reject_set(self, _UNIMPLEMENTED)
         if self.best_of is not None and self.best_of > 1:
             raise unsupported("best_of", "best_of > 1")
+        if self.stream and self.prompt_logprobs is not None:
+            # No stream chunk carries them (vLLM refuses them too): they would just go missing.
+            raise invalid_request(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
         if self.stream_options is not None and not self.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true", param="stream_options"

@@ -194,3 +194,43 @@ def test_chat_rendering_options_are_refused_unless_neutral(option, value, neutra
     ChatCompletionRequest.model_validate({**_CHAT, option: neutral})
     # Fields no one acts on (OpenAI platform options, unknown names) are still ignored.
     ChatCompletionRequest.model_validate({**_CHAT, "store": True, "metadata": {"a": "b"}, "x_y": 1})
+
+
+@pytest.mark.parametrize(
+    ("req_cls", "body"), [(CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)]
+)
+def test_prompt_logprobs_are_refused_in_a_stream(req_cls, body) -> None:
+    """No stream chunk carries them: a stream asking for them would silently go without
+    (vLLM refuses them as well). The WebSocket, which always streams, refuses them the same way."""
+    with pytest.raises(APIError) as err:
+        req_cls.model_validate({**body, "stream": True, "prompt_logprobs": 1})
+    assert err.value.status == 400 and err.value.param == "prompt_logprobs"
+    req_cls.model_validate({**body, "prompt_logprobs": 1})
+    unused = type("Unused", (), {"chat_from": None, "completion_from": None})()  # refused before
+    with pytest.raises(APIError) as over_ws:
+        generation_from_message(unused, json.dumps({**body, "prompt_logprobs": 0}))
+    assert over_ws.value.param == "prompt_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "unsupported"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+         "unsupported"),
+        ({"tool_choice": "sometimes"}, "tool_choice", None),
+    ],
+)
+def test_a_tool_choice_that_demands_a_tool_call_is_refused(fields, param, code) -> None:
+    """The worker takes no tools: answered in text, such a request would get no tool call and
+    not know why."""
+    with pytest.raises(APIError) as err:
+        ChatCompletionRequest.model_validate({**_CHAT, **fields})
+    assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
+
+
+@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tool_choice": "auto"}, {"tool_choice": None},
+                                    {"tools": [], "tool_choice": "required"}])
+def test_a_tool_choice_that_allows_text_is_served(fields) -> None:
+    ChatCompletionRequest.model_validate({**_CHAT, **fields})
