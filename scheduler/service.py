@@ -38,6 +38,8 @@ UNKNOWN_MODEL = "unknown_model"
 # refused, reset or cut, closed before a byte); its others (http_5xx, timeout, idle_timeout)
 # say a request failed on a worker that answered, or was slow.
 CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
+# Flows whose last held call ran out, kept at most (SchedulerService._polls_out).
+POLLS_OUT_KEPT = 4096
 
 
 class Wait:
@@ -88,6 +90,9 @@ class SchedulerService:
         # Open leases per (counters, flow): a flow with requests running is not arriving anew
         # when its gateway's next request asks, so it is not lifted then (see schedule()).
         self._open_flows: Counter[tuple[FlowLedger, str]] = Counter()
+        # Per (counters, flow): when its last held call ran out unplaced. Its gateway asks
+        # again for the same request at once, which is the flow still waiting, not arriving.
+        self._polls_out: dict[tuple[FlowLedger, str], float] = {}
         # Workers on probation: each gets one trial request before any policy choice.
         self.half_open: set[str] = set()
         # model -> routable workers serving it; rebuilt lazily after any health or membership
@@ -346,7 +351,7 @@ class SchedulerService:
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
         held = _Held((now - waited_ms / 1000.0, next(self._held_seq)), ledger, req.flow, req.priority)
-        if ledger is not None and self._idle(ledger, req.flow):
+        if ledger is not None and self._idle(ledger, req.flow, now - waited_ms / 1000.0):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:
             # each gateway asks for its queue's head only, so a busy tenant's next request
@@ -361,6 +366,8 @@ class SchedulerService:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.wait_done(False, time.monotonic() - now)
+                if ledger is not None:
+                    self._poll_ran_out(ledger, req.flow)
                 return out
             held.future = loop.create_future()
             if first is None:
@@ -382,10 +389,24 @@ class SchedulerService:
                 self.metrics.wait_done(True, time.monotonic() - now)
                 return out
 
-    def _idle(self, ledger: FlowLedger, flow: str) -> bool:
+    def _idle(self, ledger: FlowLedger, flow: str, waiting_since: float) -> bool:
+        """Whether the flow arrives now: nothing of it runs or is held here, and no call of it
+        ran out since this request started waiting (then its gateway asks again)."""
         if (ledger, flow) in self._open_flows:
             return False
+        ran_out = self._polls_out.pop((ledger, flow), None)
+        if ran_out is not None and ran_out >= waiting_since:
+            return False
         return not any(h.ledger is ledger and h.flow == flow for h in self._held)
+
+    def _poll_ran_out(self, ledger: FlowLedger, flow: str) -> None:
+        now = time.monotonic()
+        if len(self._polls_out) >= POLLS_OUT_KEPT:
+            # Calls not asked again (their requests left): a gateway asks again at once.
+            self._polls_out = {k: t for k, t in self._polls_out.items() if now - t < 60.0}
+            if len(self._polls_out) >= POLLS_OUT_KEPT:
+                self._polls_out.clear()  # at worst, flows asking again are lifted as before
+        self._polls_out[ledger, flow] = now
 
     def _lease_ended(self, lease: Lease) -> None:
         """Released, handed off, expired or dropped with its worker: its flow has one request

@@ -5,6 +5,7 @@ least goes first."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -129,6 +130,41 @@ def test_a_request_asking_again_goes_ahead_of_calls_held_since_it_arrived():
         return order
 
     assert asyncio.run(scenario()) == ["old", "new1", "new2"]
+
+
+def test_a_flow_asking_again_after_its_poll_ran_out_is_not_lifted():
+    """A flow's held call runs out unplaced and its gateway asks again for the same request:
+    the flow is still waiting, not arriving, so it keeps the counter that makes it next (a
+    lift to the lowest counter beside it gave the room to a heavier tenant's call)."""
+    svc, blocker = one_at_a_time()
+    ledger = svc._ledger_of(Request("m", flow="chat"))
+
+    async def scenario() -> tuple[bool, bool, float, float]:
+        def ask(flow: str, wait_ms: int = 5000, waited_ms: int = 0) -> asyncio.Task:
+            return asyncio.create_task(svc.schedule(Request("m", 10, 5, flow=flow), wait_ms, waited_ms))
+        docs1, docs2 = ask("docs"), ask("docs")
+        await asyncio.sleep(0.005)
+        started = time.monotonic()
+        chat = ask("chat", wait_ms=200)
+        await asyncio.sleep(0.01)
+        svc.release(blocker, True)  # docs1 held first (a tie): its flow is charged
+        placed = (await asyncio.wait_for(docs1, 2.0))["lease_id"]
+        assert isinstance(await chat, Wait)  # its poll ran out: the gateway asks again
+        before = ledger.served("chat")
+        chat = ask("chat", waited_ms=int((time.monotonic() - started) * 1000))
+        await asyncio.sleep(0.01)
+        after = ledger.served("chat")
+        svc.release(placed, True)
+        await asyncio.wait([chat, docs2], timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+        result = (chat.done(), docs2.done(), before, after)
+        for task in (chat, docs2):
+            task.cancel()
+        await asyncio.gather(chat, docs2, return_exceptions=True)
+        return result
+
+    chat_placed, docs_placed, before, after = asyncio.run(scenario())
+    assert after == before < ledger.served("docs")
+    assert chat_placed and not docs_placed
 
 
 def test_counters_of_different_models_do_not_reorder_their_calls():
