@@ -36,10 +36,10 @@ def _sglang_page(rows: list[tuple[int, int, int, float, float, float]]) -> str:
 
 
 def test_sglang_dp_attention_groups_are_summed_whatever_their_tp_rank():
-    """With --enable-dp-attention (--tp 4 --dp 2) the scheduler of each attention group's first
-    rank reports: tp_rank 0 for dp_rank 0 and tp_rank 2 for dp_rank 1 (data_parallel_controller
-    hands each rank its attention dp_rank; only attn_tp_rank 0 has metrics on by default). Reading
-    tp_rank 0 alone saw half the requests and half the pool."""
+    """Groups told apart by dp_rank are summed whichever TP rank reports for each (by default
+    only a group's attn_tp_rank 0 writes scheduler metrics). Reading tp_rank 0 alone saw half the
+    requests and half the pool. (SGLang writes dp_rank for plain data parallelism; dp-attention
+    pages have none: test_sglang_dp_attention_groups_without_a_dp_rank_label_are_summed.)"""
     raw = read(dialects.SGLANG_COLON, _sglang_page([(0, 0, 0, 7, 2, 0.5), (2, 0, 1, 5, 1, 0.3)]))
     assert (raw.running, raw.waiting) == (12.0, 3.0)
     assert raw.kv_usage == 0.4
