@@ -92,6 +92,7 @@ def build_app(
     app.router.add_post("/v1/responses", responses_api.responses)
     app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     app.router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel)
+    app.router.add_delete("/v1/responses/{response_id}", responses_api.delete)
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_post("/tokenize", openai_api.tokenize)
     app.router.add_post("/detokenize", openai_api.detokenize)

@@ -59,6 +59,9 @@ class ResponseStore:
         while len(self._entries) > self.max_size:
             self._entries.popitem(last=False)
 
+    def delete(self, response_id: str) -> None:
+        self._entries.pop(response_id, None)
+
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
         """The stored response, or the 404 vLLM answers for an id it does not hold."""
         entry = self._entries.get(response_id)

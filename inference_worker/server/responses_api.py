@@ -14,7 +14,8 @@ keeps a store: `previous_response_id` continues it, `GET /v1/responses/{id}` ret
 With `background` the answer is generated apart from the request (server/background.py):
 `GET /v1/responses/{id}?stream=true` replays its events, and
 `POST /v1/responses/{id}/cancel` stops it. As in vLLM, a synchronous response cannot be
-cancelled (400) and an unknown one is a 404.
+cancelled (400) and an unknown one is a 404. `DELETE /v1/responses/{id}` forgets a response
+(OpenAI's API), stopping it first if it still runs.
 """
 
 from __future__ import annotations
@@ -150,6 +151,18 @@ async def cancel(request: web.Request) -> web.Response:
                        param="response_id")
     await entry.run.cancel()
     return web.json_response(entry.response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{id} (OpenAI's API; vLLM has none): the response is forgotten, and
+    one still running in the background is stopped first, since nobody could retrieve it."""
+    store = request.app[RESPONSES]
+    response_id = request.match_info["response_id"]
+    entry = store.get(response_id)  # a 404 when unknown
+    if entry.run is not None and entry.response["status"] in LIVE_STATUSES:
+        await entry.run.cancel()
+    store.delete(response_id)  # after the cancel: an answer that ended meanwhile stored itself
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 class ResponseAnswer:

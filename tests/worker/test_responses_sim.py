@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai.types.responses import ResponseErrorEvent
 
-from tests.worker.conftest import SIM_AVAILABLE, SIM_SKIP_REASON, Worker, launch_worker
+from tests.worker.conftest import SIM_AVAILABLE, SIM_SKIP_REASON, Worker, launch_worker, sample, wait_for
 
 pytestmark = pytest.mark.skipif(not SIM_AVAILABLE, reason=SIM_SKIP_REASON)
 
@@ -116,3 +116,24 @@ def test_a_400_names_the_responses_fields_not_the_chat_ones(worker, fields, para
     assert "max_tokens" not in error["message"] and "messages" not in error["message"]
     if named is not None:
         assert named in error["message"]
+
+
+def test_a_deleted_response_is_gone_and_a_running_one_stopped_first(worker) -> None:
+    url = worker.api_url + "/responses"
+    aborted = sample(worker.metrics(), "vllm:request_success_total", finished_reason="abort")  # so far
+    done = _create(worker, input="hi")
+    running = _create(worker, input="hi", max_output_tokens=400, ignore_eos=True, background=True)
+    for response in (done, running):
+        r = httpx.delete(f"{url}/{response['id']}", timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"id": response["id"], "object": "response", "deleted": True}
+        assert httpx.get(f"{url}/{response['id']}", timeout=10).status_code == 404
+        assert httpx.delete(f"{url}/{response['id']}", timeout=10).status_code == 404
+        body = {"model": "m", "input": "and?", "previous_response_id": response["id"]}
+        follow_up = httpx.post(url, json=body, timeout=10)
+        assert follow_up.status_code == 404 and follow_up.json()["error"]["param"] == "previous_response_id"
+    # The background answer was stopped, not left generating for nobody.
+    def aborts() -> float:
+        return sample(worker.metrics(), "vllm:request_success_total", finished_reason="abort")
+
+    wait_for(lambda: aborts() == aborted + 1, 5, what="the background answer's abort")
