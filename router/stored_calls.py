@@ -1,5 +1,6 @@
 """Calls on a stored response (`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`,
-...) go to the worker that stores it, and nowhere else (router/stored_responses.py).
+`DELETE /v1/responses/{id}`, ...) go to the worker that stores it, and nowhere else
+(router/stored_responses.py).
 A background response's replay (`GET ...?stream=true`) is relayed as it comes, and a
 retrieved response's usage updates the conversation's length the gateway remembers (a
 background response is learnt `queued`, before it has any).
@@ -76,8 +77,10 @@ class StoredResponseCalls:
                 502, f"worker {owner.worker_id!r}, which stores response {response_id!r}, failed: "
                 f"{exc!r}", "upstream_error", code="upstream_failed",
             )
-        if status == 404:
-            self.owners.forget(response_id)  # evicted there, or the worker restarted
+        if status == 404 or (status == 200 and request.method == "DELETE"):
+            # Evicted there, the worker restarted, or deleted now: a follow-up is no longer
+            # pinned (and queued) to a worker that would only answer it 404.
+            self.owners.forget(response_id)
         elif status == 200 and request.method == "GET":
             prompt, output = usage_of_body(data)
             if prompt is not None:  # finished: the conversation's length is known now

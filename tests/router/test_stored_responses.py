@@ -86,6 +86,22 @@ def test_get_and_cancel_reach_the_owner_and_unknown_ids_are_404(stack):
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_response_deleted_through_the_gateway_is_forgotten_there(stack):
+    """DELETE reaches the worker that stores the response; the gateway then forgets where it
+    was, so a follow-up is a 404 at once instead of one queued for that worker."""
+    first, home = _respond(stack.gateway, "hello")
+    r = httpx.delete(f"{stack.gateway}/v1/responses/{first['id']}", timeout=10)
+    assert r.status_code == 200 and r.headers["x-router-worker"] == home
+    assert r.json() == {"id": first["id"], "object": "response", "deleted": True}
+    remembered = series_value(stack.gateway, LOOKUPS % "remembered", 0.0)
+    missing = series_value(stack.gateway, LOOKUPS % "missing", 0.0)
+    r = httpx.post(stack.gateway + "/v1/responses", timeout=10,
+                   json={"model": "m", "input": "more", "previous_response_id": first["id"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert series_value(stack.gateway, LOOKUPS % "remembered", 0.0) == remembered
+    assert series_value(stack.gateway, LOOKUPS % "missing") == missing + 1
+
+
 def test_another_gateway_finds_the_owner_by_asking_the_workers(stack):
     first, home = _respond(stack.gateway, "hello")
     proc, other = start_gateway("--scheduler", stack.scheduler)
