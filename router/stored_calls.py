@@ -13,11 +13,14 @@ worker holds the response.
 
 from __future__ import annotations
 
+import json
+import re
+
 import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
-from router.errors import error_response, sse_error_event
+from router.errors import error_response
 from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
 from router.sse import usage_of_body
@@ -90,16 +93,37 @@ class StoredResponseCalls:
     @staticmethod
     async def _relay_replay(request: web.Request, up: aiohttp.ClientResponse, headers: dict[str, str],
                             owner: Owner) -> web.StreamResponse:
-        """A background response's events, written on as the worker sends them."""
+        """A background response's events, written on as the worker sends them. A worker that
+        fails mid-way is told in the stream's own terms: OpenAI's `error` event, numbered after
+        the last event relayed (a Responses client reads no chat-style `[DONE]`)."""
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
+        last = -1  # the last sequence number relayed
+        tail = b""  # the end of the previous chunk: a number may be cut between two
         try:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
+                numbers = _SEQUENCE_NUMBER.findall(tail + chunk)
+                if numbers:
+                    last = max(last, int(numbers[-1]))
+                tail = chunk[-_TAIL_BYTES:]
         except ConnectionResetError:
             return resp  # the client left; the response goes on in the worker
         except UPSTREAM_ERRORS as exc:
-            await resp.write(sse_error_event(f"worker {owner.worker_id!r} failed mid-stream ({exc!r})"))
+            await resp.write(responses_error_event(
+                f"worker {owner.worker_id!r} failed mid-stream ({exc!r})", "upstream_error", last + 1))
         await resp.write_eof()
         return resp
+
+
+# A Responses stream's event numbers, as workers write them (compact JSON or not).
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
+_TAIL_BYTES = 48
+
+
+def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """OpenAI's Responses stream `error` event."""
+    data = {"type": "error", "code": code, "message": message, "param": None,
+            "sequence_number": sequence_number}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()

@@ -14,6 +14,7 @@ import time
 import aiohttp
 import httpx
 import pytest
+from openai.types.responses import ResponseErrorEvent
 
 from router.stored_responses import ResponseOwners
 from tests.router.procs import series_value, sim_stack, start_gateway
@@ -207,6 +208,32 @@ def test_a_background_stream_is_resumed_through_the_gateway_after_its_client_lef
     assert events[-1]["response"]["usage"]["output_tokens"] == 300
     # The gateway knew the worker from the stream its client had left, without asking around.
     assert series_value(stack.gateway, LOOKUPS % "found", 0.0) == found
+
+
+def test_a_replay_whose_worker_dies_ends_with_openais_error_event():
+    """The replay's worker killed mid-way: the stream ends with a Responses `error` event that
+    the SDK reads (numbered after the last event), not a chat-style error and `[DONE]`."""
+    with sim_stack(1, "--time-scale", "5") as own:
+        body = {"model": "m", "input": "hello", "max_output_tokens": 450, "ignore_eos": True,
+                "background": True}
+        response_id = httpx.post(own.gateway + "/v1/responses", json=body, timeout=30).json()["id"]
+        events: list[tuple[str, dict]] = []
+        name = ""
+        with httpx.stream("GET", f"{own.gateway}/v1/responses/{response_id}", params={"stream": "true"},
+                          timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+                    if len(events) == 8:
+                        next(iter(own.workers.values())).kill()
+    name, last = events[-1]
+    assert name == "error"
+    error = ResponseErrorEvent.model_validate(last)
+    assert error.code == "upstream_error"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
 
 
 def test_a_background_response_is_cancelled_on_its_worker(stack):
