@@ -36,12 +36,12 @@ from inference_worker.server.generation import Generation
 from inference_worker.server.openai_api import SSE_HEADERS, serve
 from inference_worker.server.prepare import request_id_base
 from inference_worker.server.response_store import ResponseStore, StoredResponse
-from inference_worker.server.responses_protocol import ResponsesRequest
+from inference_worker.server.responses_protocol import ResponsesRequest, parse_request
 from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, RESPONSES
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    body = ResponsesRequest.model_validate_json(await request.read())
+    body = parse_request(await request.read())
     store = request.app[RESPONSES]
     if body.background and store.max_size <= 0:
         raise invalid_request("This worker keeps no responses (--responses-store-size 0), so it cannot "

@@ -13,12 +13,12 @@ endpoints' options this worker does not implement.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from inference_worker.server.chat_protocol import ChatCompletionRequest
-from inference_worker.server.errors import invalid_request
+from inference_worker.server.errors import APIError, from_validation_error, invalid_request
 from inference_worker.server.protocol import reject_set, unsupported
 
 _TEXT_PARTS = {"input_text", "output_text"}
@@ -40,6 +40,18 @@ _NULL_MEANS_DEFAULT = frozenset(
 )
 
 
+def _text_or_list(value: Any) -> str | None:
+    """Which of a `str | list` union a value is for: the error then names that branch's fault
+    (pydantic would list every branch's, the first one `input.str: Input should be a valid
+    string` for a list whose item lacks a field)."""
+    return _TEXT if isinstance(value, str) else _LIST if isinstance(value, list) else None
+
+
+# The union's tags: in an error's location, where no field has such a name, and left out of
+# the `param` it names (to_api_error).
+_TEXT, _LIST = "<text>", "<list>"
+
+
 class TextInput(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -52,7 +64,11 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextInput]
+    content: Annotated[
+        Annotated[str, Tag(_TEXT)] | Annotated[list[TextInput], Tag(_LIST)],
+        Discriminator(_text_or_list, custom_error_type="invalid_type",
+                      custom_error_message="Input should be a string or a list of text parts"),
+    ]
 
     def as_chat(self) -> dict[str, Any]:
         content = self.content
@@ -65,7 +81,11 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[InputMessage]
+    input: Annotated[
+        Annotated[str, Tag(_TEXT)] | Annotated[list[InputMessage], Tag(_LIST)],
+        Discriminator(_text_or_list, custom_error_type="invalid_type",
+                      custom_error_message="Input should be a string or a list of input items"),
+    ]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -185,3 +205,22 @@ _NOT_FOR_CHAT = frozenset(
     {"messages", "n", "max_tokens", "max_completion_tokens", "logprobs", "echo", "stream_options",
      "add_generation_prompt", "continue_final_message", "tools", "response_format", "top_logprobs"}
 )
+
+
+def parse_request(raw: bytes) -> ResponsesRequest:
+    """The request body, or the 400 naming the field at fault (to_api_error)."""
+    try:
+        return ResponsesRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise to_api_error(exc) from None
+
+
+def to_api_error(exc: ValidationError) -> APIError:
+    """errors.from_validation_error, with the `str | list` unions' tags left out of `param`."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in err["loc"] if part not in (_TEXT, _LIST)]
+    if err["type"] == "json_invalid" or not loc:
+        return from_validation_error(exc)
+    param = ".".join(loc)
+    message = err["msg"].removeprefix("Value error, ")
+    return invalid_request(f"{param}: {message}", param=param, code="invalid_value")

@@ -137,3 +137,19 @@ def test_a_deleted_response_is_gone_and_a_running_one_stopped_first(worker) -> N
         return sample(worker.metrics(), "vllm:request_success_total", finished_reason="abort")
 
     wait_for(lambda: aborts() == aborted + 1, 5, what="the background answer's abort")
+
+
+@pytest.mark.parametrize(("items", "param"), [
+    ([{"role": "user"}], "input.0.content"),
+    ([{"role": "user", "content": [{"type": "input_text"}]}], "input.0.content.0.text"),
+    ([{"role": "user", "content": 5}], "input.0.content"),
+    ([{"role": "robot", "content": "hi"}], "input.0.role"),
+    ({"role": "user", "content": "hi"}, "input"),
+])
+def test_a_malformed_input_item_is_a_400_naming_it(worker, items, param) -> None:
+    """Not the first branch of the `str | list` union (`input.str: Input should be a valid
+    string`, for an item that lacks a field)."""
+    r = httpx.post(worker.api_url + "/responses", json={"model": "m", "input": items}, timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+    assert "valid string" not in r.json()["error"]["message"]
