@@ -25,7 +25,7 @@ from inference_worker.server.answer import answer_body, answer_chunks
 from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation
-from inference_worker.server.prepare import GenerationFactory, request_id_base
+from inference_worker.server.prepare import GenerationFactory, prepared, request_id_base
 from inference_worker.server.state import DRAIN, ENGINE, FACTORY
 
 SSE_HEADERS = {
@@ -39,13 +39,15 @@ _DONE = "data: [DONE]\n\n"
 async def completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
     id_base = request_id_base(request.headers.get("X-Request-Id"))
-    return await serve(request, factory.completion(await request.read(), id_base))
+    body = await request.read()
+    return await serve(request, await prepared(len(body), factory.completion, body, id_base))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
     id_base = request_id_base(request.headers.get("X-Request-Id"))
-    return await serve(request, factory.chat(await request.read(), id_base))
+    body = await request.read()
+    return await serve(request, await prepared(len(body), factory.chat, body, id_base))
 
 
 class ChunkedAnswer:
@@ -140,17 +142,21 @@ async def models(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: `{"prompt": str}` or `{"messages": [...]}` -> tokens, count, max_model_len."""
     engine: AsyncEngineClient = request.app[ENGINE]
-    factory: GenerationFactory = request.app[FACTORY]
-    body = TokenizeRequest.model_validate_json(await request.read())
-    factory.check_model(body.model)
-    if body.messages is not None:
-        messages = [m.as_template_message() for m in body.messages]
-        tokens = engine.tokenizer.apply_chat_template(messages, **body.rendering())
-    else:
-        tokens = engine.tokenizer.encode(body.prompt or "")
+    raw = await request.read()
+    tokens = await prepared(len(raw), _tokens, request.app[FACTORY], raw)
     return web.json_response(
         {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None}
     )
+
+
+def _tokens(factory: GenerationFactory, raw: bytes) -> list[int]:
+    body = TokenizeRequest.model_validate_json(raw)
+    factory.check_model(body.model)
+    tokenizer = factory.engine.tokenizer
+    if body.messages is not None:
+        messages = [m.as_template_message() for m in body.messages]
+        return tokenizer.apply_chat_template(messages, **body.rendering())
+    return tokenizer.encode(body.prompt or "")
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -7,8 +7,11 @@ the engine sees the request.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from inference_worker.engine.types import AsyncEngineClient, SamplingParams, TokenLogprobs
 from inference_worker.server.chat_protocol import ChatCompletionRequest
@@ -24,6 +27,23 @@ _CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # Engine requests one API request may start (prompts of a batch x n): more is a 400.
 MAX_CHOICES_PER_REQUEST = 1024
+
+
+# Bodies up to this size are prepared (parsed, checked, tokenized) on the event loop: a few
+# milliseconds at most. Larger ones in a thread: a prompt of megabytes takes seconds to tokenize
+# (12 MB: 12 s with SmolLM2's tokenizer, which releases the GIL meanwhile), and on the loop
+# every stream this worker serves would stop for as long.
+INLINE_BODY_BYTES = 8 * 1024
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def prepared(size: int, build: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """build(*args, **kwargs) for a body of `size` bytes: in a thread when it is large."""
+    if size <= INLINE_BODY_BYTES:
+        return build(*args, **kwargs)
+    return await asyncio.to_thread(build, *args, **kwargs)
 
 
 def request_id_base(header: str | None) -> str:

@@ -44,7 +44,7 @@ from inference_worker.server.chat_protocol import ChatCompletionRequest
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request, shutting_down
 from inference_worker.server.generation import Generation
-from inference_worker.server.prepare import GenerationFactory
+from inference_worker.server.prepare import GenerationFactory, prepared
 from inference_worker.server.protocol import CompletionRequest
 from inference_worker.server.state import DRAIN, ENGINE, FACTORY
 
@@ -186,7 +186,7 @@ async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, cu
     engine: AsyncEngineClient = app[ENGINE]
     gen: Generation | None = None
     try:
-        gen = generation_from_message(app[FACTORY], text)
+        gen = await prepared(len(text), generation_from_message, app[FACTORY], text)
         current.request_id = gen.request_id
         await gen.start(engine)
         async for chunk in answer_chunks(gen):
