@@ -4,6 +4,11 @@ A scrape every 100 ms makes single-interval rates noisy (vLLM adds a whole promp
 its first token), so each per-interval rate feeds an exponentially weighted average
 with a time constant of `tau_s`. A counter that went down was reset (worker restart):
 its delta is its new value, as Prometheus' rate() assumes.
+
+A counter's first rate waits until its baseline is `warmup_s` old (tau_s by default) and is
+the average over that span: seeded from one 100 ms interval, the average started at whatever
+that interval held, a whole prompt's burst read as ten times the worker's prompt rate (or a
+quiet interval as none), and took seconds to decay.
 """
 
 from __future__ import annotations
@@ -17,28 +22,50 @@ def counter_delta(prev: float, cur: float) -> float:
     return cur - prev if cur >= prev else cur
 
 
-def series_delta(prev: dict[frozenset[tuple[str, str]], float],
-                 cur: dict[frozenset[tuple[str, str]], float]) -> float:
+Series = frozenset[tuple[str, str]]
+
+
+def series_delta(prev: dict[Series, float], cur: dict[Series, float],
+                 known: set[Series] | None = None) -> float:
     """The increase of a sum of counters, series by series: a series that reset counts its new
     value, a new one its value (it started from zero), one that is gone nothing. On the sum alone,
     one model reloaded on a Triton serving several looked like all of them restarting, and the
-    whole sum became one interval's increase (a rate of every token ever served, in 0.1 s)."""
-    return sum(counter_delta(prev.get(series, 0.0), value) for series, value in cur.items())
+    whole sum became one interval's increase (a rate of every token ever served, in 0.1 s).
+
+    A series in `known` (seen before) that was missing from `prev` came back: its value is its
+    new baseline, not an increase. Counted from zero, a series that merely dropped out of one
+    page (a model's series missing for a scrape) brought its whole lifetime back as one
+    interval's increase. (One unloaded and reloaded loses what it did before its first scrape.)"""
+    total = 0.0
+    for series, value in cur.items():
+        before = prev.get(series)
+        if before is not None:
+            total += counter_delta(before, value)
+        elif known is None or series not in known:
+            total += value
+    return total
 
 
 class RateTracker:
-    def __init__(self, tau_s: float = 1.0) -> None:
+    def __init__(self, tau_s: float = 1.0, warmup_s: float | None = None) -> None:
         self.tau_s = tau_s
+        self.warmup_s = tau_s if warmup_s is None else warmup_s
         self._prev: dict[str, float] | None = None
-        self._prev_series: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+        self._prev_series: dict[str, dict[Series, float]] = {}
         self._prev_t = 0.0
+        # Every series each key has shown since the last reset (to tell one back from a new one).
+        self._known: dict[str, set[Series]] = {}
         # EWMA of per-second deltas, by counter key.
         self._ewma: dict[str, float] = {}
+        # Keys not rated yet: (increase since the baseline, the baseline's time).
+        self._warming: dict[str, tuple[float, float]] = {}
 
     def reset(self) -> None:
         self._prev = None
         self._prev_series = {}
+        self._known.clear()
         self._ewma.clear()
+        self._warming.clear()
 
     def update(self, raw: RawSample, t: float) -> dict[str, float]:
         """Feed one scrape taken at monotonic time t; returns smoothed per-second rates."""
@@ -51,21 +78,38 @@ class RateTracker:
         # counters on first use) has no rate: its last one would stand for as long as it is gone.
         for key in [k for k in self._ewma if k not in cur]:
             del self._ewma[key]
+        for key in [k for k in self._warming if k not in cur]:
+            del self._warming[key]
         if prev is None or dt <= 0:
+            self._remember(raw)
             return dict(self._ewma)
         alpha = 1.0 - math.exp(-dt / self.tau_s)
         for key, value in cur.items():
             before = prev.get(key)
             if before is None:
-                continue
+                continue  # new or back: this scrape is its baseline
             before_series, series = prev_series.get(key), raw.counter_series.get(key)
             if before_series is not None and series is not None:
-                per_s = series_delta(before_series, series) / dt
+                increase = series_delta(before_series, series, self._known.get(key))
             else:
-                per_s = counter_delta(before, value) / dt
+                increase = counter_delta(before, value)
             old = self._ewma.get(key)
-            self._ewma[key] = per_s if old is None else old + alpha * (per_s - old)
+            if old is not None:
+                self._ewma[key] = old + alpha * (increase / dt - old)
+                continue
+            gained, since = self._warming.get(key, (0.0, t - dt))
+            gained += increase
+            if t - since < self.warmup_s:
+                self._warming[key] = (gained, since)
+            else:
+                self._warming.pop(key, None)
+                self._ewma[key] = gained / (t - since)
+        self._remember(raw)
         return dict(self._ewma)
+
+    def _remember(self, raw: RawSample) -> None:
+        for key, series in raw.counter_series.items():
+            self._known.setdefault(key, set()).update(series)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
