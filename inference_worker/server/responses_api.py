@@ -34,14 +34,15 @@ from inference_worker.server.background import LIVE_STATUSES, BackgroundRun
 from inference_worker.server.errors import APIError, invalid_request
 from inference_worker.server.generation import Generation
 from inference_worker.server.openai_api import SSE_HEADERS, serve
-from inference_worker.server.prepare import request_id_base
+from inference_worker.server.prepare import GenerationFactory, prepared, request_id_base
 from inference_worker.server.response_store import ResponseStore, StoredResponse
 from inference_worker.server.responses_protocol import ResponsesRequest, parse_request
 from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, RESPONSES
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    body = parse_request(await request.read())
+    raw = await request.read()
+    body = await prepared(len(raw), parse_request, raw)  # a large body in a thread (prepare.py)
     store = request.app[RESPONSES]
     if body.background and store.max_size <= 0:
         raise invalid_request("This worker keeps no responses (--responses-store-size 0), so it cannot "
@@ -50,13 +51,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if body.previous_response_id is not None:
         history = store.get(body.previous_response_id, "previous_response_id").conversation()
     messages = body.conversation(history)  # what is stored: the instructions do not carry over
-    chat = body.to_chat(body.messages(messages))
     id_base = request_id_base(request.headers.get("X-Request-Id"))
     factory = request.app[FACTORY]
-    try:
-        gen = factory.chat_from(chat, id_base)  # streams when the body asks to
-    except APIError as err:
-        raise _in_responses_terms(err) from None
+    # Tokenized in a thread when large: a long stored conversation too, however small the body.
+    size = len(raw) + sum(len(m["content"]) for m in history)
+    gen = await prepared(size, _generation, factory, body, messages, id_base)
     # Unique whatever the caller's X-Request-Id (which names the engine request, for tracing):
     # a stored response's id must not be reused, and vLLM's ignores the header too.
     answer = ResponseAnswer(f"resp_{uuid.uuid4().hex}", factory.model_name, body)
@@ -65,6 +64,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if body.store:
         answer.keep_in(store, messages)
     return await serve(request, gen, answer)
+
+
+def _generation(factory: GenerationFactory, body: ResponsesRequest, conversation: list[dict[str, Any]],
+                id_base: str) -> Generation:
+    """The chat generation that answers `body` (streams when the body asks to)."""
+    chat = body.to_chat(body.messages(conversation))
+    try:
+        return factory.chat_from(chat, id_base)
+    except APIError as err:
+        raise _in_responses_terms(err) from None
 
 
 # The chat request's names for the Responses fields it was built from: the client's 400 about
