@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from router.fallback import FallbackRouter, NoWorkerError
+from router.flap_guard import FlapGuard
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
 from router.sched_pipe import SchedulerPipe, orphan_release
@@ -92,6 +93,10 @@ class Scheduling:
         self.last_switch_s: dict[str, float] = {}
         self._probe: asyncio.Task | None = None
         self._fallback_timer: asyncio.TimerHandle | None = None  # the switch, while it is down
+        self._flaps = FlapGuard()  # a scheduler whose /health answers but whose calls fail
+        # A schedule call failed since the scheduler was marked down: then only a call that
+        # succeeds ends the wait for the switch, not the /health probe (see _probe_loop).
+        self._calls_failed = False
         self._refresher: asyncio.Task | None = None
         self._static: asyncio.Task | None = None
         self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
@@ -392,6 +397,9 @@ class Scheduling:
         """A call sent at `started` (monotonic) with `wait_ms` of long poll got no answer."""
         now = time.monotonic()
         self._mark_down(exc, min(now, started + wait_ms / 1000))
+        self._calls_failed = True
+        if self.fallback_active:
+            return  # a flap: round robin at once (_mark_down)
         assert self.down_since is not None
         elapsed = now - self.down_since
         if elapsed >= self.wait_timeout_s:
@@ -411,15 +419,24 @@ class Scheduling:
             return
         now = time.monotonic()
         self.down_since = since
+        self._calls_failed = False
         self._fallback_timer = asyncio.get_running_loop().call_later(
             max(0.0, since + self.wait_timeout_s - now), self._fallback_due)
+        self._start_probe()
+        if self._flaps.failed(now):
+            self._fallback_timer.cancel()
+            self._fallback_timer = None
+            log.warning("scheduler failed again (%s) soon after round robin ended: its /health "
+                        "answers but its calls fail; round robin at once, scheduled routing "
+                        "after %.0f s of healthy probes", exc, self._flaps.hold_s)
+            self._enter_fallback(0.0)
+            return
         log.warning(
             "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
             exc,
             self.try_period_s * 1000,
             self.wait_timeout_s * 1000,
         )
-        self._start_probe()
 
     def _fallback_due(self) -> None:
         """The switch on time even when no call ends then (every request's call hangs, or none
@@ -451,6 +468,7 @@ class Scheduling:
             self._fallback_timer = None
         self.fallback_active = False
         if was_fallback:
+            self._flaps.returned(time.monotonic())
             # How late we noticed, at most: time since the last failed probe.
             self.metrics.fallback_mode.set(0)
             self.metrics.mode_switches.labels("scheduled").inc()
@@ -467,6 +485,7 @@ class Scheduling:
 
     async def _probe_loop(self) -> None:
         last_failed = time.monotonic()
+        routable_since: float | None = None
         while self.down_since is not None:
             t0 = time.monotonic()
             # Back only once it can route: a restarted scheduler answers /health at once but
@@ -475,14 +494,25 @@ class Scheduling:
             # 404 model_not_found, where round robin over the last-known workers serves them.
             routable = await self.client.routable()
             # (Or it answers and round robin has no worker to offer instead: nothing to wait for.)
-            if routable or (routable is not None and not self.fallback.workers):
-                if self.down_since is not None:
-                    # The scheduler came back at some point after the last failed probe.
-                    self._scheduler_back(probe_started=last_failed)
-                await self._refresh_workers()
-                return
-            last_failed = time.monotonic()
-            await asyncio.sleep(max(0.0, self.probe_period_s - (last_failed - t0)))
+            if not routable and (routable is None or self.fallback.workers):
+                routable_since = None
+                last_failed = time.monotonic()
+            elif self._calls_failed and not self.fallback_active:
+                # Its /health answers while its calls fail (or it came back between them):
+                # the requests asking find out which (a call that succeeds ends the wait);
+                # ending it here restarted the clock at every probe, and a scheduler that
+                # fails every call held each request until its client gave up.
+                routable_since = None
+            else:
+                routable_since = routable_since or t0
+                # After a flap, only once it has stayed routable a while (router/flap_guard.py).
+                if not routable or self._flaps.may_return(routable_since, time.monotonic()):
+                    if self.down_since is not None:
+                        # The scheduler came back at some point after the last failed probe.
+                        self._scheduler_back(probe_started=last_failed)
+                    await self._refresh_workers()
+                    return
+            await asyncio.sleep(max(0.0, self.probe_period_s - (time.monotonic() - t0)))
 
     # ---- cached worker list -------------------------------------------------------------
     async def _refresh_loop(self) -> None:
