@@ -73,7 +73,9 @@ class GenerationRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    # vLLM's bounds (a torch.long): a seed beyond them is a 400, not folded by the sampler onto
+    # another one (2**63 drew what 0 draws).
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None

@@ -234,3 +234,14 @@ def test_a_tool_choice_that_demands_a_tool_call_is_refused(fields, param, code) 
                                     {"tools": [], "tool_choice": "required"}])
 def test_a_tool_choice_that_allows_text_is_served(fields) -> None:
     ChatCompletionRequest.model_validate({**_CHAT, **fields})
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_a_seed_beyond_a_64_bit_integer_is_refused(seed) -> None:
+    """vLLM's bounds: the sampler would fold it onto another seed (2**63 drew as 0 does)."""
+    for req_cls, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)):
+        with pytest.raises(ValidationError) as err:
+            req_cls.model_validate({**body, "seed": seed})
+        assert exception_to_api_error(err.value).param == "seed"
+        for within in (2**63 - 1, -(2**63)):
+            assert req_cls.model_validate({**body, "seed": within}).seed == within
