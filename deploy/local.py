@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
+from pathlib import Path
 
 from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free, print_line
 
@@ -24,6 +26,11 @@ LOCAL_PREFILL_CAP = 1024  # llm_aware max_prefill_backlog for our worker (see bu
 # action ended the launcher alone, and the children, each in its own session, kept running
 # with their ports held: the next `make run` found every port in use.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The gateway's admin token (its /metrics and /admin/* then want it as a Bearer token), in the
+# file that deploy/prometheus/prometheus.yml sends it from (credentials_file): one file for both,
+# so an operator who protects the gateway does not get 401 scrapes and LLMGatewayDown. Empty:
+# no token. Git ignores it.
+DEFAULT_ADMIN_TOKEN_FILE = Path(__file__).resolve().parent / "prometheus" / "gateway-admin-token"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the worker's own, 64 for torch, the profile's for sim, "
                         "which the scheduler then learns)")
     p.add_argument("--time-scale", type=float, default=None, help="sim backend: stretch simulated time")
+    p.add_argument("--admin-token-file", type=Path, default=DEFAULT_ADMIN_TOKEN_FILE,
+                   help="the gateway's admin token for /metrics and /admin/* (empty file: none); "
+                        "deploy/prometheus/prometheus.yml sends the default file's, which is created "
+                        "empty when missing")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds each stage may take to answer /health")
     p.add_argument("--grace-period", type=float, default=10.0,
@@ -76,7 +87,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--base-worker-port {args.base_worker_port} leaves no room for {args.workers} workers "
                 "below port 65536")
     args.served_model_name = args.served_model_name or args.model
+    try:
+        args.admin_token = read_admin_token(args.admin_token_file)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def read_admin_token(path: Path) -> str:
+    """The token in `path` ("" for none). The default file is created empty when missing, so
+    that Prometheus, which reads it at every scrape of the gateway, finds it."""
+    token = ""
+    if path == DEFAULT_ADMIN_TOKEN_FILE and not path.exists():
+        with contextlib.suppress(OSError):  # a read-only checkout: then no token, as before
+            path.touch(mode=0o600)
+    if path.exists() or path != DEFAULT_ADMIN_TOKEN_FILE:
+        try:
+            # Prometheus sends the file's text with surrounding whitespace trimmed: so is it here.
+            token = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--admin-token-file: cannot read {path}: {exc}") from None
+    if any(ch.isspace() for ch in token):
+        raise ValueError(f"--admin-token-file: {path} must hold one token (no spaces or line breaks)")
+    # The gateway would take the variable's token and Prometheus would send the file's: every
+    # scrape a 401. One source, the file.
+    inherited = os.environ.get("ROUTER_ADMIN_TOKEN", "")
+    if inherited and inherited != token:
+        raise ValueError(f"ROUTER_ADMIN_TOKEN is set but {path} does not hold it: the gateway's token "
+                         "comes from --admin-token-file here (Prometheus sends that file's); write the "
+                         "token there and unset ROUTER_ADMIN_TOKEN")
+    return token
 
 
 def worker_urls(args: argparse.Namespace) -> list[str]:
@@ -113,7 +153,9 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
         [py, "-m", "router", "--host", HOST, "--port", str(args.gateway_port),
          "--scheduler", scheduler_url, "--workers", ",".join(worker_urls(args))],
         f"http://{HOST}:{args.gateway_port}/health",
-        {"HF_HUB_OFFLINE": "1"},
+        # In its environment, not on its command line, which the launcher logs and `ps` shows.
+        # Always set: "" (no token) overrides one inherited from the launcher's environment.
+        {"HF_HUB_OFFLINE": "1", "ROUTER_ADMIN_TOKEN": args.admin_token},
     )
     return workers, scheduler, gateway
 
@@ -133,6 +175,7 @@ def banner(args: argparse.Namespace) -> str:
     body = json.dumps({"model": args.served_model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Say hello in one sentence."}]})
     workers = ", ".join(f"{url}/metrics" for url in worker_urls(args))
+    gateway_auth = f" (Bearer token from {args.admin_token_file})" if args.admin_token else ""
     return f"""
 ================================================================================
 LLM router ready: {base}
@@ -149,7 +192,7 @@ openai (Python):
       messages=[{{"role": "user", "content": "Say hello in one sentence."}}])
   print(reply.choices[0].message.content)
 
-metrics: gateway http://{HOST}:{args.gateway_port}/metrics,
+metrics: gateway http://{HOST}:{args.gateway_port}/metrics{gateway_auth},
          scheduler http://{HOST}:{args.scheduler_port}/metrics (workers: /v1/workers),
          workers {workers}
 Press Ctrl-C to stop everything.

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
 
@@ -25,6 +26,7 @@ class LocalStack:
     lines: list[str] = field(default_factory=list)
     ok_requests: int = 0  # successful requests sent through the gateway by the tests
     completion_tokens: int = 0  # sum of usage.completion_tokens those requests returned
+    admin_token: str = ""  # the gateway's, from the launcher's --admin-token-file ("" for none)
 
     @property
     def gateway(self) -> str:
@@ -53,15 +55,21 @@ class LocalStack:
         return wait_until(lambda: any(needle in line for line in list(self.lines)), timeout_s)
 
 
-def start_stack(workers: int = 2, extra: tuple[str, ...] = ()) -> LocalStack:
+def start_stack(workers: int = 2, extra: tuple[str, ...] = (),
+                admin_token_file: str = os.devnull) -> LocalStack:
+    """The launcher on free ports. Its admin token comes from `admin_token_file` (none by default),
+    never from the developer's deploy/prometheus/gateway-admin-token or ROUTER_ADMIN_TOKEN."""
     gateway_port, scheduler_port = free_ports(2)
     base = consecutive_free_ports(workers)
     argv = [sys.executable, "-m", "deploy.local", "--backend", "sim", "--workers", str(workers),
             "--gateway-port", str(gateway_port), "--scheduler-port", str(scheduler_port),
-            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5", *extra]
+            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5",
+            "--admin-token-file", admin_token_file, *extra]
+    env = {k: v for k, v in os.environ.items() if k != "ROUTER_ADMIN_TOKEN"}
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    stack = LocalStack(proc, gateway_port, scheduler_port, list(range(base, base + workers)))
+                            env={**env, "HF_HUB_OFFLINE": "1"})
+    stack = LocalStack(proc, gateway_port, scheduler_port, list(range(base, base + workers)),
+                       admin_token=Path(admin_token_file).read_text().strip())
 
     def pump() -> None:
         assert proc.stdout is not None

@@ -180,16 +180,59 @@ def test_raw_gateway_runs_two_replicas_with_an_hpa():
     assert all((K8S / r).is_file() for r in kustomization["resources"])
 
 
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions In / NotIn / Exists) against a label set."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        op, value = expr["operator"], labels.get(expr["key"])
+        ok = {"In": value in expr.get("values", []), "NotIn": value not in expr.get("values", []),
+              "Exists": expr["key"] in labels, "DoesNotExist": expr["key"] not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
 def test_raw_monitoring_objects_match_the_prometheus_files():
-    monitor, rule = load_all((K8S / "servicemonitors.yaml").read_text())
-    assert monitor["kind"] == "ServiceMonitor" and rule["kind"] == "PrometheusRule"
+    docs = load_all((K8S / "servicemonitors.yaml").read_text())
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    [rule] = [d for d in docs if d["kind"] == "PrometheusRule"]
     assert rule["spec"]["groups"] == ALERTS["groups"]
     # Without jobLabel the job is the Service name: the job names of prometheus.yml.
-    assert "jobLabel" not in monitor["spec"]
-    services = {o["metadata"]["name"] for o in raw_objects() if o["kind"] == "Service"}
+    assert not any("jobLabel" in m["spec"] for m in monitors)
+    services = {o["metadata"]["name"]: o for o in raw_objects() if o["kind"] == "Service"}
     jobs = {j["job_name"] for j in yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
             ["scrape_configs"]}
-    assert services == jobs
+    assert set(services) == jobs
+    # Each Service is scraped by exactly one ServiceMonitor (twice would be two copies of its series).
+    by = {name: [m for m in monitors if selects(m["spec"]["selector"], svc["metadata"]["labels"])]
+          for name, svc in services.items()}
+    assert {name: len(found) for name, found in by.items()} == dict.fromkeys(services, 1)
+
+
+def test_raw_gateway_monitor_sends_the_admin_token_the_gateway_reads():
+    """The gateway's /metrics wants its admin token once one is set: its ServiceMonitor sends it
+    from the Secret key the gateway's environment takes it from (a scrape without it is a 401,
+    LLMGatewayDown). No other ServiceMonitor sends it: the workers and the scheduler need none,
+    and a missing Secret, which makes the operator skip a ServiceMonitor, must not blind it."""
+    docs = load_all((K8S / "servicemonitors.yaml").read_text())
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    objs = raw_objects()
+    gateway_labels = find(objs, "Service", "llm-gateway")["metadata"]["labels"]
+    [container] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    for name in refs:  # variables the gateway's config really reads
+        assert name.removeprefix("ROUTER_").lower() in RouterConfig.model_fields, name
+    # Optional: without the Secret the gateway starts, with no keys and no token.
+    assert all(ref["optional"] is True for ref in refs.values())
+    token_ref = refs["ROUTER_ADMIN_TOKEN"]
+    for monitor in monitors:
+        for endpoint in monitor["spec"]["endpoints"]:
+            if selects(monitor["spec"]["selector"], gateway_labels):
+                assert endpoint["authorization"] == {
+                    "type": "Bearer", "credentials": {"name": token_ref["name"], "key": token_ref["key"]}}
+            else:
+                assert "authorization" not in endpoint, monitor["metadata"]["name"]
 
 
 # ---------------------------------------------------------------- Helm chart, statically

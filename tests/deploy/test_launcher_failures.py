@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run_launcher(*flags: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.local", "--backend", "sim", *flags], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "deploy.local", "--backend", "sim",
+                           "--admin-token-file", os.devnull, *flags], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -80,6 +81,28 @@ def test_bad_numbers_are_one_message_before_anything_starts(flags, message):
     out = run_launcher(*flags, timeout_s=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "started" not in out.stdout
+
+
+def test_a_bad_admin_token_file_is_one_message_before_anything_starts(tmp_path):
+    out = run_launcher("--admin-token-file", str(tmp_path / "missing"), timeout_s=60)
+    assert out.returncode == 2 and "--admin-token-file: cannot read" in out.stderr, out.stderr
+    two = tmp_path / "two"
+    two.write_text("token-one\ntoken-two\n")  # Prometheus would send both lines as one token
+    out = run_launcher("--admin-token-file", str(two), timeout_s=60)
+    assert out.returncode == 2 and "must hold one token" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "started" not in out.stdout
+
+
+def test_an_admin_token_in_the_environment_must_be_the_files(tmp_path):
+    """The gateway inherits ROUTER_ADMIN_TOKEN, while Prometheus sends the file's token: two
+    different tokens were a 401 at every scrape. One source: the file."""
+    token = tmp_path / "token"
+    token.write_text("file-token\n")
+    env = {**os.environ, "ROUTER_ADMIN_TOKEN": "shell-token"}
+    out = subprocess.run([sys.executable, "-m", "deploy.local", "--backend", "sim", "--admin-token-file",
+                          str(token)], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "ROUTER_ADMIN_TOKEN is set but" in out.stderr, out.stderr
+    assert "shell-token" not in out.stderr + out.stdout and "file-token" not in out.stderr + out.stdout
 
 
 def test_a_child_that_cannot_start_is_named_with_its_last_log_lines():
@@ -165,7 +188,8 @@ def test_closing_the_terminal_stops_every_child():
     base = consecutive_free_ports(1)
     argv = [sys.executable, "-m", "deploy.local", "--backend", "sim", "--workers", "1",
             "--gateway-port", str(gateway), "--scheduler-port", str(scheduler),
-            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5"]
+            "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5",
+            "--admin-token-file", os.devnull]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     pid, fd = pty.fork()  # the launcher's controlling terminal is this pty, as in a real terminal
     if pid == 0:  # the child: become the launcher (never returns)

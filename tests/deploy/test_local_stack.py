@@ -2,7 +2,8 @@
 traffic through the gateway with the official openai client, the shipped dashboards' and
 alerts' metric names against the live /metrics, a real Prometheus scraping the stack with the
 shipped config and rules, and Ctrl-C stopping every child. The tests of this module share one
-stack and run in file order; the last one stops it.
+stack and run in file order; the last one stops it. Its gateway has an admin token (from the
+launcher's --admin-token-file), which the shipped prometheus.yml must send.
 """
 
 from __future__ import annotations
@@ -31,9 +32,22 @@ from tests.deploy.stack import LocalStack, start_stack, stop_stack, wait_ready
 pytestmark = pytest.mark.timeout(300)
 
 
+ADMIN_TOKEN = "local-stack-admin-0123456789"
+
+
 @pytest.fixture(scope="module")
-def stack():
-    stack = start_stack(workers=2, extra=("--max-num-seqs", "32"))
+def token_dir(tmp_path_factory):
+    """Where the launcher's token file and the test's Prometheus config live side by side, as
+    deploy/prometheus/gateway-admin-token and prometheus.yml do (its credentials_file is relative)."""
+    tmp = tmp_path_factory.mktemp("local-stack")
+    (tmp / "gateway-admin-token").write_text(ADMIN_TOKEN + "\n")  # Prometheus trims it too
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def stack(token_dir):
+    stack = start_stack(workers=2, extra=("--max-num-seqs", "32"),
+                        admin_token_file=str(token_dir / "gateway-admin-token"))
     try:
         wait_ready(stack)
         yield stack
@@ -56,8 +70,9 @@ def send_chat(stack: LocalStack, n: int) -> None:
             stack.completion_tokens += reply.usage.completion_tokens
 
 
-def scrape(url: str) -> str:
-    resp = httpx.get(f"{url}/metrics", timeout=10, trust_env=False)
+def scrape(stack: LocalStack, url: str) -> str:
+    headers = {"Authorization": f"Bearer {stack.admin_token}"} if url == stack.gateway else {}
+    resp = httpx.get(f"{url}/metrics", timeout=10, trust_env=False, headers=headers)
     resp.raise_for_status()
     return resp.text
 
@@ -83,6 +98,20 @@ def test_banner_names_the_gateway_and_ready_to_paste_examples(stack):
     assert [w["running_cap_declared"] for w in view["workers"]] == [32, 32]
 
 
+def test_the_gateway_has_the_admin_token_of_the_launchers_file(stack, token_dir):
+    assert stack.admin_token == ADMIN_TOKEN
+    assert f"/metrics (Bearer token from {token_dir / 'gateway-admin-token'})" in stack.output()
+    assert ADMIN_TOKEN not in stack.output()  # not on the logged command line
+    metrics = f"{stack.gateway}/metrics"
+    assert httpx.get(metrics, timeout=10, trust_env=False).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-token"}
+    assert httpx.get(metrics, timeout=10, trust_env=False, headers=wrong).status_code == 401
+    assert "router_requests_total" in scrape(stack, stack.gateway)
+    # The others take no token: Prometheus scrapes them without.
+    for url in [stack.scheduler, *stack.workers]:
+        assert httpx.get(f"{url}/metrics", timeout=10, trust_env=False).status_code == 200
+
+
 def test_completions_through_the_gateway(stack):
     send_chat(stack, 4)
     with client(stack) as c:
@@ -104,7 +133,7 @@ def test_every_metric_in_dashboards_and_alerts_is_exposed_by_the_stack(stack):
         send_chat(stack, 2)  # labelled families need one request to show their series
     exposed = set(PROMETHEUS_BUILTINS)
     for url in [stack.gateway, stack.scheduler, *stack.workers]:
-        exposed |= exposed_sample_names(scrape(url))
+        exposed |= exposed_sample_names(scrape(stack, url))
     missing = {}
     for where, expr in shipped_queries().items():
         for name in metric_names(expr) - exposed:
@@ -123,7 +152,7 @@ def test_every_label_in_dashboards_and_alerts_is_on_its_metrics(stack):
         send_chat(stack, 2)
     labels: dict[str, set[str]] = {}
     for url in [stack.gateway, stack.scheduler, *stack.workers]:
-        for name, names in exposed_label_names(scrape(url)).items():
+        for name, names in exposed_label_names(scrape(stack, url)).items():
             labels.setdefault(name, set()).update(names)
     wrong, checked = {}, 0
     for where, expr in shipped_queries().items():
@@ -145,7 +174,8 @@ PROMETHEUS = shutil.which("prometheus")
 
 
 def prometheus_config(stack: LocalStack, tmp_dir) -> str:
-    """The shipped prometheus.yml with this stack's ports (and the shipped alert rules)."""
+    """The shipped prometheus.yml with this stack's ports (and the shipped alert rules), written
+    beside the launcher's token file: its credentials_file is relative, as shipped."""
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
     config["global"]["evaluation_interval"] = "1s"
@@ -164,10 +194,10 @@ def prometheus_config(stack: LocalStack, tmp_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack, tmp_path_factory):
+def prometheus(stack, token_dir):
     if PROMETHEUS is None:
         pytest.skip("the prometheus binary is not installed (apt-get install prometheus)")
-    tmp = tmp_path_factory.mktemp("prometheus")
+    tmp = token_dir
     port = free_port()
     log = open(tmp / "prometheus.log", "w")
     proc = subprocess.Popen(

@@ -8,6 +8,7 @@ Prometheus files go through the real `promtool` when it is installed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -206,7 +207,12 @@ needs_promtool = pytest.mark.skipif(
 @pytest.mark.parametrize("config", ["prometheus/prometheus.yml", "docker/prometheus-compose.yml"])
 def test_promtool_accepts_the_scrape_configs(config, tmp_path):
     # Copy beside alerts.yml: the compose config finds it there at run time too.
-    shutil.copy(DEPLOY / config, tmp_path / "prometheus.yml")
+    text = (DEPLOY / config).read_text()
+    # promtool wants the gateway's token file to exist: beside the local config (the launcher
+    # creates it), in the compose container's /prometheus (its entrypoint writes it).
+    (tmp_path / "gateway-admin-token").write_text("")
+    text = text.replace("credentials_file: /prometheus/", f"credentials_file: {tmp_path}/")
+    (tmp_path / "prometheus.yml").write_text(text)
     shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
     out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
@@ -224,7 +230,7 @@ def test_scrape_targets_are_where_the_stacks_listen():
         jobs = yaml.safe_load((DEPLOY / config).read_text())["scrape_configs"]
         return {j["job_name"]: [t for s in j["static_configs"] for t in s["targets"]] for j in jobs}
 
-    args = parse_args([])
+    args = parse_args(["--admin-token-file", os.devnull])  # the defaults otherwise
     assert targets("prometheus/prometheus.yml") == {
         "llm-worker": [url.removeprefix("http://") for url in worker_urls(args)],
         "llm-scheduler": [f"127.0.0.1:{args.scheduler_port}"],
@@ -238,6 +244,39 @@ def test_scrape_targets_are_where_the_stacks_listen():
             job = "llm-" + svc["command"][0]
             listening.setdefault(job, []).append(f"{name}:{svc['environment'][port_var[svc['command'][0]]]}")
     assert targets("docker/prometheus-compose.yml") == listening
+
+
+def test_the_scrape_configs_send_the_gateway_its_admin_token_and_no_one_else(monkeypatch):
+    """The gateway with an admin token answers 401 to a scrape without it (LLMGatewayDown). The
+    local config reads it from the file the launcher gives the gateway (resolved, as Prometheus
+    does, from the config's folder), which git ignores; compose's from the file its Prometheus
+    entrypoint writes. The workers and the scheduler never get it."""
+    from deploy.local import DEFAULT_ADMIN_TOKEN_FILE, parse_args
+
+    for config in ("prometheus/prometheus.yml", "docker/prometheus-compose.yml"):
+        jobs = {j["job_name"]: j for j in yaml.safe_load((DEPLOY / config).read_text())["scrape_configs"]}
+        assert jobs["llm-gateway"]["authorization"]["type"] == "Bearer", config
+        assert "authorization" not in jobs["llm-worker"] and "authorization" not in jobs["llm-scheduler"]
+        assert not any("bearer_token" in key for job in jobs.values() for key in job), config
+    local = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    token_file = next(j for j in local if j["job_name"] == "llm-gateway")["authorization"]["credentials_file"]
+    assert (DEPLOY / "prometheus" / token_file).resolve() == DEFAULT_ADMIN_TOKEN_FILE
+    monkeypatch.delenv("ROUTER_ADMIN_TOKEN", raising=False)
+    assert parse_args([]).admin_token_file == DEFAULT_ADMIN_TOKEN_FILE
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(DEFAULT_ADMIN_TOKEN_FILE)], cwd=REPO)
+    assert ignored.returncode == 0, "a token written there must never be committed"
+
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
+    written = compose["prometheus"]["entrypoint"][2]
+    read = next(j for j in yaml.safe_load((DEPLOY / "docker" / "prometheus-compose.yml").read_text())
+                ["scrape_configs"] if j["job_name"] == "llm-gateway")["authorization"]["credentials_file"]
+    assert f"> {read} " in written
+    # The same variable reaches the gateway and Prometheus (and nothing else).
+    same = "${ROUTER_ADMIN_TOKEN:-}"
+    assert compose["gateway"]["environment"]["ROUTER_ADMIN_TOKEN"] == same
+    assert compose["prometheus"]["environment"]["ROUTER_ADMIN_TOKEN"] == same
+    others = [n for n, svc in compose.items() if "ROUTER_ADMIN_TOKEN" in (svc.get("environment") or {})]
+    assert sorted(others) == ["gateway", "prometheus"]
 
 
 @needs_promtool
