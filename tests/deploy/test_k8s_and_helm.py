@@ -204,35 +204,44 @@ def test_raw_monitoring_objects_match_the_prometheus_files():
     jobs = {j["job_name"] for j in yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
             ["scrape_configs"]}
     assert set(services) == jobs
-    # Each Service is scraped by exactly one ServiceMonitor (twice would be two copies of its series).
-    by = {name: [m for m in monitors if selects(m["spec"]["selector"], svc["metadata"]["labels"])]
-          for name, svc in services.items()}
-    assert {name: len(found) for name, found in by.items()} == dict.fromkeys(services, 1)
+
+
+def check_monitors(objs: list[dict], token_sent: bool) -> None:
+    """Each Service is scraped by exactly one ServiceMonitor (twice would be two copies of its
+    series). The gateway's /metrics wants its admin token once one is set: its ServiceMonitor
+    sends it (token_sent) from the Secret key the gateway's environment takes it from (a scrape
+    without it is a 401, LLMGatewayDown). No other ServiceMonitor sends it: the workers and the
+    scheduler need none, and a Secret the operator cannot read, which makes it skip the
+    ServiceMonitor, must not leave them unscraped."""
+    monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    services = [o for o in objs if o["kind"] == "Service"]
+    by = {svc["metadata"]["name"]: [m for m in monitors
+                                    if selects(m["spec"]["selector"], svc["metadata"]["labels"])]
+          for svc in services}
+    assert {name: len(found) for name, found in by.items()} == dict.fromkeys(by, 1)
+    [gateway] = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-gateway")]
+    [container] = gateway["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])}
+    for name in refs:  # variables the gateway's config really reads
+        assert name.removeprefix("ROUTER_").lower() in RouterConfig.model_fields, name
+    for name, [monitor] in by.items():
+        for endpoint in monitor["spec"]["endpoints"]:
+            if name.endswith("-gateway") and token_sent:
+                ref = refs["ROUTER_ADMIN_TOKEN"]
+                assert endpoint["authorization"] == {
+                    "type": "Bearer", "credentials": {"name": ref["name"], "key": ref["key"]}}
+            else:
+                assert "authorization" not in endpoint, (name, monitor["metadata"]["name"])
 
 
 def test_raw_gateway_monitor_sends_the_admin_token_the_gateway_reads():
-    """The gateway's /metrics wants its admin token once one is set: its ServiceMonitor sends it
-    from the Secret key the gateway's environment takes it from (a scrape without it is a 401,
-    LLMGatewayDown). No other ServiceMonitor sends it: the workers and the scheduler need none,
-    and a missing Secret, which makes the operator skip a ServiceMonitor, must not blind it."""
-    docs = load_all((K8S / "servicemonitors.yaml").read_text())
-    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
     objs = raw_objects()
-    gateway_labels = find(objs, "Service", "llm-gateway")["metadata"]["labels"]
+    check_monitors(objs + load_all((K8S / "servicemonitors.yaml").read_text()), token_sent=True)
     [container] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
-    for name in refs:  # variables the gateway's config really reads
-        assert name.removeprefix("ROUTER_").lower() in RouterConfig.model_fields, name
     # Optional: without the Secret the gateway starts, with no keys and no token.
-    assert all(ref["optional"] is True for ref in refs.values())
-    token_ref = refs["ROUTER_ADMIN_TOKEN"]
-    for monitor in monitors:
-        for endpoint in monitor["spec"]["endpoints"]:
-            if selects(monitor["spec"]["selector"], gateway_labels):
-                assert endpoint["authorization"] == {
-                    "type": "Bearer", "credentials": {"name": token_ref["name"], "key": token_ref["key"]}}
-            else:
-                assert "authorization" not in endpoint, monitor["metadata"]["name"]
+    refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"]]
+    assert {r["key"] for r in refs} == {"api-keys", "admin-token"}
+    assert all(r["optional"] is True for r in refs)
 
 
 # ---------------------------------------------------------------- Helm chart, statically
@@ -319,9 +328,12 @@ def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
     assert find(objs, "Deployment", "prod-worker")["spec"]["replicas"] == 5
     assert config_of(objs, "prod", "worker")["sim_profile"] == "llama2-7b-a10"
     assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
-    monitor = find(objs, "ServiceMonitor", "prod-llm-router")
-    assert monitor["spec"]["jobLabel"] == "llm-router.io/job"
-    assert monitor["metadata"]["labels"]["release"] == "kps"
+    monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"prod-llm-router", "prod-llm-router-gateway"}
+    for monitor in monitors:
+        assert monitor["spec"]["jobLabel"] == "llm-router.io/job"
+        assert monitor["metadata"]["labels"]["release"] == "kps"
+    check_monitors(objs, token_sent=False)
     rule = find(objs, "PrometheusRule", "prod-llm-router")
     assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
 
@@ -362,16 +374,17 @@ def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admi
     cfg = RouterConfig(workers="http://w:1")
     assert cfg.admin_token and cfg.api_keys
     assert "admin_token" not in config_of(objs, "prod", "gateway")
-    [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router")["spec"]["endpoints"]
+    [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router-gateway")["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer",
                                          "credentials": {"name": "llm-gateway-auth", "key": "admin-token"}}
+    check_monitors(objs, token_sent=True)
     assert validate_against_kubernetes_schemas(objs) > 0
 
     keys_only = render({"gateway": {"auth": {"secret": "llm-gateway-auth"}},
                         "metrics": {"serviceMonitor": {"enabled": True}}})
     [gateway] = find(keys_only, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
     assert [e["name"] for e in gateway["env"]] == ["ROUTER_API_KEYS"]
-    assert "authorization" not in find(keys_only, "ServiceMonitor", "prod-llm-router")["spec"]["endpoints"][0]
+    check_monitors(keys_only, token_sent=False)
     [gateway] = find(render(None), "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
     assert "env" not in gateway  # no Secret named: no auth, and no reference to a missing Secret
 
