@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from inference_worker.engine.types import SamplingParams
 from inference_worker.server.errors import APIError, invalid_request
@@ -97,6 +97,14 @@ class GenerationRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)
     # For the WebSocket: which endpoint a message is for (ignored over HTTP).
     endpoint: str | None = None
+
+    @field_validator("n", "stream", "min_p", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's API takes null for these ("integer or null"), and so does vLLM: the default."""
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
 
     @field_validator("logit_bias")
     @classmethod

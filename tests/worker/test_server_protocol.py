@@ -245,3 +245,13 @@ def test_a_seed_beyond_a_64_bit_integer_is_refused(seed) -> None:
         assert exception_to_api_error(err.value).param == "seed"
         for within in (2**63 - 1, -(2**63)):
             assert req_cls.model_validate({**body, "seed": within}).seed == within
+
+
+@pytest.mark.parametrize(("field", "default"), [("n", 1), ("stream", False), ("min_p", 0.0), ("echo", False)])
+def test_null_means_the_default_where_openai_allows_null(field, default) -> None:
+    """OpenAI's reference gives these as "or null" and vLLM takes null: a client that sends the
+    key with null (rather than leaving it out) is served, not refused."""
+    for req_cls, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)):
+        req = req_cls.model_validate_json(json.dumps({**body, field: None}))
+        assert getattr(req, field) == default
+        req.sampling_params(prompt_len=3, max_model_len=100, prompt_param="prompt")
