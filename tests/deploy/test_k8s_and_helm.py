@@ -107,10 +107,13 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     # before Kubernetes kills it.
     grace = find(objs, "Deployment", f"{prefix}-worker")["spec"]["template"]["spec"]
     assert grace["terminationGracePeriodSeconds"] > WorkerConfig(**worker).shutdown_timeout + 5
-    # The gateway keeps listening while its Service's endpoints are updated, within its grace.
+    # The gateway keeps listening while its Service's endpoints are updated, within its grace,
+    # and then has its shutdown_timeout to finish its streams before Kubernetes kills it.
     pod = find(objs, "Deployment", f"{prefix}-gateway")["spec"]["template"]["spec"]
     pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep" and 0 < int(pre_stop[1]) < pod["terminationGracePeriodSeconds"] / 2
+    gateway_drain = RouterConfig(**config_of(objs, prefix, "gateway")).shutdown_timeout
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + gateway_drain + 5
 
     # A node drain keeps a gateway: a PodDisruptionBudget over the gateway pods, below their
     # minimum count (at the minimum, it would block every drain).
@@ -336,6 +339,21 @@ def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
     check_monitors(objs, token_sent=False)
     rule = find(objs, "PrometheusRule", "prod-llm-router")
     assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
+
+
+def test_a_longer_drain_gets_a_longer_grace_period():
+    """terminationGracePeriodSeconds was fixed (45 s for a worker, 60 s for a gateway): one
+    given a longer shutdown_timeout was killed in the middle of its drain, its answers cut."""
+    objs = render({"worker": {"config": {"shutdown_timeout": 120}},
+                   "gateway": {"config": {"shutdown_timeout": 300.5}}})
+    check_cluster(objs, "prod", "llm")  # grace above each drain, as for the defaults
+    grace = {o["metadata"]["name"]: o["spec"]["template"]["spec"].get("terminationGracePeriodSeconds")
+             for o in objs if o["kind"] == "Deployment"}
+    assert grace["prod-worker"] == 135 and grace["prod-gateway"] == 311
+    defaults = render(None)  # as the raw manifests
+    assert {o["metadata"]["name"]: o["spec"]["template"]["spec"].get("terminationGracePeriodSeconds")
+            for o in defaults if o["kind"] == "Deployment"} == \
+        {"prod-worker": 45, "prod-gateway": 60, "prod-scheduler": None}
 
 
 def test_a_change_to_any_rendered_config_restarts_its_pods():
