@@ -89,7 +89,6 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -98,8 +97,6 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
         if self.tools:
             raise unsupported("tools", "tools")
         self._check_tool_choice()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "response_format other than text")
         reject_set(self, _UNIMPLEMENTED_CHAT)
         self._check_rendering()
         self._rejectunsupported()

@@ -50,6 +50,10 @@ _UNIMPLEMENTED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "use_beam_search": False,
     "skip_special_tokens": True,
+    "structural_tag": None,
+    "logits_processors": None,
+    # Logprobs' tokens as "token_id:<id>": a client that parses them so would misread the text.
+    "return_tokens_as_token_ids": False,
 }
 def reject_set(request: BaseModel, options: dict[str, Any]) -> None:
     extra = request.model_extra or {}
@@ -93,8 +97,10 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: the prompt tokens' log-probabilities and N alternatives, in vLLM's shape.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Accepted only at its neutral value.
+    # Accepted only at their neutral values. vLLM constrains completions to response_format
+    # too, not only chat.
     best_of: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
     # For the WebSocket: which endpoint a message is for (ignored over HTTP).
     endpoint: str | None = None
 
@@ -127,6 +133,8 @@ class GenerationRequest(BaseModel):
         reject_set(self, _UNIMPLEMENTED)
         if self.best_of is not None and self.best_of > 1:
             raise unsupported("best_of", "best_of > 1")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "response_format other than text")
         if self.stream and self.prompt_logprobs is not None:
             # No stream chunk carries them (vLLM refuses them too): they would just go missing.
             raise invalid_request(

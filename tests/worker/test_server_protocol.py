@@ -173,6 +173,10 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
         ("skip_special_tokens", False),
+        ("response_format", {"type": "json_object"}),
+        ("structural_tag", '{"type": "structural_tag"}'),
+        ("logits_processors", ["my_module.Processor"]),
+        ("return_tokens_as_token_ids", True),
     ],
 )
 def test_options_that_would_change_the_answer_are_refused_not_ignored(option, value) -> None:
@@ -182,7 +186,8 @@ def test_options_that_would_change_the_answer_are_refused_not_ignored(option, va
             req_cls.model_validate({**body, option: value})
         assert err.value.status == 400 and err.value.param == option and err.value.code == "unsupported"
         # At its neutral value (what a client library may send by default) it is fine.
-        neutral = {"use_beam_search": False, "skip_special_tokens": True}.get(option)
+        neutral = {"use_beam_search": False, "skip_special_tokens": True, "return_tokens_as_token_ids": False,
+                   "response_format": {"type": "text"}}.get(option)
         req_cls.model_validate({**body, option: neutral})
 
 
