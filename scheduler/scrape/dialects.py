@@ -13,6 +13,7 @@ from functools import cached_property
 from urllib.parse import urlencode
 
 from scheduler.scrape.parse import Sample, label_present, series_names
+from scheduler.scrape.sglang_info import RankLayout
 from scheduler.scrape.snapshot import RawSample
 
 Families = dict[str, list[Sample]]
@@ -79,6 +80,12 @@ class Dialect:
     # Series of a more specific dialect that can appear on this one's page later (wanted under the
     # key OUTRANKED): once one does, the scraper detects the page's dialect again.
     outranked_by: tuple[str, ...] = ()
+    # The extractor also takes the engine's rank layout (SGLang's server info), when known.
+    ranked: bool = False
+
+    def read(self, fams: Families, layout: RankLayout | None = None) -> RawSample:
+        """The RawSample of a page's parsed families, in the worker's rank layout if known."""
+        return self.extract(fams, layout) if self.ranked else self.extract(fams)
 
     @cached_property
     def filtered_metrics_path(self) -> str:
@@ -199,7 +206,7 @@ def _rank_order(labels: dict[str, str]) -> tuple[int, int]:
         return 0, 0
 
 
-def _one_report_per_group(fams: Families) -> Families:
+def _one_report_per_group(fams: Families, layout: RankLayout | None = None) -> Families:
     """One report per data-parallel group: the lowest (pp_rank, tp_rank) of the series that
     differ only in the labels of ranks within a group. By default only a group's first attention
     rank (attn_tp_rank 0) writes scheduler metrics; with --enable-metrics-for-all-schedulers every
@@ -212,14 +219,22 @@ def _one_report_per_group(fams: Families) -> Families:
     dp_rank (None, so no label): group k reports from tp_rank k * tp/dp, so there the TP rank is
     the group. Keeping tp_rank 0 alone read one attention group of dp (1/8 of a --tp 8 --dp 8
     DeepSeek's requests and pool). Pages from before the rank labels have one series per family
-    (every group writes it, the last write shows): nothing to tell apart there."""
+    (every group writes it, the last write shows): nothing to tell apart there.
+
+    Without a dp_rank label the page alone is ambiguous: plain TP with
+    --enable-metrics-for-all-schedulers writes the labels dp-attention groups write, and was
+    counted tp_size times. The worker's `layout` (its server info, sglang_info.py) says which
+    TP ranks share a group; without it, every TP rank is taken as a group of its own."""
     out: Families = {}
     for key, samples in fams.items():
-        first: dict[frozenset[tuple[str, str]], tuple[tuple[int, int], Sample]] = {}
+        first: dict[tuple[frozenset[tuple[str, str]], str], tuple[tuple[int, int], Sample]] = {}
         for sample in samples:
             labels = sample[0]
-            ranks = _RANK_LABELS if "dp_rank" in labels else _RANK_LABELS_NO_DP
-            group = frozenset(kv for kv in labels.items() if kv[0] not in ranks)
+            # The layout's group of a TP rank agrees with dp_rank where both exist (plain data
+            # parallelism: one group per dp_rank, whatever the TP rank).
+            ranks = _RANK_LABELS if layout is not None or "dp_rank" in labels else _RANK_LABELS_NO_DP
+            in_group = layout.group_of(labels.get("tp_rank")) if layout is not None else ""
+            group = (frozenset(kv for kv in labels.items() if kv[0] not in ranks), in_group)
             order = _rank_order(labels)
             held = first.get(group)
             if held is None or order < held[0]:
@@ -228,8 +243,8 @@ def _one_report_per_group(fams: Families) -> Families:
     return out
 
 
-def _sglang(fams: Families) -> RawSample:
-    fams = _one_report_per_group(fams)
+def _sglang(fams: Families, layout: RankLayout | None = None) -> RawSample:
+    fams = _one_report_per_group(fams, layout)
     kv = _mean(fams, "kv")
     used, cap = _total(fams, "used_tokens"), _total(fams, "max_tokens")
     if kv is None and used is not None and cap:
@@ -419,8 +434,8 @@ def _blade(fams: Families) -> RawSample:
 VLLM_V1 = Dialect("vllm_v1", _VLLM, _vllm, names_filter=True)
 VLLM_V0 = Dialect("vllm_v0", _VLLM, _vllm, names_filter=True)
 TRITON_VLLM = Dialect("triton_vllm", _VLLM, _vllm)  # Triton's own metrics server
-SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang, names_filter=True)
-SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang, names_filter=True)
+SGLANG_COLON = Dialect("sglang", _sglang_wanted("sglang:"), _sglang, names_filter=True, ranked=True)
+SGLANG_UNDERSCORE = Dialect("sglang_", _sglang_wanted("sglang_"), _sglang, names_filter=True, ranked=True)
 TGI = Dialect("tgi", _TGI, _tgi)
 TRTLLM = Dialect("trtllm", _TRTLLM, _trtllm)
 # Triton's core metrics are there from start-up, its LLM backend's only once that model has loaded

@@ -46,6 +46,11 @@ def series_delta(prev: dict[Series, float], cur: dict[Series, float],
     return total
 
 
+def went_back(prev: dict[Series, float], cur: dict[Series, float]) -> bool:
+    """Whether a series on both pages went down: its counter restarted (its engine did)."""
+    return any(value < prev[series] for series, value in cur.items() if series in prev)
+
+
 class RateTracker:
     def __init__(self, tau_s: float = 1.0, warmup_s: float | None = None) -> None:
         self.tau_s = tau_s
@@ -59,6 +64,9 @@ class RateTracker:
         self._ewma: dict[str, float] = {}
         # Keys not rated yet: (increase since the baseline, the baseline's time).
         self._warming: dict[str, tuple[float, float]] = {}
+        # The last update saw a counter go down: the engine restarted since the scrape before
+        # (the scraper then reads again what it cached about the engine).
+        self.went_back = False
 
     def reset(self) -> None:
         self._prev = None
@@ -80,6 +88,7 @@ class RateTracker:
             del self._ewma[key]
         for key in [k for k in self._warming if k not in cur]:
             del self._warming[key]
+        self.went_back = False
         if prev is None or dt <= 0:
             self._remember(raw)
             return dict(self._ewma)
@@ -91,8 +100,10 @@ class RateTracker:
             before_series, series = prev_series.get(key), raw.counter_series.get(key)
             if before_series is not None and series is not None:
                 increase = series_delta(before_series, series, self._known.get(key))
+                self.went_back |= went_back(before_series, series)
             else:
                 increase = counter_delta(before, value)
+                self.went_back |= value < before
             old = self._ewma.get(key)
             if old is not None:
                 self._ewma[key] = old + alpha * (increase / dt - old)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
+import weakref
 
 import aiohttp
 
@@ -27,6 +29,7 @@ from scheduler.running_cap import is_positive_int
 from scheduler.scrape import dialects
 from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import build_snapshot
+from scheduler.scrape.sglang_info import SERVER_INFO_PATHS, RankLayout, ServerInfoState, parse_server_info
 from scheduler.service import SchedulerService
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,10 @@ class Scraper:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        # SGLang workers' server info (sglang_info.py), read once per worker and again after it
+        # may have restarted. Held here, not on WorkerState, and dropped with the worker.
+        self._server_info: weakref.WeakKeyDictionary[WorkerState, ServerInfoState] = (
+            weakref.WeakKeyDictionary())
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30)
@@ -176,6 +183,7 @@ class Scraper:
                 return
             if status >= 500:
                 m.scrape_failures.labels(w.worker_id, "http").inc()
+                self._may_have_restarted(w)  # a proxy's 502/503 while the engine restarts
                 self._failure(w, f"metrics answered {status}", connection_level=False)
                 return
             if now - w.models_fetched_at > cfg.models_refresh_ms / 1000.0 or not w.models:
@@ -184,6 +192,7 @@ class Scraper:
                 self._ingest(w, text, sent)
             if w.dialect == "tgi" and now - w.info_fetched_at > cfg.models_refresh_ms / 1000.0:
                 await self.refresh_tgi_info(w)
+            self._read_server_info_if_due(w, now)
             changed = w.health.on_success(now, cfg.recover_streak)
             if changed:
                 svc.on_health_change(w)
@@ -197,8 +206,9 @@ class Scraper:
     def _ingest(self, w: WorkerState, text: str, sent: float) -> None:
         dialect = dialects.DIALECTS.get(w.dialect or "")
         filtered = w.metrics_filtered
+        layout = self._layout(w)
         fams = parse_selected(text, dialect.wanted) if dialect else {}
-        raw = dialect.extract(fams) if dialect else None
+        raw = dialect.read(fams, layout) if dialect else None
         if raw is None or (raw.running is None and raw.waiting is None) or dialects.OUTRANKED in fams:
             if filtered:
                 # The filter took the series away (an engine restarted as another, a proxy
@@ -211,8 +221,9 @@ class Scraper:
                 return
             if dialect.name != w.dialect:
                 w.rates.reset()
+                self._may_have_restarted(w)
             w.dialect = dialect.name
-            raw = dialect.extract(parse_selected(text, dialect.wanted))
+            raw = dialect.read(parse_selected(text, dialect.wanted), layout)
         if not filtered:
             w.whole_page_bytes = len(text)
             if (w.filtered_misses < FILTERED_MISSES_MAX and dialect.filtered_metrics_path
@@ -226,6 +237,8 @@ class Scraper:
             raw.kv_usage = min(1.0, raw.used_tokens / cap)
             raw.block_size, raw.num_blocks = 1, cap  # a pool counted in tokens
         rates = w.rates.update(raw, sent)
+        if w.rates.went_back:  # a counter restarted: so did the engine, maybe with new arguments
+            self._may_have_restarted(w)
         self.service.on_snapshot(w, build_snapshot(raw, rates, sent, time.time(), w.dialect))
 
     def _filter_missed(self, w: WorkerState, what: str) -> None:
@@ -249,6 +262,8 @@ class Scraper:
             self._failure(w, f"{type(exc).__name__}", connection_level=False)
 
     def _failure(self, w: WorkerState, error: str, connection_level: bool) -> None:
+        if connection_level:  # nothing listening: the engine is down, or restarting
+            self._may_have_restarted(w)
         if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level):
             self.service.on_health_change(w)
 
@@ -283,6 +298,67 @@ class Scraper:
             w.info_kv_capacity = cap
         if is_positive_int(batch):
             self.service.announce_running_cap(w, batch)
+
+    def _layout(self, w: WorkerState) -> RankLayout | None:
+        state = self._server_info.get(w)
+        return state.layout if state is not None else None
+
+    def _may_have_restarted(self, w: WorkerState) -> None:
+        state = self._server_info.get(w)
+        if state is not None:
+            state.expire()
+
+    def _read_server_info_if_due(self, w: WorkerState, now: float) -> None:
+        """Start reading an SGLang worker's server info if it is due: in a task of its own, so
+        that the scrapes go on meanwhile (SGLang answers it after asking every DP scheduler for
+        its internal state, which a busy scheduler can take a while to give)."""
+        dialect = dialects.DIALECTS.get(w.dialect or "")
+        if dialect is None or not dialect.ranked:
+            return
+        state = self._server_info.setdefault(w, ServerInfoState())
+        if not state.due(now) or self._stopping:
+            return
+        # Until this read settles (or, failed, until it is tried again): no second one.
+        state.due_at = now + self.service.cfg.models_refresh_ms / 1000.0
+        task = asyncio.create_task(self.refresh_server_info(w, state, state.epoch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def refresh_server_info(self, w: WorkerState, state: ServerInfoState, epoch: int) -> None:
+        """Read the worker's rank layout from SGLang's server info (sglang_info.py). A route that
+        is missing (404) is tried under its older name; neither there, the page is read without
+        a layout from now on (until the worker restarts). A failed read (timeout, refused, 5xx,
+        401 with --api-key) changes nothing and is tried again after models_refresh_ms."""
+        try:
+            for path in SERVER_INFO_PATHS:
+                async with self.session.get(w.url + path, timeout=self.timeout) as resp:
+                    if resp.status in (404, 405):
+                        continue
+                    if resp.status != 200:
+                        log.debug("server info of %s: %s answered %d", w.worker_id, path, resp.status)
+                        return
+                    info = json.loads(await read_capped(resp))
+                self._settle_layout(w, state, epoch, parse_server_info(info))
+                return
+            self._settle_layout(w, state, epoch, None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("server info of %s: %r", w.worker_id, exc)
+        except Exception:  # a task of its own: nobody else would see it fail
+            log.exception("server info of %s failed", w.worker_id)
+
+    def _settle_layout(self, w: WorkerState, state: ServerInfoState, epoch: int,
+                       layout: RankLayout | None) -> None:
+        if epoch != state.epoch:
+            return  # the worker may have restarted since this read began: read it again
+        state.due_at = math.inf  # read: valid until the worker may have restarted
+        if layout == state.layout:
+            return
+        log.info("%s: SGLang rank layout %s", w.worker_id,
+                 layout or "unknown (no server info): every TP rank read as a group of its own")
+        state.layout = layout
+        # Other series are summed from now on: each starts a new baseline, or one the sum did not
+        # hold before would count its whole total as one interval's increase.
+        w.rates.reset()
 
     async def refresh_models(self, w: WorkerState) -> None:
         """Served models come from the worker's /v1/models (registrations may name them)."""
