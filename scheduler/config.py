@@ -72,6 +72,13 @@ class SchedulerConfig(BaseSettings):
     dead_after_ms: int = Field(10_000, ge=100, description="no success for this long: out (silent host)")
     stale_after_ms: int = Field(2000, ge=10, description="older load data: treat the worker as saturated")
     models_refresh_ms: int = Field(5000, ge=100, description="how often /v1/models is re-read")
+    startup_grace_s: float = Field(
+        30.0, ge=0, allow_inf_nan=False,
+        description="after start, until the pool is learnt (static workers' models read, the "
+        "first Kubernetes list, --registration-ttl-s for registered workers) and at most this "
+        "long, a model no known worker serves is answered 'no healthy worker' (503, retried), "
+        "not 'no such model' (404): a restarted scheduler knows no worker yet",
+    )
     model_gone_grace_s: float = Field(
         300.0, ge=0, allow_inf_nan=False,
         description="a model whose last worker left (its pod restarting, a rollout, a lapsed "

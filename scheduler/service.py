@@ -30,6 +30,7 @@ from scheduler.protocol import CLIENT_LEFT, MAX_TOKENS_COUNTED, LeaseRelease
 from scheduler.registry import Registry, WorkerState
 from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
+from scheduler.startup import StartupGrace
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class SchedulerService:
         # change, so a decision does not test every worker's health.
         self._routable: dict[str, list[WorkerState]] = {}
         self.registry.listeners.append(self._membership_changed)
+        self.startup = StartupGrace(time.monotonic(), config.startup_grace_s,
+                                    config.registration_ttl_s if config.registration_token else None)
 
     def _membership_changed(self) -> None:
         self._routable.clear()
@@ -216,9 +219,11 @@ class SchedulerService:
         if cands is None:
             pool = by_model.get(key)
             if pool is None:
-                if self.registry.recently_gone(key, now):
-                    # Between workers, not unknown: the gateway answers 503 no_worker, which
-                    # clients retry, where a 404 would tell them the model does not exist.
+                if self.registry.recently_gone(key, now) or self.startup.active(
+                        now, self.registry.workers.values()):
+                    # Between workers, or not learnt yet (scheduler/startup.py), not unknown:
+                    # the gateway answers 503 no_worker, which clients retry, where a 404 would
+                    # tell them the model does not exist.
                     return Wait(self._retry_after_ms, "no_routable_worker")
                 return UNKNOWN_MODEL
             cands = self._routable[key] = [w for w in pool if w.routable]

@@ -73,6 +73,7 @@ class KubernetesDiscovery:
         self.slices: dict[str, dict[str, str]] = {}  # slice name -> {worker_id: url}
         self.known: dict[str, str] = {}  # worker_id -> the URL it was added with
         self.backoff = BACKOFF_MIN_S  # before the next list after a failure
+        service.startup.wait_for(SOURCE)  # its models are unknown until the first list
 
     def apply(self, op: str, obj) -> None:
         name = obj.metadata.name
@@ -144,6 +145,7 @@ class KubernetesDiscovery:
         ns = self.cfg.k8s_namespace
         listing = client.list(endpoint_slice, namespace=ns, labels=self.labels)
         self.resync({obj.metadata.name: obj async for obj in listing})
+        self.service.startup.ready(SOURCE)
         events = aiter(client.watch(endpoint_slice, namespace=ns, labels=self.labels,
                                     server_timeout=self.cfg.k8s_watch_timeout_s,
                                     resource_version=listing.resourceVersion))

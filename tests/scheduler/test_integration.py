@@ -60,6 +60,7 @@ def cluster():
     procs = [sched, *workers.values(), reg]
     try:
         wait_http(f"{base}/health", sched)
+        started = time.monotonic()  # the scheduler started before this
         for p, proc in workers.items():
             wait_http(f"http://127.0.0.1:{p}/health", proc)
         wait_http(f"http://127.0.0.1:{reg_port}/health", reg)
@@ -70,7 +71,7 @@ def cluster():
 
         wait_until(all_up, 30, "all workers up", sched)
         yield {"base": base, "ports": ports, "workers": workers, "sched": sched, "reg": reg,
-               "reg_port": reg_port, "procs": procs}
+               "reg_port": reg_port, "procs": procs, "started": started}
     finally:
         for proc in [*procs, *[w for w in workers.values() if w not in procs]]:
             proc.stop()
@@ -115,6 +116,9 @@ async def test_model_filtering(cluster):
             d = await client.schedule(ScheduleRequest(model="m", prompt_tokens=5, max_tokens=5))
             assert d.worker_id in {wid(p) for p in cluster["ports"]}
             await client.release(LeaseRelease(lease_id=d.lease_id, ok=True))
+        # Registered workers may not have heartbeated yet for their --registration-ttl-s after
+        # the start (scheduler/startup.py): an unknown model is "no such model" only then.
+        await asyncio.sleep(max(0.0, cluster["started"] + 3.2 - time.monotonic()))
         with pytest.raises(UnknownModelError):
             await client.schedule(ScheduleRequest(model="nobody-serves-this"))
 
@@ -361,3 +365,27 @@ async def test_kubernetes_endpointslices(cluster):
     finally:
         sched.stop()
         await api.stop()
+
+
+def test_a_restarted_scheduler_says_no_worker_not_no_such_model_until_it_has_learnt_its_pool():
+    """Right after a (re)start the scheduler knows no registered worker until each heartbeats
+    again: an unknown model is a wait then (the gateway's retryable 503), a 404 only once
+    --registration-ttl-s has passed; a registered worker's model is known at once."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    sched = start_scheduler(port, "--registration-token", TOKEN, "--registration-ttl-s", "2")
+    try:
+        wait_http(f"{base}/health", sched)
+        started = time.monotonic()  # the scheduler started before this
+        status, body = post(f"{base}/v1/schedule", {"model": "comes-back"})
+        assert time.monotonic() - started < 2, "too slow a start to see the grace"
+        assert status == 503 and body["wait"] is True, body
+        status, _ = post(f"{base}/v1/workers", {"url": "http://127.0.0.1:9", "models": ["comes-back"]}, TOKEN)
+        assert status == 201
+        status, body = post(f"{base}/v1/schedule", {"model": "comes-back"})
+        assert status == 503 and body["wait"] is True  # known now, but not up yet (unreachable)
+        time.sleep(max(0.0, started + 2.3 - time.monotonic()))
+        status, body = post(f"{base}/v1/schedule", {"model": "nobody-serves-this"})
+        assert status == 404 and body["error"]["code"] == "model_not_found", body
+    finally:
+        sched.stop()
