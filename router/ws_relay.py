@@ -99,15 +99,18 @@ class WsRelay:
         self.leases = TurnLeases(proxy, rec)
         self.answers = 0  # answers ended on this socket: each gets its access-log line
 
-    def _log_answer(self, turn: WsTurn, status: int, error: str | None) -> None:
-        """One access-log line per request (DESIGN.md), a socket's too: each answer's line as it
-        ends, `id=<socket's id>.<n>`; the socket's own line (status 101, its totals) comes at
-        its close."""
+    def _answer_ended(self, turn: WsTurn, status: int, error: str | None) -> None:
+        """Each answer counts in router_requests_total with its own status, as an HTTP request
+        does: counted once per socket (101), a WebSocket's failed answers were in no error
+        rate or alert. And one access-log line per request (DESIGN.md), a socket's too: each
+        answer's line as it ends, `id=<socket's id>.<n>`; the socket's own line (status 101,
+        its totals) comes at its close."""
+        rec = self.rec
+        self.proxy.metrics.request_done(rec.model, status, turn.worker_id or "-")
         access_log = self.proxy.access_log
         if access_log is None:
             return
         self.answers += 1
-        rec = self.rec
         line = RequestRecord(f"{rec.id}.{self.answers}", "WS", self.request.path)
         line.start, line.model, line.flow, line.trace = turn.start, rec.model, rec.flow, rec.trace
         line.worker, line.stream = turn.worker_id or "-", True
@@ -297,7 +300,7 @@ class WsRelay:
                             continue
                         if turn is not None:
                             status, error = answer_status(data)
-                            self._log_answer(turn, status, error)
+                            self._answer_ended(turn, status, error)
                             if status == 200:  # done, and not cancelled
                                 self.proxy.observe_answer(self.rec.model, turn.first_s,
                                                           time.perf_counter() - turn.start,

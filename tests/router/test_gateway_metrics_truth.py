@@ -250,6 +250,46 @@ async def test_websocket_answers_are_observed_each_not_the_socket_life(stack: Si
         assert 0 < total <= client, (name, total, client)
 
 
+def test_each_websocket_answer_counts_in_requests_total_with_its_status(stack: SimStack) -> None:
+    """router_requests_total counted a socket once (101, at its close), whatever it carried: a
+    socket's failed answers were in no error rate and no alert. Each answer now counts with its
+    own status, as an HTTP request does; the socket's upgrade stays one 101."""
+    import aiohttp
+
+    gw = stack.gateway
+    [worker] = [w["worker_id"] for w in httpx.get(stack.scheduler + "/v1/workers").json()["workers"]]
+    series = {status: f'router_requests_total{{model="m",status="{status}",worker="{worker}"}}'
+              for status in ("101", "200", "400")}
+    before = {k: series_value(gw, v, 0.0) for k, v in series.items()}
+
+    def counted(status: str) -> float:
+        return series_value(gw, series[status], 0.0) - before[status]
+
+    async def dialog() -> None:
+        async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws") as ws:
+            for request in ({"model": "m", "prompt": "a", "max_tokens": 2},
+                            {"model": "m", "prompt": "b", "max_tokens": -1},  # the worker refuses it
+                            {"model": "m", "prompt": "c", "max_tokens": 2}):
+                await ws.send_str(json.dumps(request))
+                for _ in range(20):  # bounded: 2 chunks and a `done`, or one error
+                    msg = json.loads((await ws.receive(timeout=30)).data)
+                    if msg.get("type") == "done" or "error" in msg:
+                        break
+            deadline = time.monotonic() + 5
+            while counted("200") < 2:
+                assert time.monotonic() < deadline, "the answers were never counted"
+                await asyncio.sleep(0.05)
+            assert counted("400") == 1
+            assert counted("101") == 0  # the socket is still open
+
+    asyncio.run(dialog())
+    deadline = time.monotonic() + 5
+    while counted("101") == 0:
+        assert time.monotonic() < deadline, "the socket's close was never counted"
+        time.sleep(0.05)
+    assert counted("200") == 2 and counted("101") == 1
+
+
 async def _first_ws_answer(gw: str, request: dict[str, Any]) -> dict[str, Any]:
     import aiohttp
 
