@@ -167,4 +167,5 @@ async def detokenize(request: web.Request) -> web.Response:
     vocab_size = getattr(engine.tokenizer, "vocab_size", None)
     if vocab_size is not None and any(t < 0 or t >= vocab_size for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab_size})", param="tokens")
-    return web.json_response({"prompt": engine.tokenizer.decode(body.tokens)})
+    # vLLM's keeps special tokens: the text tokenizes back to the same ids.
+    return web.json_response({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})

@@ -11,6 +11,7 @@ import asyncio
 import re
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import ParamSpec, TypeVar
 
 from inference_worker.engine.types import AsyncEngineClient, SamplingParams, TokenLogprobs
@@ -104,8 +105,11 @@ class GenerationFactory:
         params = self._params(request, len(prompt_ids), "prompt")
         echo = None
         if request.echo:
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-            first = TokenLogprobs(tokenizer.decode(prompt_ids[:1]), None)
+            # Special tokens kept, as vLLM echoes token ids (and as logprobs name every token):
+            # the echoed text is then the prompt's tokens, text_offset counts them all.
+            decode = partial(tokenizer.decode, skip_special_tokens=False)
+            text = prompt if isinstance(prompt, str) else decode(prompt_ids)
+            first = TokenLogprobs(decode(prompt_ids[:1]), None)
             echo = Echo(text, first, request.echo_only)
         return Prompt(prompt_ids, params, echo)
 

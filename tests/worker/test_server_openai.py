@@ -267,6 +267,19 @@ def test_completion_echo_puts_the_prompt_and_its_logprobs_first(worker, greedy_c
     assert [c["text"] for c in two["choices"]] == [choice["text"]] * 2
 
 
+def test_token_ids_are_echoed_and_detokenized_with_their_special_tokens(worker) -> None:
+    """As vLLM: the echoed text of a token-id prompt, and /detokenize's, keep special tokens
+    (a chat-rendered prompt opens with one), so each tokenizes back to the same ids, and the
+    echo's text is what its logprob tokens spell."""
+    base = worker.base_url
+    ids = httpx.post(base + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    text = httpx.post(base + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    assert httpx.post(base + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"] == ids
+    echoed = httpx.post(worker.api_url + "/completions", timeout=60, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}).json()["choices"][0]
+    assert echoed["text"] == text == "".join(echoed["logprobs"]["tokens"])
+
+
 def test_an_assistant_prefill_is_continued(worker) -> None:
     """vLLM's chat rendering options: with add_generation_prompt false and
     continue_final_message true the answer goes on from a last assistant message (echo puts
