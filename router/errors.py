@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from aiohttp import web
 
@@ -52,3 +53,26 @@ async def no_route(request: web.Request) -> web.Response:
 def sse_error_event(message: str, type_: str = "upstream_error", code: int | str = 502) -> bytes:
     """An error event and a clean end for a stream that already started."""
     return b"data: " + error_body(message, type_, code) + b"\n\ndata: [DONE]\n\n"
+
+
+# A Responses stream's event numbers, as workers write them (compact JSON or not). A text
+# delta that quotes these words has them escaped (\"sequence_number\"), which this does not match.
+SEQUENCE_NUMBER = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
+
+
+def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """OpenAI's Responses stream `error` event: how a Responses stream that already started
+    says it failed (its clients parse typed events, and no chat-style `[DONE]`)."""
+    data = {"type": "error", "code": code, "message": message, "param": None,
+            "sequence_number": sequence_number}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def next_sequence_number(*sent: bytes) -> int:
+    """The number after the last one in the first of `sent` (whole events, latest first) that
+    holds any; 0 when none does."""
+    for events in sent:
+        numbers = SEQUENCE_NUMBER.findall(events)
+        if numbers:
+            return int(numbers[-1]) + 1
+    return 0

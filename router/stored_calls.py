@@ -13,14 +13,11 @@ worker holds the response.
 
 from __future__ import annotations
 
-import json
-import re
-
 import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
-from router.errors import error_response
+from router.errors import SEQUENCE_NUMBER, error_response, responses_error_event
 from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
 from router.sse import usage_of_body
@@ -104,7 +101,7 @@ class StoredResponseCalls:
         try:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
-                numbers = _SEQUENCE_NUMBER.findall(tail + chunk)
+                numbers = SEQUENCE_NUMBER.findall(tail + chunk)
                 if numbers:
                     last = max(last, int(numbers[-1]))
                 tail = chunk[-_TAIL_BYTES:]
@@ -117,13 +114,4 @@ class StoredResponseCalls:
         return resp
 
 
-# A Responses stream's event numbers, as workers write them (compact JSON or not).
-_SEQUENCE_NUMBER = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
-_TAIL_BYTES = 48
-
-
-def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
-    """OpenAI's Responses stream `error` event."""
-    data = {"type": "error", "code": code, "message": message, "param": None,
-            "sequence_number": sequence_number}
-    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+_TAIL_BYTES = 48  # the end of a chunk kept: a sequence number may be cut between two

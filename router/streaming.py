@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
-from router.errors import sse_error_event
+from router.errors import next_sequence_number, responses_error_event, sse_error_event
 from router.in_flight import SHUTTING_DOWN, InFlight
 from router.metrics import RouterMetrics
 from router.scheduling import Route
@@ -34,7 +34,8 @@ OVERLOADED = 429
 # `response.created` and `response.in_progress` at once): their first token is the first event
 # that holds these bytes (`"type": "response.output_text.delta"`, or a reasoning or tool-call
 # argument delta). TTFT and the scheduler's prefill report wait for it.
-FIRST_TOKEN_MARKERS = {"/v1/responses": b'.delta"'}
+RESPONSES_STREAM = "/v1/responses"
+FIRST_TOKEN_MARKERS = {RESPONSES_STREAM: b'.delta"'}
 
 
 class RetryElsewhere(Exception):
@@ -54,6 +55,21 @@ def failure_kind(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return "connect"
     return "connection"
+
+
+def stream_error_event(path: str, tap: StreamTap | None, message: str, type_: str,
+                       code: int | str) -> bytes:
+    """The last event of a stream that already started and fails: in the Responses API's own
+    terms on its streams (an `error` event numbered after the last event relayed; its clients
+    read typed events and no `[DONE]`), else chat's and completions' (`data: {"error": ...}`
+    then `data: [DONE]`)."""
+    if path != RESPONSES_STREAM:
+        return sse_error_event(message, type_, code)
+    # The last piece relayed holds whole events (the unfinished one is held back in the tap),
+    # so its last number is the last the client got.
+    sent = (tap.last, tap.opening) if tap is not None else ()
+    name = code if isinstance(code, str) else type_
+    return responses_error_event(message, name, next_sequence_number(*sent))
 
 
 class StreamForwarding:
@@ -124,8 +140,8 @@ class StreamForwarding:
             await resp.prepare(request)
             rec.status = 200
             upstream_error = await self._pump(up, resp, tap, first)
-            rest = tap.flush()
             if upstream_error is None:
+                rest = tap.flush()
                 if rest:
                     await resp.write(rest)
                 complete = True
@@ -134,7 +150,10 @@ class StreamForwarding:
                 # The client's status says 200: without this, router_requests_total would be
                 # all an operator sees of a worker that cut streams short.
                 self.metrics.stream_failed(upstream_error)
-                await resp.write(sse_error_event(f"the worker failed mid-stream ({upstream_error})"))
+                await resp.write(stream_error_event(
+                    path, tap, f"the worker failed mid-stream ({upstream_error})", "upstream_error",
+                    502))
+                tap.flush()  # its unfinished last event, which the client did not get, still counts
             if tap.prompt_tokens is not None:
                 rec.prompt_tokens = tap.prompt_tokens
             rec.output_tokens = (
@@ -174,7 +193,8 @@ class StreamForwarding:
                     # so (the transport is still open; aiohttp closes it after).
                     rec.status, rec.error = 503, "shutting_down"
                     with contextlib.suppress(Exception):
-                        await resp.write(sse_error_event(SHUTTING_DOWN, "server_error", "shutting_down"))
+                        await resp.write(stream_error_event(path, tap, SHUTTING_DOWN, "server_error",
+                                                            "shutting_down"))
                         await resp.write_eof()
                 raise  # the caller gives the lease back
             self._release_client_left(route, rec)
