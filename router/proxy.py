@@ -420,10 +420,17 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             rec.worker = route.worker_id
             try:
                 if stream:
-                    return await self._forward_stream(
+                    answer = await self._forward_stream(
                         request, rec, route, path, raw, headers, strip_usage
                     )
-                return await self._forward(request, rec, route, path, raw, headers)
+                else:
+                    answer = await self._forward(request, rec, route, path, raw, headers)
+                if previous is not None and answer.status == 404:
+                    # The worker no longer holds it (evicted, restarted, deleted behind this
+                    # gateway): the next follow-up is looked for anew instead of pinned (and
+                    # queued) to a worker that would only answer 404 again.
+                    self.owners.forget(previous)
+                return answer
             except asyncio.CancelledError:
                 # The client went away: the worker was not at fault; give the lease back (a
                 # background response goes on without its client).

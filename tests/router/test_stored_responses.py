@@ -103,6 +103,26 @@ def test_a_response_deleted_through_the_gateway_is_forgotten_there(stack):
     assert series_value(stack.gateway, LOOKUPS % "missing") == missing + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_follow_up_its_worker_answers_404_forgets_the_owner(stack, stream):
+    """The worker no longer holds the response (evicted, restarted, deleted behind the
+    gateway's back): the pinned follow-up gets its 404, and the gateway forgets the owner, so
+    the next follow-up is not pinned (and queued) to that worker again but looked for anew."""
+    first, home = _respond(stack.gateway, "hello")
+    r = httpx.delete(f"http://{home}/v1/responses/{first['id']}", timeout=10)  # not through the gateway
+    assert r.status_code == 200
+    body = {"model": "m", "input": "more", "previous_response_id": first["id"], "stream": stream}
+    remembered = series_value(stack.gateway, LOOKUPS % "remembered", 0.0)
+    r = httpx.post(stack.gateway + "/v1/responses", timeout=10, json=body)
+    assert r.status_code == 404 and r.headers["x-router-worker"] == home
+    assert series_value(stack.gateway, LOOKUPS % "remembered") == remembered + 1
+    missing = series_value(stack.gateway, LOOKUPS % "missing", 0.0)
+    r = httpx.post(stack.gateway + "/v1/responses", timeout=10, json=body)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert series_value(stack.gateway, LOOKUPS % "remembered") == remembered + 1
+    assert series_value(stack.gateway, LOOKUPS % "missing") == missing + 1
+
+
 def test_another_gateway_finds_the_owner_by_asking_the_workers(stack):
     first, home = _respond(stack.gateway, "hello")
     proc, other = start_gateway("--scheduler", stack.scheduler)
