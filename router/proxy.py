@@ -46,7 +46,13 @@ from router.streaming import (
     StreamForwarding,
     failure_kind,
 )
-from router.tokens import RESPONSES_PATH, TokenCounter, answers_of, schedule_request
+from router.tokens import (
+    RESPONSES_PATH,
+    TokenCounter,
+    answers_of,
+    schedule_request,
+    schedule_request_off_loop,
+)
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -345,7 +351,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 strip_usage = True  # ask the worker for usage; hide it from the client
                 raw = self._with_usage(raw, body)
 
-        sched_body = self.schedule_body(rec, model, body)
+        sched_body = await self.schedule_body_off_loop(rec, model, body)
         # A background response goes on in the worker after its answer (`queued`) is out.
         rec.detached = path == RESPONSES_PATH and body.get("background") is True
         previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
@@ -587,6 +593,15 @@ class Proxy(StreamForwarding, StoredResponseCalls):
     def schedule_body(self, rec: RequestRecord, model: str, body: dict[str, Any]) -> dict[str, Any]:
         """What the scheduler is told of a request; notes its prompt estimate and choices."""
         sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body, rec.path)
+        rec.sequences = answers_of(body)
+        return sched_body
+
+    async def schedule_body_off_loop(self, rec: RequestRecord, model: str, body: dict[str, Any]
+                                     ) -> dict[str, Any]:
+        """schedule_body, with a long prompt tokenized in a thread (--tokenizer): on the loop,
+        a prompt of megabytes paused every stream the gateway relays while it was counted."""
+        sched_body, rec.prompt_tokens, rec.choices = await schedule_request_off_loop(
+            self.tokens, model, body, rec.path)
         rec.sequences = answers_of(body)
         return sched_body
 

@@ -13,6 +13,7 @@ replicas fingerprint the same prompt identically.
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from typing import Any
 
@@ -144,6 +145,12 @@ def answers_of(body: dict[str, Any]) -> int:
     return min(n, MAX_CHOICES) * batch_size_of(body)
 
 
+# Text longer than this (characters) is tokenized in a thread when counted on the event loop:
+# an 8 MB prompt held the gateway's loop, and so every stream it relays, for ~3 s. Shorter
+# text (~2 ms at most) costs less on the loop than a thread hop.
+THREAD_TOKENIZE_CHARS = 8192
+
+
 class TokenCounter:
     """Prompt token counts: exact with a local tokenizer (a `tokenizer.json`, or a directory
     holding one, given by --tokenizer), else the 4-characters-per-token estimate.
@@ -176,6 +183,16 @@ class TokenCounter:
             return estimate_tokens(text, id_tokens)
         return id_tokens + len(self._tok.encode(text, add_special_tokens=False).ids)
 
+    async def count_off_loop(self, text: str, id_tokens: int = 0) -> int:
+        """count(), with a long text tokenized in a thread. encode_batch, not encode: only it
+        releases the GIL (the tokenizers binding's encode holds it, so the loop would stall in
+        a thread just the same)."""
+        if self._tok is None or len(text) <= THREAD_TOKENIZE_CHARS:
+            return self.count(text, id_tokens)
+        tok = self._tok
+        encodings = await asyncio.to_thread(tok.encode_batch, [text], add_special_tokens=False)
+        return id_tokens + len(encodings[0].ids)
+
 
 def batch_size_of(body: dict[str, Any]) -> int:
     """How many prompts a completions body holds (a list of strings or of token-id lists)."""
@@ -193,7 +210,19 @@ def schedule_request(
     is n sequences to the engine per prompt (vLLM fans it out): n prompts to prefill and n
     answers' KV each, planned for as one lease."""
     text, id_tokens = render_prompt(body, path)
-    prompt = counter.count(text, id_tokens)
+    return _schedule_request(model, body, text, counter.count(text, id_tokens))
+
+
+async def schedule_request_off_loop(
+    counter: TokenCounter, model: str, body: dict[str, Any], path: str = ""
+) -> tuple[dict[str, Any], int, int]:
+    """schedule_request, with a long prompt tokenized in a thread (TokenCounter.count_off_loop)."""
+    text, id_tokens = render_prompt(body, path)
+    return _schedule_request(model, body, text, await counter.count_off_loop(text, id_tokens))
+
+
+def _schedule_request(model: str, body: dict[str, Any], text: str, prompt: int
+                      ) -> tuple[dict[str, Any], int, int]:
     choices = choices_of(body)
     sched: dict[str, Any] = {"model": model, "prompt_tokens": prompt * choices}
     max_tokens = max_tokens_of(body)

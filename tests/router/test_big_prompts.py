@@ -1,0 +1,68 @@
+"""A prompt of megabytes through a gateway that counts prompt tokens with a tokenizer
+(--tokenizer), with real processes on 127.0.0.1: an echo worker that spaces its tokens 50 ms
+apart, and the gateway in front. Counting that prompt takes the tokenizer seconds; meanwhile
+the gateway must go on relaying the other streams it carries."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from tests.router.procs import start_echo_worker, start_gateway
+
+WORDS = "the cat sat on the mat "
+
+
+def _tokenizer(folder) -> str:
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([WORDS], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def _stream_until(gateway: str, stop: threading.Event, arrivals: list[float]) -> None:
+    """A long stream, each chunk's arrival noted, until `stop` is set (or it ends: 20 s)."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            arrivals.append(time.monotonic())
+            if stop.is_set():
+                return
+
+
+def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
+    worker, wu = start_echo_worker(token_delay_ms=50)
+    gateway, gu = start_gateway("--workers", wu, "--tokenizer", _tokenizer(tmp_path),
+                                "--max-body-bytes", str(16 << 20))
+    stop = threading.Event()
+    arrivals: list[float] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_until, gu, stop, arrivals)
+            deadline = time.monotonic() + 30
+            while len(arrivals) < 6:  # the stream is flowing
+                assert time.monotonic() < deadline and not stream.done()
+                time.sleep(0.02)
+            huge = {"model": "m", "prompt": WORDS * 350_000, "max_tokens": 1}  # 8 MB, ~2 M tokens
+            t0 = time.monotonic()
+            r = httpx.post(gu + "/v1/completions", json=huge, timeout=120)
+            took = time.monotonic() - t0
+            time.sleep(0.3)  # a chunk or more after it
+            stop.set()
+            stream.result(timeout=60)
+    finally:
+        gateway.stop()
+        worker.stop()
+    assert r.status_code < 500, r.text
+    during = [t for t in arrivals if t0 <= t <= t0 + took + 0.3]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert gaps, arrivals
+    # Counting took most of the huge request's time; the stream went on meanwhile: its longest
+    # pause is a small part of that (on the loop, it was all of it).
+    assert max(gaps) < took / 4, (max(gaps), took)
