@@ -72,6 +72,47 @@ def stream_error_event(path: str, tap: StreamTap | None, message: str, type_: st
     return responses_error_event(message, name, next_sequence_number(*sent))
 
 
+class ReadWatch:
+    """The idle-stream timeout of a stream's reads from its worker: the task is cancelled once
+    one read has waited `idle` seconds. Only reads count: time spent writing to the client
+    (held back by a slow one) does not. A timer per `idle` seconds of a busy stream, not one per
+    chunk (a timer cancelled and set per token cost ~9 % of the gateway's CPU): a chunk only
+    notes when its read began."""
+
+    __slots__ = ("_fired", "_handle", "_idle", "_loop", "_task", "reading_since")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
+        self._loop = loop
+        self._idle = idle
+        self._task = asyncio.current_task()
+        self._fired = False
+        self.reading_since: float | None = None  # None: not waiting for the worker now
+        self._handle = loop.call_at(loop.time() + idle, self._check)
+
+    def _check(self) -> None:
+        since = self.reading_since
+        now = self._loop.time()
+        if since is None:  # writing to the client: look again soon (a read may begin at once)
+            self._handle = self._loop.call_at(now + self._idle / 8, self._check)
+        elif now - since >= self._idle - 0.001:  # a timer may run up to the clock's resolution early
+            self._fired = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(since + self._idle, self._check)
+
+    def timed_out(self) -> bool:
+        """Whether the CancelledError being handled is this watch's (then it is taken back);
+        False: the task was cancelled for another reason (its client left), too."""
+        if not self._fired:
+            return False
+        assert self._task is not None
+        return self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 class StreamForwarding:
     session: aiohttp.ClientSession
     timeout: aiohttp.ClientTimeout
@@ -221,37 +262,35 @@ class StreamForwarding:
             await resp.write(out)
         read = up.content.readany
         loop = asyncio.get_running_loop()
-        idle = self.idle_s
         protocol = up.connection.protocol if up.connection is not None else None
         if protocol is not None:
-            # From here the idle guard below is the stream's read timeout: aiohttp's own (the
+            # From here the watch below is the stream's read timeout: aiohttp's own (the
             # first-byte timeout, re-armed on every chunk) would only repeat it, at a timer per
             # chunk. Set again for the connection's next request.
             protocol.read_timeout = None
-        # Moving the deadline costs a timer cancel and a new one (~9 % of the gateway's CPU per
-        # token when done for every chunk), so it moves only when fewer than `idle` seconds are
-        # left, and then to `idle` + 1/8 ahead: never early, at most 1/8 of `idle` late, and
-        # moved about every idle/8 seconds of a busy stream instead of every chunk.
-        ahead = idle * 1.125
-        deadline = loop.time() + ahead
+        watch = ReadWatch(loop, self.idle_s)
         try:
-            async with asyncio.timeout_at(deadline) as guard:
-                while True:
-                    try:
-                        piece = await read()
-                    except UPSTREAM_ERRORS as exc:
-                        return failure_kind(exc)
-                    if not piece:
-                        return None if up.content.is_eof() else "connection"
-                    now = loop.time()
-                    if deadline - now < idle:
-                        deadline = now + ahead
-                        guard.reschedule(deadline)
-                    out = tap.feed(piece)
-                    if out:
-                        await resp.write(out)
-        except TimeoutError:
-            return "idle_timeout"
+            while True:
+                watch.reading_since = loop.time()
+                try:
+                    piece = await read()
+                except UPSTREAM_ERRORS as exc:
+                    return failure_kind(exc)
+                except asyncio.CancelledError:
+                    if watch.timed_out():
+                        return "idle_timeout"
+                    raise
+                # Writing to the client is not waiting for the worker: a client that reads
+                # slowly holds the stream back (TCP backpressure), and is no silence of the
+                # worker's (before, it ended the stream as the worker's idle timeout).
+                watch.reading_since = None
+                if not piece:
+                    return None if up.content.is_eof() else "connection"
+                out = tap.feed(piece)
+                if out:
+                    await resp.write(out)
+        finally:
+            watch.stop()
 
     @staticmethod
     async def _read_some(up: aiohttp.ClientResponse) -> str:
