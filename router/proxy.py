@@ -81,6 +81,11 @@ HOP_BY_HOP = frozenset(
         "cookie",
         "accept-encoding",
         "content-encoding",
+        # Hop-by-hop too: Expect was the client's to the gateway, which has the body already (a
+        # worker's 100 Continue would only cost a round trip); Proxy-Connection is an old
+        # clients' Connection.
+        "expect",
+        "proxy-connection",
     }
 )
 _WS_HANDSHAKE_PREFIX = "sec-websocket-"
@@ -545,10 +550,15 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 if value is not None:
                     headers[name] = value
         else:
+            hop = HOP_BY_HOP
+            connection = request.headers.get("Connection")
+            if connection:
+                # The headers a Connection header names are hop-by-hop as well (RFC 9110 7.6.1).
+                hop = hop | {name.strip().lower() for name in connection.split(",")}
             headers = {
                 k: v
                 for k, v in request.headers.items()
-                if k.lower() not in HOP_BY_HOP and not k.lower().startswith(_WS_HANDSHAKE_PREFIX)
+                if k.lower() not in hop and not k.lower().startswith(_WS_HANDSHAKE_PREFIX)
             }
         headers["X-Request-Id"] = req_id
         if self.cfg.forward_api_key and "Authorization" in request.headers:
