@@ -142,9 +142,17 @@ class RouterConfig(BaseSettings):
 
     # Upstream timeouts
     connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")
-    first_byte_timeout_ms: int = Field(60_000, ge=1, description="a worker's first byte (then: retried)")
+    first_byte_timeout_ms: int = Field(
+        60_000, ge=1, description="a stream's first byte from its worker (then: retried elsewhere)"
+    )
+    request_timeout_ms: int = Field(
+        1_800_000, ge=1,
+        description="the longest wait for a non-stream answer, which its worker sends whole when "
+        "the generation ends: past it, a 504 upstream_timeout (not retried: it would take as "
+        "long elsewhere); one whose worker the scheduler reports down is retried at once",
+    )
     idle_stream_timeout_ms: int = Field(
-        60_000, ge=1, description="max gap between two upstream chunks (enforced to within 1/8 of it)"
+        60_000, ge=1, description="max gap between two upstream chunks of a stream"
     )
 
     # Security

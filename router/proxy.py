@@ -14,6 +14,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Coroutine
 from itertools import count
 from typing import Any
 
@@ -109,8 +110,16 @@ _MODEL_ENDPOINTS = _POST_ONLY | {
     "/v1/images/generations",
 }
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
+# A worker's answer did not come within the read timeout (aiohttp 3.10 on; 3.9 raised one
+# class for connect and read timeouts alike).
+_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 # A client's X-Request-Id is kept when it is this plain (it is logged and sent on as is).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class AnswerTimedOut(Exception):
+    """A non-stream answer took longer than --request-timeout-ms: a 504, not retried (it would
+    take as long on another worker)."""
 
 
 def is_name(value: Any) -> bool:
@@ -147,6 +156,13 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             connect=cfg.connect_timeout_ms / 1000,
             sock_connect=cfg.connect_timeout_ms / 1000,
             sock_read=cfg.first_byte_timeout_ms / 1000,
+        )
+        # A non-stream answer comes whole at the end of its generation: no first byte before.
+        self.whole_timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=cfg.connect_timeout_ms / 1000,
+            sock_connect=cfg.connect_timeout_ms / 1000,
+            sock_read=cfg.request_timeout_ms / 1000,
         )
         self.idle_s = cfg.idle_stream_timeout_ms / 1000
         self._ids = count(1)
@@ -447,6 +463,14 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 # background response goes on without its client).
                 self._release_client_left(route, rec)
                 raise
+            except AnswerTimedOut as exc:
+                self._failed(route, "timeout", rec)
+                rec.status, rec.error = 504, "upstream_timeout"
+                log.warning("id=%s worker %s sent no answer within --request-timeout-ms (%s)",
+                            rec.id, route.worker_id, exc)
+                return error_response(
+                    504, f"the worker sent no answer within {self.cfg.request_timeout_ms} ms",
+                    "upstream_error", code="upstream_timeout")
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
                 overloaded = r.overloaded
@@ -655,6 +679,37 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                       error=None if rec.detached else CLIENT_LEFT)
 
     # ---- non-stream -----------------------------------------------------------------------
+    async def _fetch_whole(self, method: str, url: str, raw: bytes,
+                           headers: dict[str, str]) -> tuple[int, bytes, str]:
+        """(status, body, content type) of a worker's whole answer. Raises RetryElsewhere
+        when it failed before answering, AnswerTimedOut past --request-timeout-ms."""
+        try:
+            async with self.session.request(
+                method, url, data=raw or None, headers=headers, timeout=self.whole_timeout
+            ) as up:
+                data = await up.read()
+                return up.status, data, up.headers.get("Content-Type", "application/json")
+        except _READ_TIMEOUT as exc:
+            raise AnswerTimedOut(repr(exc)) from None
+        except UPSTREAM_ERRORS as exc:
+            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+
+    async def _unless_down(self, fetch: Coroutine[Any, Any, tuple[int, bytes, str]],
+                           worker_id: str) -> tuple[int, bytes, str]:
+        """`fetch`, given up (and retried elsewhere) if the scheduler reports its worker down
+        meanwhile (router/down_watch.py): a hung worker would hold it until the request
+        timeout, 30 minutes by default."""
+        task = asyncio.ensure_future(fetch)
+        try:
+            with self.sched.down_watch.watching(worker_id) as down:
+                await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise RetryElsewhere("worker_down", "the scheduler reports the worker down")
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _forward(
         self,
         request: web.Request,
@@ -667,15 +722,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         url = route.url + path
         if request.query_string:
             url += "?" + request.query_string
-        try:
-            async with self.session.request(
-                request.method, url, data=raw or None, headers=headers, timeout=self.timeout
-            ) as up:
-                data = await up.read()
-                status = up.status
-                ctype = up.headers.get("Content-Type", "application/json")
-        except UPSTREAM_ERRORS as exc:
-            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+        fetch = self._fetch_whole(request.method, url, raw, headers)
+        if route.fallback:  # no scheduler to say the worker is down
+            status, data, ctype = await fetch
+        else:
+            status, data, ctype = await self._unless_down(fetch, route.worker_id)
         if status >= 500 or status == OVERLOADED:
             raise RetryElsewhere(
                 f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED

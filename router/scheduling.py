@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from router.down_watch import DownWatch
 from router.fallback import FallbackRouter, NoWorkerError
 from router.flap_guard import FlapGuard
 from router.metrics import RouterMetrics
@@ -94,6 +95,7 @@ class Scheduling:
         self._probe: asyncio.Task | None = None
         self._fallback_timer: asyncio.TimerHandle | None = None  # the switch, while it is down
         self._flaps = FlapGuard()  # a scheduler whose /health answers but whose calls fail
+        self.down_watch = DownWatch()  # non-stream requests on workers it finds down
         # A schedule call failed since the scheduler was marked down: then only a call that
         # succeeds ends the wait for the switch, not the /health probe (see _probe_loop).
         self._calls_failed = False
@@ -537,6 +539,7 @@ class Scheduling:
         self.metrics.observe_scheduler("workers", time.perf_counter() - t0)
         healthy = [v for v in views if v.healthy]
         self.worker_views = [v.model_dump() for v in views]
+        self.down_watch.update((v.worker_id, v.state) for v in views)
         self.worker_views_at = time.monotonic()
         self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy])
         return True

@@ -448,11 +448,11 @@ def test_trace_context_and_flow_reach_the_worker_and_the_access_log(stack, path)
     assert line.endswith(' flow="id:team blue flow=x"'), line
 
 
-def test_first_byte_timeout_holds_on_a_connection_a_stream_used_before():
+def test_the_request_timeout_holds_on_a_connection_a_stream_used_before():
     """During a stream the gateway's idle guard replaces aiohttp's read timeout on the
-    connection; the next request on that pooled connection must get its first-byte timeout."""
+    connection; the next request on that pooled connection must get its own timeout."""
     w, wu = start_echo_worker(token_delay_ms=100)
-    g, gu = start_gateway("--workers", wu, "--first-byte-timeout-ms", "1000", "--retry-count", "0")
+    g, gu = start_gateway("--workers", wu, "--request-timeout-ms", "1000", "--retry-count", "0")
     try:
         with httpx.Client(timeout=30) as c:
             body = {"model": "m", "prompt": "p", "max_tokens": 3, "stream": True}
@@ -460,27 +460,38 @@ def test_first_byte_timeout_holds_on_a_connection_a_stream_used_before():
                 assert r.read().endswith(b"data: [DONE]\n\n")
             t0 = time.monotonic()
             r = c.post(gu + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 30})
-            assert r.status_code == 502 and "timeout" in r.json()["error"]["message"]
+            assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
             assert time.monotonic() - t0 < 2.5  # not the 3 s the worker takes
     finally:
         for p in (g, w):
             p.stop()
 
 
-def test_first_byte_and_idle_stream_timeouts():
-    """A worker that takes 400 ms per token: a 150 ms first-byte timeout fails it (retried, then
-    502); with a generous first-byte timeout but a 150 ms idle timeout, a stream that started
-    ends with an SSE error event instead of hanging."""
+def test_request_first_byte_and_idle_stream_timeouts():
+    """A worker that takes 400 ms per token. A non-stream answer comes whole at its end: a
+    first-byte timeout of 150 ms does not cut it (it cut every answer longer than the timeout,
+    then retried it elsewhere and reported the worker failed); a 150 ms request timeout does,
+    with a 504 and no retry. With a generous first-byte timeout but a 150 ms idle timeout, a
+    stream that started ends with an SSE error event instead of hanging."""
     w, wu = start_echo_worker(token_delay_ms=400)
-    g1, gu1 = start_gateway("--workers", wu, "--first-byte-timeout-ms", "150", "--retry-count", "1")
+    g1, gu1 = start_gateway("--workers", wu, "--first-byte-timeout-ms", "150", "--retry-count", "1",
+                            "--request-timeout-ms", "150")
     g2, gu2 = start_gateway(
-        "--workers", wu, "--first-byte-timeout-ms", "5000", "--idle-stream-timeout-ms", "150"
+        "--workers", wu, "--first-byte-timeout-ms", "150", "--idle-stream-timeout-ms", "150",
+        "--retry-count", "1",
     )
     try:
-        r = httpx.post(
-            gu1 + "/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 2}, timeout=30
+        body = {"model": "m", "prompt": "p", "max_tokens": 2}
+        r = httpx.post(gu1 + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        assert series_value(gu1, 'router_retries_total{reason="timeout"}', 0.0) == 0
+        r = httpx.post(gu2 + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert series_value(gu2, 'router_retries_total{reason="timeout"}', 0.0) == 0
+        g2.stop()
+        g2, gu2 = start_gateway(
+            "--workers", wu, "--first-byte-timeout-ms", "5000", "--idle-stream-timeout-ms", "150"
         )
-        assert r.status_code == 502 and "timeout" in r.json()["error"]["message"]
         body = {"model": "m", "prompt": "p", "max_tokens": 3, "stream": True}
         with httpx.stream("POST", gu2 + "/v1/completions", json=body, timeout=30) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

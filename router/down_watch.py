@@ -1,0 +1,53 @@
+"""Requests waiting on a worker the scheduler has since found down.
+
+A non-stream answer comes whole, when its generation ends (vLLM sends nothing before), so its
+wait is bounded only by --request-timeout-ms (30 min): long generations are normal, and a
+first-byte timeout there cut them and retried them on other workers (the same minutes again,
+twice) while reporting a healthy worker failed. A worker that hangs (its process stopped, a
+stuck GPU: connections accepted, nothing answered) would then hold its requests for as long.
+So such a request also ends when the scheduler reports its worker down (it stopped answering
+its scrapes and health probes: `--dead-after-ms`), seen at the gateway's next worker-list
+refresh, and is retried elsewhere: no byte of it has reached the client.
+
+A worker that left the list is not down: a draining one (deregistered, its pod terminating)
+finishes what it holds. A dead process needs none of this: its connections fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+DOWN = "down"  # the scheduler's circuit state for a worker it took out (WorkerView.state)
+
+
+class DownWatch:
+    def __init__(self) -> None:
+        self._watchers: dict[str, set[asyncio.Future[None]]] = {}
+
+    @contextmanager
+    def watching(self, worker_id: str) -> Iterator[asyncio.Future[None]]:
+        """A future resolved when the scheduler reports `worker_id` down (never, if it is not)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        watchers = self._watchers.setdefault(worker_id, set())
+        watchers.add(fut)
+        try:
+            yield fut
+        finally:
+            watchers.discard(fut)
+            if not watchers and self._watchers.get(worker_id) is watchers:
+                del self._watchers[worker_id]
+            if not fut.done():
+                fut.cancel()
+
+    def update(self, states: Iterable[tuple[str, str | None]]) -> None:
+        """(worker_id, state) of every worker the scheduler lists: wake the watchers of those
+        it reports down."""
+        if not self._watchers:
+            return
+        for worker_id, state in states:
+            if state == DOWN:
+                for fut in self._watchers.pop(worker_id, ()):
+                    if not fut.done():
+                        fut.set_result(None)

@@ -1,0 +1,60 @@
+"""A non-stream request whose worker hangs (its process stopped: connections accepted, nothing
+answered) is retried elsewhere once the scheduler reports the worker down, not held until the
+request timeout (router/down_watch.py). Real echo workers, scheduler and gateway on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.router.procs import series_value, start_echo_worker, start_gateway, start_scheduler
+
+
+def _leased_worker(scheduler: str, deadline_s: float = 10.0) -> str:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for w in httpx.get(scheduler + "/v1/workers").json()["workers"]:
+            if w["in_flight_leases"]:
+                return w["url"]
+        time.sleep(0.02)
+    raise AssertionError("the request never got a lease")
+
+
+def test_a_non_stream_request_on_a_hung_worker_is_retried_once_the_scheduler_finds_it_down():
+    workers = [start_echo_worker(token_delay_ms=100) for _ in range(2)]
+    procs = [p for p, _ in workers]
+    by_url = {u: p for p, u in workers}
+    stopped = None
+    try:
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100",
+                                "--dead-after-ms", "1000")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--workers-refresh-ms", "200")
+        procs.append(g)
+        body = {"model": "m", "prompt": "p", "max_tokens": 30}  # 3 s of generation
+        with ThreadPoolExecutor(1) as ex:
+            t0 = time.monotonic()
+            answer = ex.submit(httpx.post, gu + "/v1/completions", json=body, timeout=25)
+            hung = _leased_worker(su)
+            stopped = by_url[hung]
+            os.kill(stopped.pid, signal.SIGSTOP)
+            r = answer.result()
+            took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 30
+        [other] = [u for u in by_url if u != hung]
+        assert r.headers["x-router-worker"] == next(
+            w["worker_id"] for w in httpx.get(su + "/v1/workers").json()["workers"] if w["url"] == other)
+        assert series_value(gu, 'router_retries_total{reason="worker_down"}') == 1
+        # Found down after about a second of silence, then served whole elsewhere: far from
+        # the 60 s a first-byte timeout took, or the 30 min of the request timeout.
+        assert took < 15, took
+    finally:
+        if stopped is not None:
+            os.kill(stopped.pid, signal.SIGCONT)
+        for p in procs:
+            p.stop()
