@@ -97,7 +97,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             await client.send_str(SHUTTING_DOWN)
             await client.close(code=WSCloseCode.GOING_AWAY, message=GOING_AWAY_MESSAGE)
             return client
-        sched_body = proxy.schedule_body(rec, model, body)
+        sched_body = await proxy.schedule_body_off_loop(rec, model, body)
         # From here the socket is busy: placing it, then its answer.
         session.pending.append(WsTurn(first.data, sched_body, rec.prompt_tokens * rec.choices,
                                       rec.sequences))

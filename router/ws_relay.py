@@ -39,7 +39,7 @@ from router.proxy import Proxy
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.scheduling import NoWorkerError, Route
 from router.sse import ROLE_OPENING
-from router.tokens import answers_of, schedule_request
+from router.tokens import answers_of, schedule_request_off_loop
 from router.ws_leases import TurnLeases, WsTurn
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
 from scheduler.client import SchedulerError, SchedulerRequestError, UnknownModelError
@@ -269,7 +269,7 @@ class WsRelay:
                 elif len(self.session.pending) >= _MAX_OWED:
                     await self.client.send_str(_TOO_MANY)
                 else:
-                    turn, prompt = turn_of(self.proxy, self.rec.model, msg.data)
+                    turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data)
                     self.rec.prompt_tokens += prompt
                     await self.send_request(turn)
             elif msg.type == aiohttp.WSMsgType.BINARY:
@@ -375,7 +375,7 @@ def answer_status(terminal: str) -> tuple[int, str | None]:
     return (400 if kind == "invalid_request_error" else 502), str(code or kind or "error")
 
 
-def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
+async def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
     """One more request on the socket, with what the scheduler is told of it (under the socket's
     model: its worker is the one it goes to), and its prompt estimate, as the HTTP path counts a
     request without usage. A message that is no JSON object takes no lease and counts no
@@ -386,7 +386,9 @@ def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
         return WsTurn(data), 0
     if not isinstance(body, dict):
         return WsTurn(data), 0
-    sched_body, prompt, choices = schedule_request(proxy.tokens, model, body)
+    # A long prompt is counted in a thread (--tokenizer): on the loop, a message of megabytes
+    # paused every stream the gateway relays while it was tokenized.
+    sched_body, prompt, choices = await schedule_request_off_loop(proxy.tokens, model, body)
     return WsTurn(data, sched_body, prompt * choices, answers_of(body)), prompt
 
 

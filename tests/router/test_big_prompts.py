@@ -66,3 +66,56 @@ def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
     # Counting took most of the huge request's time; the stream went on meanwhile: its longest
     # pause is a small part of that (on the loop, it was all of it).
     assert max(gaps) < took / 4, (max(gaps), took)
+
+
+async def _two_huge_ws_requests(gateway: str) -> list[dict]:
+    """The huge prompt as a socket's first request (placed with it) and as its next one."""
+    import json
+
+    import aiohttp
+
+    # 3 MB: under the echo worker's 4 MiB message bound (aiohttp's default).
+    huge = json.dumps({"model": "m", "prompt": WORDS * 130_000, "max_tokens": 1})
+    ends = []
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway + "/v1/ws", max_msg_size=0) as ws:
+        for _ in range(2):
+            await ws.send_str(huge)
+            for _ in range(10):  # bounded: a token and `done`
+                msg = json.loads((await ws.receive(timeout=120)).data)
+                if msg.get("type") == "done" or "error" in msg:
+                    ends.append(msg)
+                    break
+    return ends
+
+
+def test_a_huge_prompt_over_a_websocket_does_not_pause_the_other_streams(tmp_path):
+    """The same over the gateway's WebSocket: the socket's first request and its next ones
+    were counted on the loop."""
+    import asyncio
+
+    worker, wu = start_echo_worker(token_delay_ms=50)
+    gateway, gu = start_gateway("--workers", wu, "--tokenizer", _tokenizer(tmp_path),
+                                "--max-body-bytes", str(16 << 20))
+    stop = threading.Event()
+    arrivals: list[float] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_until, gu, stop, arrivals)
+            deadline = time.monotonic() + 30
+            while len(arrivals) < 6:  # the stream is flowing
+                assert time.monotonic() < deadline and not stream.done()
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            ends = asyncio.run(_two_huge_ws_requests(gu))
+            took = time.monotonic() - t0
+            time.sleep(0.3)
+            stop.set()
+            stream.result(timeout=60)
+    finally:
+        gateway.stop()
+        worker.stop()
+    assert [e.get("type") for e in ends] == ["done", "done"], ends
+    during = [t for t in arrivals if t0 <= t <= t0 + took + 0.3]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert gaps, arrivals
+    assert max(gaps) < took / 4, (max(gaps), took)

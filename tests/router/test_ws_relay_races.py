@@ -97,7 +97,11 @@ class FakeProxy:
 
         self.session = _Session()
         self.sched = _Sched()
-        self.tokens = SimpleNamespace(count=lambda text, ids=0: len(text) // 4)
+        async def count_off_loop(text: str, ids: int = 0) -> int:
+            return len(text) // 4
+
+        self.tokens = SimpleNamespace(count=lambda text, ids=0: len(text) // 4,
+                                      count_off_loop=count_off_loop)
 
     def _lease(self, worker_id: str) -> Route:
         self._n += 1
@@ -139,7 +143,7 @@ class FakeProxy:
         return set(self.issued) - {r[0] for r in self.released}
 
 
-def make_relay():
+async def make_relay():
     proxy = FakeProxy()
     client = FakeClient()
     session = WsSession(client)  # type: ignore[arg-type]
@@ -148,15 +152,15 @@ def make_relay():
     rec = RequestRecord("ws1", "WS", "/v1/ws")
     rec.model = "m"
     body = {"model": "m", "prompt": "hello", "max_tokens": 8}
-    first, _ = turn_of(proxy, "m", json.dumps(body))  # type: ignore[arg-type]
+    first, _ = await turn_of(proxy, "m", json.dumps(body))  # type: ignore[arg-type]
     session.pending.append(first)
     relay = WsRelay(proxy, None, rec, session, sessions, first.sched_body, 0)  # type: ignore[arg-type]
     return proxy, client, session, sessions, relay
 
 
-def req(prompt: str) -> WsTurn:
+async def req(prompt: str) -> WsTurn:
     body = {"model": "m", "prompt": prompt, "max_tokens": 8}
-    turn, _ = turn_of(FakeProxy(), "m", json.dumps(body))  # type: ignore[arg-type]
+    turn, _ = await turn_of(FakeProxy(), "m", json.dumps(body))  # type: ignore[arg-type]
     return turn
 
 
@@ -165,7 +169,7 @@ async def test_a_cancel_while_the_socket_moves_gives_the_new_workers_lease_back(
     on B (the scheduler call is slow), the client cancels that request, which is answered here.
     B's lease, asked for that request, went to a request no longer owed, and nobody released
     it: the idle socket counted as a request on B again."""
-    proxy, client, session, _, relay = make_relay()
+    proxy, client, session, _, relay = await make_relay()
     assert await relay.place([]) is None  # A, for the first request
     await relay.send_upstream(session.pending[0].data)
     relay.held, relay.outside = True, 1  # A refused it
@@ -187,11 +191,11 @@ async def test_a_request_is_owed_and_sent_before_its_lease_comes_back():
     delays nothing), and is owed from its message on: a gateway that starts to stop meanwhile
     waits for its answer instead of closing the socket as idle. Its lease, back after the
     answer ended, is released with what the request held."""
-    proxy, client, session, sessions, relay = make_relay()
+    proxy, client, session, sessions, relay = await make_relay()
     assert await relay.place([]) is None
     relay.leases.end(session.pending.popleft())  # the first answer ended: the socket is idle
     proxy.attach_gate = asyncio.Event()
-    turn = req("second")
+    turn = await req("second")
     await asyncio.wait_for(relay.send_request(turn), 1)  # not held up by the lease call
     assert relay.upstream.sent == [turn.data] and list(session.pending) == [turn]
     assert await sessions.drain(0.05) == 1  # busy: left open for its answer
@@ -207,11 +211,11 @@ async def test_a_request_is_owed_and_sent_before_its_lease_comes_back():
 async def test_a_lease_that_comes_back_after_its_request_moved_is_given_back():
     """The socket moved while a request's lease was being asked for on the worker it left:
     that lease holds nothing and goes back; the request is leased on the new worker."""
-    proxy, _, session, _, relay = make_relay()
+    proxy, _, session, _, relay = await make_relay()
     assert await relay.place([]) is None
     relay.leases.end(session.pending.popleft())
     proxy.attach_gate = asyncio.Event()
-    turn = req("second")
+    turn = await req("second")
     await relay.send_request(turn)  # its lease on A is being asked for
     relay.upstream.close_code = aiohttp.WSCloseCode.GOING_AWAY
     proxy.attach_gate.set()  # A's and then B's answers come back at once
@@ -228,12 +232,12 @@ async def test_a_worker_that_cannot_be_connected_to_while_the_socket_moves_held_
     The failed worker's lease was released with every token the socket had carried (the
     record's totals), which the scheduler settled into the tenant's counters a second time and
     credited as freed KV on a worker that never held any."""
-    proxy, _, session, _, relay = make_relay()
+    proxy, _, session, _, relay = await make_relay()
     proxy.cfg.retry_count = 1
     relay.rec.prompt_tokens, relay.rec.output_tokens = 500, 300  # what the socket carried so far
     assert await relay.place([]) is None  # A
     relay.leases.end(session.pending.popleft())
-    await relay.send_request(req("next"))
+    await relay.send_request(await req("next"))
     await asyncio.sleep(0.01)  # its lease on A came back
     relay.upstream.close_code = aiohttp.WSCloseCode.GOING_AWAY
     proxy.unreachable.add("B")
