@@ -5,11 +5,15 @@ the gateway must go on relaying the other streams it carries."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import httpx
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -36,7 +40,9 @@ def _stream_until(gateway: str, stop: threading.Event, arrivals: list[float]) ->
                 return
 
 
-def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
+def _pauses_during(tmp_path, action: Callable[[str], object]) -> tuple[object, float, float]:
+    """Run `action(gateway URL)` while a stream flows through the same gateway: (what it
+    returned, how long it took, the stream's longest pause meanwhile)."""
     worker, wu = start_echo_worker(token_delay_ms=50)
     gateway, gu = start_gateway("--workers", wu, "--tokenizer", _tokenizer(tmp_path),
                                 "--max-body-bytes", str(16 << 20))
@@ -49,9 +55,8 @@ def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
             while len(arrivals) < 6:  # the stream is flowing
                 assert time.monotonic() < deadline and not stream.done()
                 time.sleep(0.02)
-            huge = {"model": "m", "prompt": WORDS * 350_000, "max_tokens": 1}  # 8 MB, ~2 M tokens
             t0 = time.monotonic()
-            r = httpx.post(gu + "/v1/completions", json=huge, timeout=120)
+            result = action(gu)
             took = time.monotonic() - t0
             time.sleep(0.3)  # a chunk or more after it
             stop.set()
@@ -59,21 +64,24 @@ def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
     finally:
         gateway.stop()
         worker.stop()
-    assert r.status_code < 500, r.text
     during = [t for t in arrivals if t0 <= t <= t0 + took + 0.3]
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert gaps, arrivals
+    return result, took, max(gaps)
+
+
+def test_a_huge_prompt_being_counted_does_not_pause_the_other_streams(tmp_path):
+    huge = {"model": "m", "prompt": WORDS * 350_000, "max_tokens": 1}  # 8 MB, ~2 M tokens
+    r, took, pause = _pauses_during(
+        tmp_path, lambda gu: httpx.post(gu + "/v1/completions", json=huge, timeout=120))
+    assert r.status_code < 500, r.text
     # Counting took most of the huge request's time; the stream went on meanwhile: its longest
     # pause is a small part of that (on the loop, it was all of it).
-    assert max(gaps) < took / 4, (max(gaps), took)
+    assert pause < took / 4, (pause, took)
 
 
 async def _two_huge_ws_requests(gateway: str) -> list[dict]:
     """The huge prompt as a socket's first request (placed with it) and as its next one."""
-    import json
-
-    import aiohttp
-
     # 3 MB: under the echo worker's 4 MiB message bound (aiohttp's default).
     huge = json.dumps({"model": "m", "prompt": WORDS * 130_000, "max_tokens": 1})
     ends = []
@@ -91,31 +99,6 @@ async def _two_huge_ws_requests(gateway: str) -> list[dict]:
 def test_a_huge_prompt_over_a_websocket_does_not_pause_the_other_streams(tmp_path):
     """The same over the gateway's WebSocket: the socket's first request and its next ones
     were counted on the loop."""
-    import asyncio
-
-    worker, wu = start_echo_worker(token_delay_ms=50)
-    gateway, gu = start_gateway("--workers", wu, "--tokenizer", _tokenizer(tmp_path),
-                                "--max-body-bytes", str(16 << 20))
-    stop = threading.Event()
-    arrivals: list[float] = []
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream_until, gu, stop, arrivals)
-            deadline = time.monotonic() + 30
-            while len(arrivals) < 6:  # the stream is flowing
-                assert time.monotonic() < deadline and not stream.done()
-                time.sleep(0.02)
-            t0 = time.monotonic()
-            ends = asyncio.run(_two_huge_ws_requests(gu))
-            took = time.monotonic() - t0
-            time.sleep(0.3)
-            stop.set()
-            stream.result(timeout=60)
-    finally:
-        gateway.stop()
-        worker.stop()
+    ends, took, pause = _pauses_during(tmp_path, lambda gu: asyncio.run(_two_huge_ws_requests(gu)))
     assert [e.get("type") for e in ends] == ["done", "done"], ends
-    during = [t for t in arrivals if t0 <= t <= t0 + took + 0.3]
-    gaps = [b - a for a, b in itertools.pairwise(during)]
-    assert gaps, arrivals
-    assert max(gaps) < took / 4, (max(gaps), took)
+    assert pause < took / 4, (pause, took)
