@@ -271,7 +271,12 @@ class PrometheusStatLogger:
             self.generation_tokens.inc(it.num_generation_tokens)
         if it.num_preempted_reqs:
             self.num_preemptions.inc(it.num_preempted_reqs)
-        self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        # vLLM's frontend builds an IterationStats only for an engine step that returned outputs,
+        # i.e. produced a token: a step that only ran non-final prefill chunks (or only aborts)
+        # is no observation at all, not an observation of 0, so that sum/count stays the mean
+        # tokens of a step that produced tokens, as on vLLM.
+        if it.num_generation_tokens:
+            self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         for ttft in it.time_to_first_tokens_iter:
             self.time_to_first_token.observe(ttft)
         itl = self.inter_token_latency
