@@ -64,3 +64,17 @@ def test_iteration_tokens_observes_only_steps_that_produced_tokens() -> None:
     assert produced == [0, 0, 1, 1, 1]  # the arranged events: two silent prefill chunks
     assert metric(registry, "vllm:iteration_tokens_total_count") == 3
     assert metric(registry, "vllm:iteration_tokens_total_sum") == 20 + 3
+
+
+def test_a_prompt_logprobs_request_is_no_prefix_cache_query() -> None:
+    # vLLM skips the prefix-cache lookup of a request that wants prompt logprobs (every prompt
+    # position must be computed), and counts no query for it; the next plain one is counted.
+    engine, registry = make()
+    prompt = list(range(3, 30))  # 27 tokens: 6 full blocks of 4
+    engine.add_request("logprobs", prompt, greedy(2, prompt_logprobs=1))
+    run(engine)
+    assert metric(registry, "vllm:prefix_cache_queries_total") == 0
+    engine.add_request("plain", prompt, greedy(2))
+    run(engine)
+    assert metric(registry, "vllm:prefix_cache_queries_total") == 27
+    assert metric(registry, "vllm:prefix_cache_hits_total") == 24
