@@ -64,14 +64,20 @@ class BlockManager:
             parent = hashes[i - 1] if i else 0
             hashes.append(hash((parent, *tokens[i * bs : (i + 1) * bs])))
 
+    def reads_cache(self, seq: Sequence) -> bool:
+        """Whether seq's admission looks the prefix cache up at all (and so counts a query)."""
+        # A request for prompt logprobs needs every prompt position computed (vLLM's
+        # skip_reading_prefix_cache: no lookup, and no query counted).
+        return self.enable_prefix_caching and seq.sampling.prompt_logprobs is None
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Physical blocks holding the longest cached prefix of seq (full blocks only).
 
         The last token is always left to compute, so a fully cached prompt still
         yields logits for its next token.
         """
-        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
-            return []  # a request for prompt logprobs needs every prompt position computed
+        if not self.reads_cache(seq):
+            return []
         limit = seq.num_tokens - 1
         self._hash_full_blocks(seq, limit)
         blocks = []

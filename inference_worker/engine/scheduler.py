@@ -149,7 +149,8 @@ class Scheduler:
                 seq.ever_scheduled = True
                 seq.num_cached_tokens = cached_tokens
                 seq.first_scheduled_time = now
-                if bm.enable_prefix_caching:  # as in vLLM: no lookups, no counts when caching is off
+                # As in vLLM: no lookup (caching off, or prompt logprobs wanted), no query counted.
+                if bm.reads_cache(seq):
                     pc = out.prefix_cache
                     pc.requests += 1
                     pc.queries += seq.num_tokens
