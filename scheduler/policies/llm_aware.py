@@ -42,6 +42,16 @@ def _rank(w: WorkerState) -> float:
     return w.rank
 
 
+def _too_large_for_all(need: float, cands: list[WorkerState]) -> bool:
+    """Whether no candidate's whole KV pool, saturated or not, could hold `need`. Such a request
+    waits for no one: it goes to an unsaturated worker and its engine answers it (vLLM refuses a
+    prompt longer than its max_model_len, which its pool always holds). One that some pool can
+    hold waits for that worker: sent to a smaller pool (a mixed fleet) it was refused there,
+    or never admitted, while the larger one would have served it once it drained. A second
+    pass, run only when nothing else fits."""
+    return all(need > w.capacity_tokens for w in cands)
+
+
 @dataclass
 class LlmAwareParams:
     max_waiting: float = 1.0
@@ -154,25 +164,32 @@ class LlmAware(Policy):
         stale_before = now - self.env.stale_after_s
         best = None
         best_r = _INF
+        # The best unsaturated worker whose whole pool is smaller than this request: used only
+        # when no candidate's pool could hold it (see _too_large_for_all).
+        over = None
+        over_r = _INF
         if matches:
             bonus = p.w_prefix / len(hashes)
             for w in cands:
-                if w.saturated is None and w.taken_at >= stale_before and (
-                    need <= w.free_tokens or need > w.capacity_tokens
-                ):
+                if w.saturated is None and w.taken_at >= stale_before:
                     r = w.rank - bonus * matches.get(w.worker_id, 0)
-                    if r < best_r:
-                        best, best_r = w, r
+                    if need <= w.free_tokens:
+                        if r < best_r:
+                            best, best_r = w, r
+                    elif need > w.capacity_tokens and r < over_r:
+                        over, over_r = w, r
         else:
             for w in cands:
-                # unsaturated, fresh data, and room for this request's KV (a request larger
-                # than the whole pool is left to the engine)
-                if w.saturated is None and w.taken_at >= stale_before and (
-                    need <= w.free_tokens or need > w.capacity_tokens
-                ):
+                # unsaturated, fresh data, and room for this request's KV
+                if w.saturated is None and w.taken_at >= stale_before:
                     r = w.rank
-                    if r < best_r:
-                        best, best_r = w, r
+                    if need <= w.free_tokens:
+                        if r < best_r:
+                            best, best_r = w, r
+                    elif need > w.capacity_tokens and r < over_r:
+                        over, over_r = w, r
+        if best is None and over is not None and _too_large_for_all(need, cands):
+            best, best_r = over, over_r
         age_term = p.w_age * now
         if best is not None:
             if matches:

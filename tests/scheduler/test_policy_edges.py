@@ -1,0 +1,43 @@
+"""Routing policies under the edge cases a production pool meets: mixed KV pools, workers
+without load data, LoRA traffic, oversized inputs, restarts (in process; no HTTP)."""
+
+from __future__ import annotations
+
+import time
+
+from scheduler.policies import Request
+from scheduler.service import Wait
+from tests.scheduler.helpers import feed, make_service, worker
+
+
+def decide(svc, **kw):
+    kw.setdefault("prompt_tokens", 100)
+    kw.setdefault("max_tokens", 100)
+    return svc.decide(Request(kw.pop("model", "m"), **kw), time.monotonic())
+
+
+def test_a_request_only_a_larger_pool_can_hold_waits_for_it_not_for_a_smaller_one():
+    """Mixed fleet: w0's pool holds 10,000 tokens (half in use), w1's 4,000 (idle). A 6,000-token
+    prompt fits w0's pool but not now; it must not go to w1, whose engine can never admit it
+    (vLLM refuses it: longer than the max_model_len its pool holds). It waits for w0, and goes
+    there once w0 has room; smaller requests still go to w1."""
+    svc = make_service(n=2, max_waiting=100)
+    w0, w1 = worker(svc, "w0"), worker(svc, "w1")
+    feed(svc, w0, running=3, kv=0.5, num_blocks=625, block_size=16)
+    feed(svc, w1, running=0, kv=0.0, num_blocks=250, block_size=16)
+    out = decide(svc, prompt_tokens=6000)
+    assert isinstance(out, Wait) and out.reason == "saturated"
+    assert decide(svc, prompt_tokens=500)["worker_id"] == "w1"
+    feed(svc, w0, running=0, kv=0.1, num_blocks=625, block_size=16, taken_at=time.monotonic() + 1.0)
+    assert decide(svc, prompt_tokens=6000)["worker_id"] == "w0"
+
+
+def test_a_request_larger_than_every_pool_still_goes_somewhere():
+    """Larger than every candidate's whole pool, a request waits for nothing: the least loaded
+    unsaturated worker gets it and its engine answers (an error the client sees at once)."""
+    svc = make_service(n=2, max_waiting=100)
+    feed(svc, worker(svc, "w0"), running=3, kv=0.5, num_blocks=625, block_size=16)
+    feed(svc, worker(svc, "w1"), running=1, kv=0.2, num_blocks=250, block_size=16)
+    assert decide(svc, prompt_tokens=20_000)["worker_id"] == "w1"
+    # With prefix fingerprints too (the other loop of the policy).
+    assert decide(svc, prompt_tokens=20_000, prefix_hashes=[1, 2])["worker_id"] in ("w0", "w1")
