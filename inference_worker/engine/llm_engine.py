@@ -59,6 +59,13 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, ma
         )
 
 
+def _max_tokens_param(params: SamplingParams) -> int:
+    """The max_tokens vLLM's request_params_max_tokens sees: its OpenAI server always sets
+    SamplingParams.max_tokens (the client's value, else max_model_len - prompt length), so
+    the effective limit stands in when the client left it unset."""
+    return params.max_tokens if params.max_tokens_param is None else params.max_tokens_param
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -301,7 +308,7 @@ class LLMEngine:
             e2e_latency=now - seq.arrival_time,
             num_prompt_tokens=seq.prompt_len,
             num_generation_tokens=n_gen,
-            max_tokens_param=seq.sampling.max_tokens_param,
+            max_tokens_param=_max_tokens_param(seq.sampling),
             n_param=n_param,
             max_num_generation_tokens=max_gen,
             queued_time=(scheduled_ts - queued_ts) if scheduled_ts is not None else 0.0,

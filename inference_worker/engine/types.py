@@ -80,7 +80,8 @@ class SamplingParams:
     # With n > 1: the choices' shared record (each choice is an engine request of its own).
     parallel: ParallelSampling | None = None
     # The request's own max_tokens (None when the client left it unset), for
-    # vllm:request_params_max_tokens, which is observed only when set.
+    # vllm:request_params_max_tokens; unset, the engine reports max_tokens there instead (the
+    # value vLLM's server puts in its SamplingParams), and a 0 is not observed (as in vLLM).
     max_tokens_param: int | None = None
     # Not sampling: the request's scheduling priority (vLLM's field; lower goes first under
     # --scheduling-policy priority), carried with its other per-request settings.

@@ -307,7 +307,7 @@ class PrometheusStatLogger:
             self.request_max_num_generation_tokens.observe(
                 f.num_generation_tokens if longest is None else longest
             )
-        if f.max_tokens_param is not None:
+        if f.max_tokens_param:  # as vLLM: not a 0 (completions' echo with max_tokens 0)
             self.request_params_max_tokens.observe(f.max_tokens_param)
         self.request_num_preemptions.observe(f.num_preemptions)
         self.request_prefill_kv_computed_tokens.observe(max(f.num_prompt_tokens - f.num_cached_tokens, 0))

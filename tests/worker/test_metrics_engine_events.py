@@ -78,3 +78,16 @@ def test_a_prompt_logprobs_request_is_no_prefix_cache_query() -> None:
     run(engine)
     assert metric(registry, "vllm:prefix_cache_queries_total") == 27
     assert metric(registry, "vllm:prefix_cache_hits_total") == 24
+
+
+def test_request_params_max_tokens_sees_the_effective_limit_when_the_client_set_none() -> None:
+    # vLLM's OpenAI server always fills SamplingParams.max_tokens (the client's value, else
+    # max_model_len - prompt length), so every finished request is observed, with that value;
+    # a client's 0 (completions' echo) is not observed, as vLLM skips a falsy max_tokens.
+    engine, registry = make()
+    engine.add_request("unset", [5, 6, 7], greedy(4))  # what the server sends for an unset one
+    engine.add_request("set", [5, 6, 8], greedy(3, max_tokens_param=3))
+    engine.add_request("echo-only", [5, 6, 9], greedy(1, max_tokens_param=0))
+    run(engine)
+    assert metric(registry, "vllm:request_params_max_tokens_count") == 2
+    assert metric(registry, "vllm:request_params_max_tokens_sum") == 4 + 3

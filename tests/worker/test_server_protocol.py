@@ -28,7 +28,8 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context() -> None:
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     params = req.sampling_params(prompt_len=30, max_model_len=100, prompt_param="messages")
     assert params.max_tokens == 70
-    assert params.max_tokens_param is None  # not observed in vllm:request_params_max_tokens
+    # Unset: vllm:request_params_max_tokens gets the effective 70 from the engine, as vLLM.
+    assert params.max_tokens_param is None
 
 
 def test_chat_max_completion_tokens_wins_and_options_map() -> None:
