@@ -113,7 +113,9 @@ class LlmAware(Policy):
             w.score = (p.w_running * running + p.w_pending * unseen
                        + p.w_prefill * w.prefill_pending / 1000.0)
             w.free_tokens = w.capacity_tokens = _INF
-            w.saturated, w.taken_at = None, _INF
+            # Never stale, never KV-full, but its leases are exact: the caps that count them
+            # hold here too (a cap the worker declared when it registered is all we know).
+            w.saturated, w.taken_at = self._lease_bound(w, running), _INF
             w.rank = w.score
             return
         kv = s.kv_usage or 0.0
@@ -130,16 +132,8 @@ class LlmAware(Policy):
             sat = "waiting"
         elif kv >= p.max_kv_usage:
             sat = "kv_usage"
-        elif p.max_running and max(running, w.in_flight) >= p.max_running:
-            sat = "running"
-        elif p.use_running_cap and max(running, w.in_flight) >= w.running_cap.cap:
-            # Open leases too: an engine's gauges lag a request it was sent (ours update at
-            # the end of the step that admits it, 100+ ms on a busy CPU), so a scrape in
-            # that gap shows its slot free; a request sent on that view waited 10-15 s at
-            # a cap of 2. A lease stays open only until the gateway sees the answer end.
-            sat = "running_cap"
-        elif p.max_prefill_backlog and w.prefill_pending >= p.max_prefill_backlog:
-            sat = "prefill_backlog"
+        else:
+            sat = self._lease_bound(w, running)
         w.saturated = sat
         w.taken_at = s.taken_at
         w.score = (
@@ -155,6 +149,21 @@ class LlmAware(Policy):
         # score + w_age * (now - taken_at) = rank + w_age * now: the same `now` for every
         # candidate, so decisions compare `rank` and never compute ages.
         w.rank = w.score - p.w_age * s.taken_at
+
+    def _lease_bound(self, w: WorkerState, running: float) -> str | None:
+        """The guards that count what this scheduler sent (with or without load data)."""
+        p: LlmAwareParams = self.p
+        if p.max_running and max(running, w.in_flight) >= p.max_running:
+            return "running"
+        if p.use_running_cap and max(running, w.in_flight) >= w.running_cap.cap:
+            # Open leases too: an engine's gauges lag a request it was sent (ours update at
+            # the end of the step that admits it, 100+ ms on a busy CPU), so a scrape in
+            # that gap shows its slot free; a request sent on that view waited 10-15 s at
+            # a cap of 2. A lease stays open only until the gateway sees the answer end.
+            return "running_cap"
+        if p.max_prefill_backlog and w.prefill_pending >= p.max_prefill_backlog:
+            return "prefill_backlog"
+        return None
 
     def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         p: LlmAwareParams = self.p

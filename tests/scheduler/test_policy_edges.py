@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from scheduler.policies import Request
+from scheduler.registry import WorkerState
 from scheduler.service import Wait
 from tests.scheduler.helpers import feed, make_service, worker
 
@@ -41,3 +42,34 @@ def test_a_request_larger_than_every_pool_still_goes_somewhere():
     assert decide(svc, prompt_tokens=20_000)["worker_id"] == "w1"
     # With prefix fingerprints too (the other loop of the policy).
     assert decide(svc, prompt_tokens=20_000, prefix_hashes=[1, 2])["worker_id"] in ("w0", "w1")
+
+
+def _blind_worker(svc, wid: str = "x"):
+    """A routable worker whose /metrics the scheduler cannot read (no load snapshot)."""
+    w = svc.add_worker(WorkerState("http://127.0.0.1:9500", worker_id=wid, models=["m"]))
+    w.health.on_success(time.monotonic(), 1)
+    svc.on_health_change(w)
+    assert w.snapshot is None
+    return w
+
+
+def test_a_worker_without_load_data_keeps_its_declared_running_cap():
+    """No snapshot (a dialect the scheduler cannot read): its load is its leases, which are
+    exact, so the cap it declared (registration, config) holds there as well: with a cap of 2 the
+    third request waits instead of queueing inside the engine; a release frees a slot."""
+    svc = make_service(n=0)
+    w = _blind_worker(svc)
+    w.declare_running_cap(2)
+    svc.refresh(w)
+    first, second = decide(svc), decide(svc)
+    assert first["worker_id"] == second["worker_id"] == "x"
+    out = decide(svc)
+    assert isinstance(out, Wait) and out.reason == "saturated"
+    assert w.saturated == "running_cap"
+    svc.release(first["lease_id"], True)
+    assert decide(svc)["worker_id"] == "x"
+    # The policy's own caps too.
+    capped = make_service(n=0, max_running=1)
+    _blind_worker(capped)
+    assert decide(capped)["worker_id"] == "x"
+    assert isinstance(decide(capped), Wait)
