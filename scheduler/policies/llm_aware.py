@@ -29,10 +29,11 @@ the engines' step budget: see its comment.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from scheduler.policies.base import Pick, Policy, Request
+from scheduler.policies.base import Pick, Policy, PolicyEnv, Request
 from scheduler.registry import WorkerState
 
 _INF = math.inf
@@ -104,6 +105,12 @@ class LlmAware(Policy):
     Params: ClassVar[type] = LlmAwareParams
     holds: ClassVar[bool] = True
 
+    def __init__(self, params: dict[str, Any] | None = None, env: PolicyEnv | None = None) -> None:
+        super().__init__(params, env)
+        # Workers refreshed without a snapshot, by id; weak, since a removed worker is never
+        # refreshed again and must not be ranked at every decision for good.
+        self._blind: weakref.WeakValueDictionary[str, WorkerState] = weakref.WeakValueDictionary()
+
     def refresh(self, w: WorkerState) -> None:
         p: LlmAwareParams = self.p
         s = w.snapshot
@@ -116,8 +123,15 @@ class LlmAware(Policy):
             # Never stale, never KV-full, but its leases are exact: the caps that count them
             # hold here too (a cap the worker declared when it registered is all we know).
             w.saturated, w.taken_at = self._lease_bound(w, running), _INF
+            # Its rank is set at each decision (choose): the others' ranks are score - w_age *
+            # taken_at, and a rank of its bare score, compared with those, made the clock's
+            # value decide (seconds since boot dwarf any score): it got nothing while any other
+            # worker had room, whatever its leases.
             w.rank = w.score
+            self._blind[w.worker_id] = w
             return
+        if self._blind:
+            self._blind.pop(w.worker_id, None)
         kv = s.kv_usage or 0.0
         if s.num_blocks and s.block_size:
             capacity = s.num_blocks * s.block_size
@@ -171,6 +185,11 @@ class LlmAware(Policy):
         hashes = req.prefix_hashes
         matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
         stale_before = now - self.env.stale_after_s
+        age_term = p.w_age * now
+        if self._blind:
+            # Workers without load data have no age: rank as if their data were fresh now.
+            for w in self._blind.values():
+                w.rank = w.score - age_term
         best = None
         best_r = _INF
         # The best unsaturated worker whose whole pool is smaller than this request: used only
@@ -199,7 +218,6 @@ class LlmAware(Policy):
                         over, over_r = w, r
         if best is None and over is not None and _too_large_for_all(need, cands):
             best, best_r = over, over_r
-        age_term = p.w_age * now
         if best is not None:
             if matches:
                 return Pick(best, best_r + age_term,

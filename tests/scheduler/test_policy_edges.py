@@ -73,3 +73,20 @@ def test_a_worker_without_load_data_keeps_its_declared_running_cap():
     _blind_worker(capped)
     assert decide(capped)["worker_id"] == "x"
     assert isinstance(decide(capped), Wait)
+
+
+def test_a_worker_without_load_data_competes_by_its_leases():
+    """Its leases are its load: idle, it takes the next request ahead of a worker that runs
+    five; it does not take them all either (its own leases count). Its rank used to be its
+    bare score against the others' score - w_age * scrape time, so it got nothing while
+    another worker had room."""
+    svc = make_service(n=1, max_waiting=100)
+    feed(svc, worker(svc, "w0"), running=5)
+    x = _blind_worker(svc)
+    picks = [decide(svc)["worker_id"] for _ in range(10)]
+    assert picks[0] == "x"
+    assert 0 < picks.count("x") < 10, picks
+    # Released, it is the idle one again.
+    for lease_id in list(x.leases):
+        svc.release(lease_id, True)
+    assert decide(svc)["worker_id"] == "x"
