@@ -3,7 +3,7 @@ request's need, decode speed, token rates, leases the scrape cannot see yet, dat
 prefix-cache affinity.
 
 What it does, in order:
-1. A candidate is saturated when it has `max_waiting` or more waiting requests, its
+1. A candidate is saturated when it has `max_waiting` or more requests waiting for capacity, its
    KV usage (including blocks unseen leases will take, less what requests released since
    the scrape held, plus what is reserved for follow-ups) is at `max_kv_usage` or more,
    it runs `max_running` requests (if set) or as many as its running cap, declared or learnt
@@ -142,7 +142,11 @@ class LlmAware(Policy):
         else:
             w.free_tokens = w.capacity_tokens = _INF
         sat = None
-        if waiting >= p.max_waiting:
+        # Only requests waiting for capacity say the next one would queue: vLLM's scheduler
+        # skips those it defers (a LoRA budget full of other adapters, a KV transfer) and
+        # admits the requests behind them. Counted, a worker with one deferred request was
+        # saturated for every model and adapter it serves. They still weigh in the score.
+        if waiting - s.waiting_deferred >= p.max_waiting:
             sat = "waiting"
         elif kv >= p.max_kv_usage:
             sat = "kv_usage"

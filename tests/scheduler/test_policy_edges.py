@@ -90,3 +90,17 @@ def test_a_worker_without_load_data_competes_by_its_leases():
     for lease_id in list(x.leases):
         svc.release(lease_id, True)
     assert decide(svc)["worker_id"] == "x"
+
+
+def test_requests_deferred_by_a_lora_budget_do_not_saturate_a_worker():
+    """vLLM skips waiting requests it defers (their adapter does not fit its max_loras now) and
+    admits the ones behind them: a worker whose only waiting requests are deferred still takes
+    requests; one with a request waiting for capacity does not."""
+    svc = make_service(n=2)
+    w0, w1 = worker(svc, "w0"), worker(svc, "w1")
+    feed(svc, w0, running=4, waiting=2, waiting_deferred=2)
+    feed(svc, w1, running=4, waiting=1)
+    assert w0.saturated is None and w1.saturated == "waiting"
+    assert decide(svc, lora=None)["worker_id"] == "w0"
+    feed(svc, w0, running=4, waiting=3, waiting_deferred=2, taken_at=time.monotonic() + 1.0)
+    assert isinstance(decide(svc), Wait)
