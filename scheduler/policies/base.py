@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from scheduler.policies.prefix_index import PrefixIndex
@@ -95,6 +96,11 @@ class Policy:
         """KV tokens a new lease counts as taken until a scrape shows the worker's own usage:
         by default the request's whole span (prompt + max_tokens)."""
         return req.prompt_tokens + self.max_tokens(req)
+
+    def prefix_keys(self, req: Request) -> Sequence[int]:
+        """The request's fingerprints as the shared prefix index keys them: scoped by model and
+        adapter, and bounded (PrefixIndex.keys)."""
+        return self.env.prefix_index.keys(req.prefix_hashes, (req.model, req.lora))
 
     def max_tokens(self, req: Request) -> int:
         """The request's answer limit, or the default the engines apply when none is given."""

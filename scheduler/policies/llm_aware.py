@@ -187,7 +187,7 @@ class LlmAware(Policy):
         p: LlmAwareParams = self.p
         need = self.kv_need(req)
         hashes = req.prefix_hashes
-        matches = self.env.prefix_index.match(hashes) if hashes and p.w_prefix else None
+        matches = self.env.prefix_index.match(self.prefix_keys(req)) if hashes and p.w_prefix else None
         stale_before = now - self.env.stale_after_s
         age_term = p.w_age * now
         if self._blind:
@@ -201,7 +201,7 @@ class LlmAware(Policy):
         over = None
         over_r = _INF
         if matches:
-            bonus = p.w_prefix / len(hashes)
+            bonus = p.w_prefix / len(hashes)  # of the whole prompt's chunks (keys may be fewer)
             for w in cands:
                 if w.saturated is None and w.taken_at >= stale_before:
                     r = w.rank - bonus * matches.get(w.worker_id, 0)
@@ -247,4 +247,4 @@ class LlmAware(Policy):
 
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         if req.prefix_hashes and self.p.w_prefix:
-            self.env.prefix_index.record(req.prefix_hashes, w.worker_id, now)
+            self.env.prefix_index.record(self.prefix_keys(req), w.worker_id, now)

@@ -35,7 +35,7 @@ class PrefixAffinity(Policy):
         hashes = req.prefix_hashes
         if not hashes:
             return Pick(least, least.score, {"prefix_match": 0})
-        matches = self.env.prefix_index.match(hashes)
+        matches = self.env.prefix_index.match(self.prefix_keys(req))
         limit = p.balance_rel * least.score + p.balance_abs
         best, best_m = None, 0
         for w in cands:
@@ -50,7 +50,7 @@ class PrefixAffinity(Policy):
 
     def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
         if req.prefix_hashes:
-            self.env.prefix_index.record(req.prefix_hashes, w.worker_id, now)
+            self.env.prefix_index.record(self.prefix_keys(req), w.worker_id, now)
 
 
 def _score(w: WorkerState) -> float:

@@ -10,6 +10,13 @@ shared prefix (a system prompt sent everywhere) never makes a lookup walk every 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+# The most fingerprints of one prompt the index reads or records. The gateway sends at most 64
+# (router/tokens.py), but the schedule API takes a list of any length: 300,000 made one decision
+# walk them all (0.12 s) and its lease record them all, which evicted every other prompt's
+# entries from the index. Fingerprints are cumulative, so the first ones are a prefix of their own.
+MAX_KEYS = 1024
 
 
 class PrefixIndex:
@@ -17,6 +24,24 @@ class PrefixIndex:
         self.capacity = capacity
         self.max_owners = max_owners
         self._map: OrderedDict[int, dict[str, float]] = OrderedDict()
+        # Per scope (model, LoRA adapter): what its fingerprints are mixed with. An engine's
+        # prefix cache is per model and per adapter (vLLM hashes the adapter into each block,
+        # SGLang keys its radix tree by it), while the gateway's fingerprints are of the text
+        # alone: a prompt cached under one adapter matched the same text under another, which
+        # won it the affinity bonus and a prefill backlog charged as if cached. The first scope
+        # gets 0, so a single-model pool pays nothing for this.
+        self._salts: dict[Hashable, int] = {}
+
+    def keys(self, hashes: Sequence[int], scope: Hashable) -> Sequence[int]:
+        """The index's keys for a prompt's fingerprints in `scope`: at most MAX_KEYS of them."""
+        if len(hashes) > MAX_KEYS:
+            hashes = hashes[:MAX_KEYS]
+        salt = self._salts.get(scope)
+        if salt is None:
+            salt = self._salts[scope] = (hash(scope) or 1) if self._salts else 0
+        if salt:
+            return [h ^ salt for h in hashes]
+        return hashes
 
     def __len__(self) -> int:
         return len(self._map)

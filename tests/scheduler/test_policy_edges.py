@@ -104,3 +104,61 @@ def test_requests_deferred_by_a_lora_budget_do_not_saturate_a_worker():
     assert decide(svc, lora=None)["worker_id"] == "w0"
     feed(svc, w0, running=4, waiting=3, waiting_deferred=2, taken_at=time.monotonic() + 1.0)
     assert isinstance(decide(svc), Wait)
+
+
+def _two_adapters(policy: str = "llm_aware", **params):
+    """w0 and w1 serve a base model and two LoRA adapters (each a model name, as vLLM lists them)."""
+    svc = make_service(policy, n=2, model="base", **params)
+    for wid in ("w0", "w1"):
+        worker(svc, wid).models |= {"adA", "adB"}
+    svc.registry.reindex()
+    return svc
+
+
+def test_a_prefix_cached_under_one_adapter_is_no_match_for_another():
+    """Engines cache prefixes per model and adapter, while the gateway's fingerprints are of the
+    text alone: the same prompt sent to adapter B finds nothing of adapter A's cache. It gets no
+    affinity to A's worker and its whole prompt counts as prefill work; adapter A's next turn
+    still matches."""
+    svc = _two_adapters(max_waiting=100)
+    hashes = [11, 22, 33, 44]
+    first = decide(svc, model="adA", prompt_tokens=1000, prefix_hashes=hashes)
+    home = worker(svc, first["worker_id"])
+    svc.release(first["lease_id"], True)
+    other = worker(svc, "w1" if home.worker_id == "w0" else "w0")
+    feed(svc, other, running=2)  # so that the home worker is the better pick either way
+    out = decide(svc, model="adB", prompt_tokens=1000, prefix_hashes=hashes)
+    assert out["worker_id"] == home.worker_id
+    assert out["reason"].get("prefix_match", 0) == 0
+    assert home.prefill_backlog == 1000
+    svc.release(out["lease_id"], True)
+    again = decide(svc, model="adA", prompt_tokens=1000, prefix_hashes=[*hashes, 55])
+    assert again["reason"]["prefix_match"] == 4
+
+
+def test_prefix_affinity_does_not_follow_a_prefix_across_adapters():
+    svc = _two_adapters("prefix_affinity", balance_abs=100, balance_rel=100.0)
+    hashes = [7, 8, 9]
+    home = decide(svc, model="adA", prefix_hashes=hashes)["worker_id"]
+    picks = {decide(svc, model="adB", prefix_hashes=hashes)["reason"]["prefix_match"] for _ in range(4)}
+    assert picks == {0, 3}  # adapter B's own first request, then its own affinity
+    assert decide(svc, model="adA", prefix_hashes=hashes)["worker_id"] == home
+
+
+def test_a_huge_fingerprint_list_neither_evicts_the_prefix_index_nor_is_walked_whole():
+    """The schedule API takes any number of fingerprints (the gateway sends at most 64): one
+    request with 300,000 used to be walked whole and recorded whole, evicting every other
+    prompt from the index (capacity 200,000). Only its first MAX_KEYS count."""
+    from scheduler.policies.prefix_index import MAX_KEYS
+
+    svc = make_service(max_waiting=100)
+    index = svc.env.prefix_index
+    chat = [101, 102, 103]
+    home = decide(svc, prefix_hashes=chat)
+    svc.release(home["lease_id"], True)
+    before = len(index)
+    huge = decide(svc, prefix_hashes=list(range(10**9, 10**9 + 300_000)))
+    svc.release(huge["lease_id"], True)
+    assert len(index) == before + MAX_KEYS
+    follow_up = decide(svc, prefix_hashes=[*chat, 104])
+    assert follow_up["worker_id"] == home["worker_id"] and follow_up["reason"]["prefix_match"] == 3
