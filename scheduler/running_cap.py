@@ -14,7 +14,8 @@ to spare: waiting >= 1 (not counting those vLLM reports deferred by a LoRA budge
 transfer), the running count unchanged, the prefilled-prompt counter unchanged
 (nobody got through prefill), KV usage under KV_BOUND. A prompt that needs several prefill
 steps can look like that for a moment, so the state must hold for PLATEAU_S. A cap is dropped
-when the worker runs more than it (it was wrong) and after TTL_S (so that a cap learnt from an
+when the worker runs more than it (it was wrong), when it restarted (its prompt counter went
+back), and after TTL_S (so that a cap learnt from an
 odd stall, e.g. requests waiting for a grammar, or for a LoRA adapter on an engine that does
 not report them deferred, cannot starve a worker for long); it is learnt again the next time
 the worker queues at it.
@@ -79,9 +80,14 @@ class RunningCap:
         now, running = snap.taken_at, snap.running
         if running > self.declared:
             self._disproved, self.declared = self.declared, math.inf
-        if running > self.learnt or now - self.learnt_at > TTL_S:
-            self.learnt, self.learnt_at = math.inf, -math.inf
         prompts = snap.prefilled_tokens_total
+        # A prompt counter that went back is a restarted engine, maybe with another
+        # --max-num-seqs. A cap learnt from the old process held the new one to it for up to
+        # TTL_S: llm_aware sends no more than the cap, so the worker could never run more and
+        # disprove it.
+        restarted = prompts is not None and self._prompts is not None and prompts < self._prompts
+        if restarted or running > self.learnt or now - self.learnt_at > TTL_S:
+            self.learnt, self.learnt_at = math.inf, -math.inf
         stuck = (snap.waiting - snap.waiting_deferred >= 1 and running >= 1 and prompts is not None
                  and snap.kv_usage is not None and snap.kv_usage < KV_BOUND)
         if not stuck:

@@ -3,6 +3,7 @@ without load data, LoRA traffic, oversized inputs, restarts (in process; no HTTP
 
 from __future__ import annotations
 
+import math
 import time
 
 from scheduler.policies import Request
@@ -162,3 +163,23 @@ def test_a_huge_fingerprint_list_neither_evicts_the_prefix_index_nor_is_walked_w
     assert len(index) == before + MAX_KEYS
     follow_up = decide(svc, prefix_hashes=[*chat, 104])
     assert follow_up["worker_id"] == home["worker_id"] and follow_up["reason"]["prefix_match"] == 3
+
+
+def test_a_restarted_worker_forgets_the_running_cap_learnt_before():
+    """A cap learnt from a worker's scrapes (it queued at 2 with KV free) is about that engine
+    process: once its prompt counter goes back (a restart, maybe with a larger --max-num-seqs),
+    the worker takes requests past 2 again instead of being held to the old cap for a minute."""
+    from scheduler.running_cap import PLATEAU_S
+
+    svc = make_service(n=1)
+    w = worker(svc, "w0")
+    t = time.monotonic() - PLATEAU_S - 0.5
+    for _ in range(round(PLATEAU_S / 0.1) + 3):
+        feed(svc, w, running=2, waiting=1, kv=0.05, prompt_total=50_000.0, taken_at=t)
+        t += 0.1
+    assert w.running_cap.cap == 2
+    feed(svc, w, running=2, waiting=0, kv=0.05, prompt_total=50_000.0, taken_at=t)
+    assert isinstance(decide(svc), Wait)
+    feed(svc, w, running=0, waiting=0, kv=0.0, prompt_total=0.0, taken_at=t + 0.1)
+    assert w.running_cap.cap == math.inf
+    assert [decide(svc)["worker_id"] for _ in range(3)] == ["w0"] * 3
