@@ -46,9 +46,11 @@ class LeaseTable:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
-        # Handed off while unseen: counted until a scrape shows them (drop_handed_off). Apart,
-        # so that a scrape of a worker without any costs nothing more.
-        self.handed_off: set[Lease] = set()
+        # Handed off while unseen, by worker: counted until a scrape shows them
+        # (drop_handed_off). Apart, so that a scrape of a worker without any costs nothing
+        # more; by worker, since each scrape looks at its own worker's only (one set for all
+        # made every scrape of every worker walk the whole pool's: workers x leases per round).
+        self.handed_off: dict[WorkerState, set[Lease]] = {}
         # Short ids: a per-process prefix (so a restarted scheduler never matches an old id)
         # plus a counter; cheaper than uuid4 on the hot path.
         self._prefix = os.urandom(4).hex()
@@ -91,7 +93,8 @@ class LeaseTable:
         if lease is None:
             return None
         if lease.unseen:
-            self.handed_off.add(lease)  # counted until a scrape shows it (drop_handed_off)
+            # counted until a scrape shows it (drop_handed_off)
+            self.handed_off.setdefault(lease.worker, set()).add(lease)
         else:
             self._forget(lease)  # the last scrape counts it already
         return lease
@@ -99,17 +102,22 @@ class LeaseTable:
     def drop_handed_off(self, worker: WorkerState, cutoff: float) -> None:
         """Before a scrape of `worker` is applied: the handed-off leases it shows (issued before
         `cutoff`) are in the worker's numbers from now on."""
-        if not self.handed_off:
+        mine = self.handed_off.get(worker)
+        if not mine:
             return
-        shown = [lease for lease in self.handed_off if lease.worker is worker and lease.issued_at <= cutoff]
+        shown = [lease for lease in mine if lease.issued_at <= cutoff]
         for lease in shown:
             self._forget(lease)
 
     def _forget(self, lease: Lease) -> None:
         """Take a lease out, with the load it added (not the load a scrape showed)."""
         self.leases.pop(lease.lease_id, None)
-        self.handed_off.discard(lease)
         w = lease.worker
+        mine = self.handed_off.get(w)
+        if mine is not None:
+            mine.discard(lease)
+            if not mine:
+                del self.handed_off[w]
         w.leases.pop(lease.lease_id, None)
         # A request that ended (or was cancelled) before its prefill was counted must not
         # stay in the backlog: the backlog never exceeds the prompts still open.

@@ -183,3 +183,34 @@ def test_a_restarted_worker_forgets_the_running_cap_learnt_before():
     feed(svc, w, running=0, waiting=0, kv=0.0, prompt_total=0.0, taken_at=t + 0.1)
     assert w.running_cap.cap == math.inf
     assert [decide(svc)["worker_id"] for _ in range(3)] == ["w0"] * 3
+
+
+def test_a_scrape_costs_the_same_however_many_requests_other_workers_handed_off():
+    """Handed-off leases (background responses) wait for their worker's next scrape. They were
+    kept in one set for the whole pool, which every scrape of every worker walked: per round of
+    scrapes, workers x leases. A scrape now looks at its own worker's only: the cost of applying
+    one does not grow with the other workers' handed-off leases (a ratio within one run)."""
+    from scheduler.leases import LeaseTable
+
+    def cost_of_a_scrape(others: int) -> float:
+        table = LeaseTable(ttl_s=60.0)
+        pool = [WorkerState(f"http://10.0.0.{i % 250}:{8000 + i}") for i in range(others // 10)]
+        t = time.monotonic()
+        for i in range(others):
+            table.hand_off(table.issue(pool[i % len(pool)], t, 100.0).lease_id)
+        quiet = WorkerState("http://10.1.0.1:8000")
+        mine = table.issue(quiet, t, 100.0)
+        table.hand_off(mine.lease_id)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                table.drop_handed_off(quiet, t - 1.0)  # shows none of its leases yet
+            best = min(best, time.perf_counter() - t0)
+        assert quiet.in_flight == 1 and len(table.leases) == others + 1
+        table.drop_handed_off(quiet, t + 1.0)
+        assert quiet.in_flight == 0 and quiet.unseen == 0 and len(table.leases) == others
+        return best
+
+    few, many = cost_of_a_scrape(10), cost_of_a_scrape(20_000)
+    assert many < 20 * few, (few, many)
