@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inference_worker.settings_loader import load_settings
+from inference_worker.settings_loader import clean_secret, load_settings
 
 
 class WorkerConfig(BaseSettings):
@@ -84,6 +84,11 @@ class WorkerConfig(BaseSettings):
     # still at 0, and a simulated step lasts forever).
     time_scale: float = Field(1.0, gt=0, allow_inf_nan=False,
                               description="stretch every simulated duration by this factor")
+
+    @field_validator("registration_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        return clean_secret(v)
 
     @field_validator("register_with", "advertise_url")
     @classmethod

@@ -10,6 +10,7 @@ this small loader of its own; the scheduler has its twin for the same reason.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +20,24 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsError
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def clean_secret(value: str | None) -> str | None:
+    """A token from a flag, the environment or a YAML file, as it goes out after
+    `Authorization: Bearer `: without the whitespace around it, and refused if a control character
+    is left in it. Why: a Kubernetes Secret made from a file keeps the file's last newline, and
+    aiohttp refuses a header holding one, so every registration failed (a warning, forever).
+    Twin of scheduler.settings_loader.clean_secret (the worker imports nothing of the scheduler).
+    Empty: no token, as before."""
+    if value is None:
+        return None
+    value = value.strip()
+    if _CONTROL.search(value):
+        raise ValueError("a token must not hold a control character (a line break, a tab, ...)")
+    return value or None
 
 
 def _yaml_values(path: str | None) -> dict:

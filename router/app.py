@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from router.access_log import AccessLog, Stats, stats_loop
-from router.auth import KeyChecker, load_api_keys
+from router.auth import KeyChecker, key_bytes, load_api_keys
 from router.config import RouterConfig
 from router.cors import CorsPolicy
 from router.errors import error_response, no_route
@@ -52,7 +52,8 @@ class Gateway:
         self.metrics = RouterMetrics()
         self.stats = Stats()
         self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
-        self.admin_token = cfg.admin_token.encode() if cfg.admin_token else None
+        # As the API keys: a byte of ROUTER_ADMIN_TOKEN that is not UTF-8 was a traceback here.
+        self.admin_token = key_bytes(cfg.admin_token) if cfg.admin_token else None
         self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers,
                                     cfg.fair_share, cfg.fair_output_token_weight)
         # Every request in line, not only those asking the scheduler (the head, by default).

@@ -11,7 +11,8 @@ import hmac
 from pathlib import Path
 
 
-def _key_bytes(key: str) -> bytes:
+def key_bytes(key: str) -> bytes:
+    """A key or token as the bytes a client sends (the environment's non-UTF-8 bytes as given)."""
     try:
         return key.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:  # a lone surrogate a YAML escape spelled: no client sends it
@@ -32,7 +33,7 @@ def load_api_keys(path: str | None, inline: str = "") -> list[bytes]:
     # Keys are compared as bytes (bearer_token): taken as bytes here too, as the file holds them
     # and as the environment gave them (surrogateescape). A byte that is not UTF-8, in the file
     # or in ROUTER_API_KEYS, stopped start-up with a traceback.
-    keys = [_key_bytes(k) for k in _inline_keys(inline)]
+    keys = [key_bytes(k) for k in _inline_keys(inline)]
     if path:
         try:
             lines = Path(path).read_bytes().splitlines()

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
-from scheduler.settings_loader import known_log_level
+from scheduler.settings_loader import clean_secret, known_log_level
 from scheduler.urls import http_url_problem
 
 
@@ -187,6 +187,11 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
+
+    @field_validator("admin_token", "upstream_api_key")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        return clean_secret(v)
 
     @field_validator("scheduler", "workers")
     @classmethod

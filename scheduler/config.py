@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.running_cap import is_positive_int
-from scheduler.settings_loader import known_log_level, load_settings
+from scheduler.settings_loader import clean_secret, known_log_level, load_settings
 from scheduler.urls import http_url_problem
 
 
@@ -137,6 +137,11 @@ class SchedulerConfig(BaseSettings):
     @classmethod
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
+
+    @field_validator("registration_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        return clean_secret(v)
 
     @field_validator("policy")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TypeVar
@@ -28,6 +29,24 @@ def known_log_level(value: str) -> str:
     if value.upper() not in logging.getLevelNamesMapping():
         raise ValueError("log_level must be one of debug, info, warning, error, critical")
     return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def clean_secret(value: str | None) -> str | None:
+    """A token from a flag, the environment or a YAML file, as a client sends it after
+    `Authorization: Bearer `: without the whitespace around it, and refused if a control character
+    is left in it. Why: a Kubernetes Secret made from a file keeps the file's last newline, which
+    no Bearer header carries (a header cannot hold a line break, and the token is read stripped),
+    so the token matched nothing and every call was a 401; sent by us, aiohttp refuses the
+    header, so every call failed. Empty: no token, as before."""
+    if value is None:
+        return None
+    value = value.strip()
+    if _CONTROL.search(value):
+        raise ValueError("a token must not hold a control character (a line break, a tab, ...)")
+    return value or None
 
 
 def _yaml_values(path: str | None) -> dict:

@@ -42,6 +42,10 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
         (["--workers", "http://127.0.0.1:99999"], "workers"),
         (["--scheduler", "http://"], "scheduler"),  # once a traceback from the channel's set-up
         (["--scheduler", "http://x", "--scheduler-channel", "udp"], "scheduler-channel"),
+        # A header cannot carry it: aiohttp refused every upstream request (every worker "failed").
+        (["--scheduler", "http://x", "--upstream-api-key", "sk\nx"], "upstream-api-key"),
+        # No client can send it: /metrics and /admin/* answered 401 to everyone, silently.
+        (["--scheduler", "http://x", "--admin-token", "t\r1"], "admin-token"),
         ([], "--scheduler"),
     ],
 )
@@ -113,3 +117,33 @@ def test_scheduler_channel_from_flag_and_env(monkeypatch):
     assert cfg.scheduler_channel == "http"
     monkeypatch.setenv("ROUTER_SCHEDULER_CHANNEL", "ws")
     assert load_router_config(["--scheduler", "http://x"]).scheduler_channel == "ws"
+
+
+def test_an_admin_token_from_a_secret_file_matches_without_its_newline_and_as_its_bytes():
+    """A Secret made from a file (kubectl create secret --from-file) keeps the file's last
+    newline in ROUTER_ADMIN_TOKEN: no Bearer header carries it, so every scrape got 401. A byte
+    that is not UTF-8 in it was a traceback at start-up."""
+    import os
+
+    import httpx
+
+    from tests.router.procs import free_port, wait_http
+
+    port = free_port()
+    env = {**os.environb, b"ROUTER_ADMIN_TOKEN": b"s3cret\xff\n"}
+    p = subprocess.Popen([sys.executable, "-m", "router", "--workers", "http://127.0.0.1:9",
+                          "--port", str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        wait_http(f"http://127.0.0.1:{port}/health", timeout_s=30)
+        with httpx.Client() as client:
+            assert client.get(url, headers={"Authorization": b"Bearer s3cret\xff"}).status_code == 200
+            assert client.get(url, headers={"Authorization": b"Bearer s3cret"}).status_code == 401
+            assert client.get(url).status_code == 401
+    except Exception:
+        p.kill()
+        raise AssertionError(p.communicate(timeout=10)[0].decode(errors="replace")) from None
+    finally:
+        p.kill()
+        p.wait(10)

@@ -61,6 +61,7 @@ def test_params_by_policy_apply_to_the_chosen_policy_only(tmp_path, monkeypatch)
      "params-by-policy"),
     (["--params-by-policy", '{"best": {}}'], "params-by-policy"),
     (["--workers", "127.0.0.1:8101"], "workers"),
+    (["--registration-token", "t\n1"], "registration-token"),  # no worker could send it
 ])
 def test_invalid_value_is_one_line_naming_the_field(args, field):
     proc = subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=ROOT, capture_output=True,
@@ -180,3 +181,15 @@ def test_never_reached_worker_comes_up_on_first_success():
         h.on_failure("refused", 3, True)
     assert h.state == DOWN
     assert h.on_success(1.0, 2) and h.state == UP  # e.g. started after the scheduler
+
+
+def test_a_registration_token_from_a_secret_file_matches_without_its_newline(monkeypatch):
+    """A Secret made from a file keeps its last newline: the token was compared with it, and
+    every registration (whose header cannot carry a newline) was refused 401."""
+    from scheduler.discovery.registration import check_token
+    from tests.scheduler.helpers import make_service
+
+    monkeypatch.setenv("SCHEDULER_REGISTRATION_TOKEN", "s3cret\n")
+    cfg = load_scheduler_config([])
+    svc = make_service(n=0, config={"registration_token": cfg.registration_token})
+    check_token(svc, "Bearer s3cret")  # raises when refused

@@ -35,3 +35,12 @@ def test_an_ipv6_host_is_advertised_in_brackets():
 
     url = Registrar(WorkerConfig(host="::1", register_with=SCHEDULER))._body()["url"]
     assert url == "http://[::1]:8001" and http_url_problem(url) is None
+
+
+def test_a_registration_token_from_a_secret_file_goes_out_without_its_newline():
+    """A Secret made from a file keeps its last newline; aiohttp refused the header holding it,
+    so every registration failed, a warning every few seconds for the worker's life."""
+    config = WorkerConfig(register_with="http://127.0.0.1:8090", registration_token="s3cret\n")
+    assert Registrar(config)._headers == {"Authorization": "Bearer s3cret"}
+    with pytest.raises(ValidationError, match="registration_token"):
+        WorkerConfig(register_with="http://127.0.0.1:8090", registration_token="s3\ncret")
