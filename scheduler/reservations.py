@@ -72,6 +72,11 @@ class ReservationTable:
         old = self.by_key.pop(key, None)
         if old is not None:  # the same prompt ended twice: keep one hold, the newest
             self._drop(old)
+            if old.worker is not worker:
+                # Its room is everyone's again, as when a hold expires: its worker's view
+                # (free KV, saturation) still hid it, and the calls held for room were not
+                # woken, until that worker's next scrape.
+                self.on_expired(old.worker)
         res = Reservation(key, worker, tokens)
         worker.reserved_tokens += tokens
         res.timer = asyncio.get_running_loop().call_later(self.hold_s, self._expire, res)

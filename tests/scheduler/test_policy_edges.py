@@ -214,3 +214,30 @@ def test_a_scrape_costs_the_same_however_many_requests_other_workers_handed_off(
 
     few, many = cost_of_a_scrape(10), cost_of_a_scrape(20_000)
     assert many < 20 * few, (few, many)
+
+
+async def test_a_hold_replaced_by_the_same_prompt_ending_elsewhere_gives_its_room_back():
+    """Two requests with the same prompt end on two workers of a full cluster: the follow-up hold
+    keeps the newest. The first worker's room is then everyone's at once (as when a hold
+    expires), not hidden until that worker's next scrape."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import SchedulerService
+
+    svc = SchedulerService(SchedulerConfig(policy="llm_aware", followup_hold_ms=5000, visibility_lag_ms=0))
+    for i in range(2):
+        w = svc.add_worker(WorkerState(f"http://127.0.0.1:{9000 + i}", worker_id=f"w{i}", models=["m"]))
+        w.health.on_success(time.monotonic(), 1)
+        feed(svc, w, kv=0.5)
+    history = [11, 12, 13]
+    a = decide(svc, prefix_hashes=history)
+    b = decide(svc, prefix_hashes=history, exclude=frozenset({a["worker_id"]}))
+    later = time.monotonic() + 0.01  # a scrape that sees both leases
+    for w in svc.registry.workers.values():
+        feed(svc, w, running=30, kv=0.96, taken_at=later)  # 1,600 tokens bring one under 0.95
+    assert svc.release(a["lease_id"], True, used_tokens=1600)
+    assert isinstance(decide(svc, prefix_hashes=[99]), Wait)  # a's room is held for its follow-up
+    assert svc.release(b["lease_id"], True, used_tokens=1600)
+    first = worker(svc, a["worker_id"])
+    assert first.reserved_tokens == 0
+    out = decide(svc, prefix_hashes=[99])
+    assert out["worker_id"] == a["worker_id"]
