@@ -206,8 +206,12 @@ async def worker_failure(request: web.Request) -> web.Response:
         body = _json(await read_body(request))
     except BadRequest as exc:
         return error_response(400, str(exc))
-    error = body.get("error") or "failure"
-    if not svc.report_failure(request.match_info["worker_id"], str(error)[:200]):
+    error = str(body.get("error") or "failure")[:200]
+    if not error.isprintable():
+        # Anyone who reaches the scheduler may send this, and it is logged with the worker's
+        # health change: a newline in it forged log lines. Escaped, it still reads.
+        error = error.encode("unicode_escape").decode("ascii")[:200]
+    if not svc.report_failure(request.match_info["worker_id"], error):
         return error_response(404, "unknown worker", "worker_id", "worker_not_found")
     svc.metrics.failure_reports.inc()
     return web.Response(status=204)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 import time
 from urllib.parse import urlsplit
 
@@ -18,6 +19,14 @@ from scheduler.service import SchedulerService
 from scheduler.urls import http_url_problem
 
 SOURCE = "registration"
+# Why a charset: a worker id is a path segment of the API (DELETE /v1/workers/{id}, the
+# gateways' .../failure reports, sent unquoted), a label of every metric and a field of the
+# scheduler's and the gateways' log lines. A registered "a?b" could never be reported failed or
+# deregistered, and one holding a newline forged log lines in both services. Kubernetes pod
+# names, host:port and [IPv6]:port ids, UUIDs all fit.
+_WORKER_ID = re.compile(r"[A-Za-z0-9._~:\[\]-]{1,253}")
+MAX_MODEL_NAME_CHARS = 1024  # a model named by its path, or a LoRA adapter's: well under
+MAX_ENGINE_CHARS = 64
 
 
 class RegistrationError(Exception):
@@ -54,6 +63,12 @@ def _unreachable(url: str) -> str | None:
     return None
 
 
+def _printable(value: object, max_chars: int) -> bool:
+    """A name the logs and metrics can show as it is: no line break or other control character
+    (a forged log line), bounded (a megabyte-long label on every scrape)."""
+    return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
+
+
 def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int | None]:
     if not isinstance(body, dict):
         raise RegistrationError(400, "body must be a JSON object")
@@ -64,14 +79,18 @@ def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int
     if problem:
         raise RegistrationError(400, f"url {problem}", "url")
     models = body.get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
-        raise RegistrationError(400, "models must be a list of names", "models")
+    if not isinstance(models, list) or not all(_printable(m, MAX_MODEL_NAME_CHARS) for m in models):
+        raise RegistrationError(400, f"models must be a list of names (printable, up to "
+                                f"{MAX_MODEL_NAME_CHARS} characters)", "models")
     engine = body.get("engine")
-    if engine is not None and not isinstance(engine, str):
-        raise RegistrationError(400, "engine must be a string", "engine")
+    if engine is not None and not _printable(engine, MAX_ENGINE_CHARS):
+        raise RegistrationError(400, f"engine must be a printable name of up to {MAX_ENGINE_CHARS} "
+                                "characters", "engine")
     worker_id = body.get("worker_id")
-    if worker_id is not None and (not isinstance(worker_id, str) or not worker_id or "/" in worker_id):
-        raise RegistrationError(400, "worker_id must be a non-empty string without '/'", "worker_id")
+    if worker_id is not None and (not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id)
+                                  or worker_id in (".", "..")):
+        raise RegistrationError(400, "worker_id must be 1 to 253 letters, digits and . _ ~ : [ ] -",
+                                "worker_id")
     max_running = body.get("max_running")
     if max_running is not None and not is_positive_int(max_running):
         raise RegistrationError(400, "max_running must be a positive integer (at most 2**53)",

@@ -85,3 +85,46 @@ def test_a_worker_advertising_every_interface_is_refused(url):
     assert (err.value.status, err.value.param) == (400, "url") and "advertise-url" in str(err.value)
     assert not svc.registry.workers
     assert register(svc, {"url": "http://10.0.0.5:8000", "models": ["m"]})[1] is True
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    # A path segment the gateways' failure reports and the DELETE cannot reach.
+    ("worker_id", "a?b"), ("worker_id", "a#b"), ("worker_id", ".."), ("worker_id", "a b"),
+    ("worker_id", "w\nINFO scheduler: forged"),  # a line of its own in both services' logs
+    ("worker_id", "w" * 254),
+    ("models", ["m\r\nINFO forged"]), ("models", ["m" * 1025]),
+    ("engine", "vllm\nforged"), ("engine", "e" * 65),
+])
+def test_registered_names_that_logs_paths_or_labels_cannot_hold_are_refused(field, value):
+    svc = make_service(n=0, config={"registration_token": "t"})
+    with pytest.raises(RegistrationError) as err:
+        register(svc, {"url": URL, "models": ["m"], field: value})
+    assert (err.value.status, err.value.param) == (400, field)
+    assert not svc.registry.workers
+
+
+def test_usual_worker_ids_and_model_names_are_taken():
+    svc = make_service(n=0, config={"registration_token": "t"})
+    for i, worker_id in enumerate(("vllm-0:8000", "[fd00::5]:8000", "3f2c9a1e-7b4d-4c1a-9e3f-0a1b2c3d4e5f")):
+        model = "/models/meta-llama/Llama-3.1-8B-Instruct" if i else "llama 3 (8B)"
+        w, created = register(svc, {"url": f"http://10.0.0.{i + 1}:8000", "models": [model],
+                                    "worker_id": worker_id, "engine": "sglang"})
+        assert created and w.worker_id == worker_id and w.models == {model}
+
+
+async def test_a_failure_report_cannot_forge_log_lines(caplog):
+    """POST /v1/workers/{id}/failure needs no token, and its error went into the log line of
+    the worker's health change as sent: a newline in it wrote a line of the sender's choosing."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from scheduler.app import build_app
+
+    svc = make_service(n=1, config={"failure_report_streak": 1})
+    caplog.set_level("INFO", logger="scheduler")
+    async with TestClient(TestServer(build_app(svc))) as client:
+        resp = await client.post("/v1/workers/w0/failure",
+                                 json={"error": "timeout\n2026-01-01 INFO scheduler: forged"})
+        assert resp.status == 204
+    lines = [r.getMessage() for r in caplog.records if "w0" in r.getMessage()]
+    assert lines and all("\n" not in line for line in lines), lines
+    assert "forged" in svc.registry.workers["w0"].health.last_error  # still readable, escaped
