@@ -39,6 +39,9 @@ UNKNOWN_MODEL = "unknown_model"
 # refused, reset or cut, closed before a byte); its others (http_5xx, timeout, idle_timeout)
 # say a request failed on a worker that answered, or was slow.
 CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
+# Why a policy counts a worker saturated (WorkerState.saturated), when that keeps every request
+# off it: all but "kv_usage", which room held for a follow-up may get past (_claim).
+_NO_PLACE = frozenset({"waiting", "running", "running_cap", "prefill_backlog"})
 # Flows whose last held call ran out, kept at most (SchedulerService._polls_out).
 POLLS_OUT_KEPT = 4096
 
@@ -155,6 +158,12 @@ class SchedulerService:
         self.leases.drop_handed_off(w, snap.taken_at - self._lag_s)
         w.on_snapshot(snap, self._lag_s)
         self.policy.refresh(w)
+        if w.saturated in _NO_PLACE:
+            # Still full, for a reason no request can get past (nor claim room held there): a
+            # snapshot changes only its own worker, so waking the held calls would only have
+            # each decide again over every worker, for the same wait. Under saturation that was
+            # held calls x workers decisions per scrape of every worker.
+            return
         self.capacity_changed()
 
     def on_health_change(self, w: WorkerState) -> None:

@@ -12,7 +12,7 @@ import pytest
 from scheduler.policies import Request
 from scheduler.protocol import LeaseRelease
 from scheduler.service import Wait
-from tests.scheduler.helpers import make_service, worker
+from tests.scheduler.helpers import feed, make_service, worker
 
 DOCS, CHAT = ("docs", 2000, 200), ("chat", 100, 20)  # flow, prompt tokens, output tokens
 
@@ -253,3 +253,37 @@ def test_a_flow_with_requests_running_is_not_lifted_when_its_next_request_waits(
     assert busy == 0
     assert away == pytest.approx(ledger.served("docs"))
     assert svc._open_flows[ledger, "chat"] == 1  # the held one, now running
+
+
+def test_a_snapshot_of_a_worker_still_full_does_not_wake_the_held_calls():
+    """Every scrape of every worker woke every held call, and each decided again over every
+    worker: held calls x workers decisions per scrape, all for the same wait while the pool stays
+    full. A snapshot that leaves its worker full (here: its running cap) wakes nobody; one that
+    shows room does."""
+    svc, blocker = one_at_a_time()
+    w = svc.registry.workers["w0"]
+    decisions = []
+    decide = svc.decide
+
+    def counted(req, now):
+        decisions.append(now)
+        return decide(req, now)
+
+    svc.decide = counted
+
+    async def scenario() -> tuple[int, bool, bool]:
+        held = asyncio.create_task(svc.schedule(Request("m", 10, 10), wait_ms=5000))
+        await asyncio.sleep(0.01)
+        before = len(decisions)
+        for _ in range(5):
+            feed(svc, w, running=1)  # the blocker still runs: full
+            await asyncio.sleep(0.001)
+        woken = len(decisions) - before
+        still_held = not held.done()
+        svc.release(blocker, True)  # room: the held call is placed
+        out = await asyncio.wait_for(held, 2.0)
+        return woken, still_held, isinstance(out, dict)
+
+    woken, still_held, placed = asyncio.run(scenario())
+    assert still_held and placed
+    assert woken == 0
