@@ -220,3 +220,14 @@ def test_channel_path_without_an_upgrade_is_an_openai_error(scheduler):
 def test_body_over_the_size_limit_is_an_openai_error(scheduler):
     r = httpx.post(scheduler + "/v1/batch", content=b"[" + b" " * (2 << 20) + b"]")
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_schedule_call_with_an_overlong_prefix_list_is_a_400(scheduler):
+    """The gateway sends at most 64 fingerprints; a list past 4,096 is refused before it costs
+    a decision (and the prefix index) anything."""
+    r = httpx.post(scheduler + "/v1/schedule", json={"model": "m", "prefix_hashes": list(range(5000))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prefix_hashes"
+    r = httpx.post(scheduler + "/v1/schedule", json={"model": "m", "prefix_hashes": list(range(64))})
+    assert r.status_code in (200, 503), r.text
+    if r.status_code == 200:
+        httpx.post(scheduler + "/v1/release", json={"lease_id": r.json()["lease_id"], "ok": True})
