@@ -276,7 +276,7 @@ class SchedulerService:
         # The socket's previous request ended there and its room may be held for this one (a
         # follow-up hold): it is this request's, and unclaimed it would count twice until it
         # expired, and lower the claim rate that decides whether chat traffic gets holds at all.
-        claimed = self.reservations.claim(req.prefix_hashes, w) if req.prefix_hashes else None
+        claimed = self.reservations.claim(self.policy.prefix_keys(req), w) if req.prefix_hashes else None
         if claimed is not None:
             detail["prefix_match"] = claimed[1]
         self.policy.refresh(w)
@@ -291,8 +291,11 @@ class SchedulerService:
         matched = pick.detail.get("prefix_match")
         if matched and req.prefix_hashes:
             prompt *= max(0.0, 1.0 - matched / len(req.prefix_hashes))
+        # Its room is held for the conversation's next turn under its last prefix key, which
+        # the prefix index scopes by model and adapter (an engine caches per adapter: a hold
+        # claimed by another adapter's turn would hand it a cache it does not have).
         lease = self.leases.issue(w, now, self.policy.kv_need(req), trial=trial, prompt=prompt,
-                                  prefix_key=req.prefix_hashes[-1] if req.prefix_hashes else None)
+                                  prefix_key=self.policy.prefix_keys(req)[-1] if req.prefix_hashes else None)
         if trial:
             self._routable.clear()  # one trial at a time: out of the candidates until it ends
         ledger = self._ledger_of(req)
@@ -330,7 +333,7 @@ class SchedulerService:
         worker holds the whole previous turn in its cache, so no policy choice is needed,
         unless it has since started to queue or its load data went stale: then the hold
         ends and the request is placed like any other."""
-        claimed = self.reservations.claim(req.prefix_hashes)
+        claimed = self.reservations.claim(self.policy.prefix_keys(req))
         if claimed is None:
             return None
         res, matched_chunks = claimed

@@ -17,6 +17,8 @@ from collections.abc import Hashable, Sequence
 # walk them all (0.12 s) and its lease record them all, which evicted every other prompt's
 # entries from the index. Fingerprints are cumulative, so the first ones are a prefix of their own.
 MAX_KEYS = 1024
+# (model, adapter) scopes whose salt is kept (PrefixIndex.keys).
+MAX_SCOPES = 1024
 
 
 class PrefixIndex:
@@ -38,7 +40,12 @@ class PrefixIndex:
             hashes = hashes[:MAX_KEYS]
         salt = self._salts.get(scope)
         if salt is None:
-            salt = self._salts[scope] = (hash(scope) or 1) if self._salts else 0
+            salt = (hash(scope) or 1) if self._salts else 0
+            # Kept for the scopes seen first (the first one's salt is 0: a one-model pool's keys
+            # are its fingerprints); past MAX_SCOPES (a client naming an adapter per request)
+            # the salt is recomputed, the same each time, instead of kept for good.
+            if len(self._salts) < MAX_SCOPES:
+                self._salts[scope] = salt
         if salt:
             return [h ^ salt for h in hashes]
         return hashes

@@ -168,3 +168,26 @@ async def test_a_websocket_request_takes_no_hold_on_another_worker():
     await finish_on(svc, Request("m", 800, 100, prefix_hashes=HISTORY, pin="w1"))
     assert svc.decide(attached(FOLLOW_UP, 1000), time.monotonic())["worker_id"] == "w0"
     assert svc.reservations.claimed == 0 and worker(svc, "w1").reserved_tokens == 900
+
+
+async def test_a_hold_is_claimed_by_the_same_adapters_follow_up_only():
+    """Engines cache per adapter: room held for a conversation's next turn under one adapter
+    (or the base model) must not go to the same text under another, whose cache it is not."""
+    svc = service()
+    home = finish_first_turn_on_full_cluster(svc)
+    other = Request("m", 800, 100, prefix_hashes=list(FOLLOW_UP), lora="adapter-b")
+    assert isinstance(svc.decide(other, time.monotonic()), Wait)
+    out = svc.decide(req(FOLLOW_UP), time.monotonic())
+    assert out["worker_id"] == home and out["reason"]["followup"] is True
+
+
+def test_adapter_scopes_past_the_bound_keep_their_keys_without_being_kept():
+    from scheduler.policies.prefix_index import MAX_SCOPES, PrefixIndex
+
+    index = PrefixIndex()
+    assert index.keys([1, 2], ("m", None)) == [1, 2]  # the first scope pays nothing
+    for i in range(MAX_SCOPES + 50):
+        index.keys([1], ("m", f"made-up-{i}"))
+    assert len(index._salts) == MAX_SCOPES
+    late = ("m", f"made-up-{MAX_SCOPES + 10}")
+    assert index.keys([1, 2], late) == index.keys([1, 2], late) != [1, 2]  # stable, and scoped
