@@ -39,7 +39,13 @@ def load_api_keys(path: str | None, inline: str = "") -> list[bytes]:
             lines = Path(path).read_bytes().splitlines()
         except OSError as exc:
             raise SystemExit(f"error: cannot read api-key-file {path}: {exc}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith(b"#")]
+        from_file = [line.strip() for line in lines if line.strip() and not line.startswith(b"#")]
+        if not from_file:
+            # Fail closed: a key file left empty (a Secret not filled in yet, a wrong mount) ran
+            # the gateway with no keys, open to every client, and said nothing.
+            raise SystemExit(f"error: api-key-file {path} holds no key (one per line; '#' lines "
+                             "are comments): give one, or leave the flag out to accept every client")
+        keys += from_file
     return keys
 
 

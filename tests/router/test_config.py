@@ -147,3 +147,16 @@ def test_an_admin_token_from_a_secret_file_matches_without_its_newline_and_as_it
     finally:
         p.kill()
         p.wait(10)
+
+
+@pytest.mark.parametrize("text", [b"", b"\n\n", b"# keys of team a\n  \n"])
+def test_an_api_key_file_without_a_key_stops_start_up(tmp_path, text):
+    """It ran the gateway with no keys at all, open to every client, without a word."""
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(text)
+    r = subprocess.run([sys.executable, "-m", "router", "--workers", "http://127.0.0.1:9", "--port", "0",
+                        "--api-key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and lines and lines[-1].startswith("error: api-key-file"), r.stderr
+    assert "Traceback" not in r.stderr
