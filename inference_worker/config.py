@@ -51,7 +51,9 @@ class WorkerConfig(BaseSettings):
     )
 
     # Observability
-    log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
+    # Finite: inf was taken, and the stats line never came.
+    log_stats_interval: float = Field(5.0, gt=0, allow_inf_nan=False,
+                                      description="seconds between stats log lines")
     hide_legacy_metrics: bool = Field(False, description="hide the vLLM v0 compatibility aliases")
 
     # Server

@@ -180,7 +180,9 @@ class RouterConfig(BaseSettings):
     allow_metrics: bool = Field(True, description="serve Prometheus /metrics")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on its own port")
     access_log: bool = True
-    log_stats_interval: float = Field(5.0, gt=0, description="seconds between stats log lines")
+    # Finite: inf was taken, and the stats line never came.
+    log_stats_interval: float = Field(5.0, gt=0, allow_inf_nan=False,
+                                      description="seconds between stats log lines")
     log_level: str = "INFO"
 
     @field_validator("log_level")

@@ -46,6 +46,7 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
         (["--scheduler", "http://x", "--upstream-api-key", "sk\nx"], "upstream-api-key"),
         # No client can send it: /metrics and /admin/* answered 401 to everyone, silently.
         (["--scheduler", "http://x", "--admin-token", "t\r1"], "admin-token"),
+        (["--scheduler", "http://x", "--log-stats-interval", "inf"], "log-stats-interval"),  # never
         ([], "--scheduler"),
     ],
 )

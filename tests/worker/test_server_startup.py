@@ -82,6 +82,11 @@ def test_infinite_time_scale_is_refused() -> None:
     assert_one_line_error(run_worker("--backend", "sim", "--time-scale", "inf"), "time-scale")
 
 
+def test_infinite_stats_interval_is_refused() -> None:
+    # Taken before: the stats line never came.
+    assert_one_line_error(run_worker("--log-stats-interval", "inf"), "log-stats-interval")
+
+
 @pytest.mark.skipif(not SIM_AVAILABLE, reason=SIM_SKIP_REASON)
 @pytest.mark.parametrize(
     ("content", "needle"),
