@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -33,6 +34,14 @@ class SchedulerConfig(BaseSettings):
     # `Infinity`, which is no JSON.
     registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
                                       description="a registration expires without heartbeats")
+    # Why: the scheduler scrapes a registered URL and every gateway sends clients' requests to
+    # it, so whoever holds the token can aim both at any host the cluster reaches. Link-local
+    # addresses (the cloud metadata service) are refused whatever this says.
+    registration_allowed_networks: str = Field(
+        "", description="networks a registered worker's address must be in, comma-separated CIDRs "
+        "(e.g. the pod network, 10.0.0.0/8); a registration must then give an IP address, not a "
+        "name (a name would be resolved later, maybe elsewhere); empty: any address but "
+        "link-local ones")
     # Why a bound: every registered worker is scraped every scrape interval, so a registrar
     # gone wrong (a leaked token, a crash loop minting new ids) would grow the scrape load
     # without end; refused registrations say so instead.
@@ -142,6 +151,22 @@ class SchedulerConfig(BaseSettings):
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)
+
+    @field_validator("registration_allowed_networks")
+    @classmethod
+    def _networks(cls, v: str) -> str:
+        for entry in (e.strip() for e in v.split(",")):
+            if entry:
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError as exc:
+                    raise ValueError(f"{entry!r} is not a network ({exc})") from None
+        return v
+
+    @property
+    def registration_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return [ipaddress.ip_network(e.strip(), strict=False)
+                for e in self.registration_allowed_networks.split(",") if e.strip()]
 
     @field_validator("policy")
     @classmethod

@@ -48,18 +48,36 @@ def check_token(service: SchedulerService, authorization: str | None) -> None:
         raise RegistrationError(401, "invalid or missing registration token")
 
 
-def _unreachable(url: str) -> str | None:
-    """A worker listening on every interface (--host 0.0.0.0) and advertising that address:
+# The cloud metadata services (169.254.169.254 and AWS's IPv6 one): no engine serves there.
+_METADATA = {ipaddress.ip_address("fd00:ec2::254")}
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _unreachable(url: str, allowed: list[Network]) -> str | None:
+    """Why the scheduler must not take `url` as a worker's, or None.
+
+    A worker listening on every interface (--host 0.0.0.0) and advertising that address:
     connecting to 0.0.0.0 or :: reaches the scheduler's own host, and every such worker
-    would be one worker, '0.0.0.0:port'."""
+    would be one worker, '0.0.0.0:port'. A link-local address or a metadata service's: a
+    registration is a URL the scheduler scrapes and the gateways send clients' requests to,
+    so a leaked token pointed both at the host's credentials. Outside `allowed` (the
+    operator's registration_allowed_networks), likewise."""
     host = urlsplit(url).hostname or ""
     try:
-        unspecified = ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return None  # a name
-    if unspecified:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        if allowed:
+            return (f"{url!r} names its host: with registration_allowed_networks, register the "
+                    "worker's IP address")
+        return None
+    if address.is_unspecified:
         return (f"{url!r} names no address to reach ({host} is every interface of the worker's "
                 "host): register the worker's own address (the worker's --advertise-url)")
+    mapped = getattr(address, "ipv4_mapped", None) or address  # ::ffff:169.254.169.254
+    if mapped.is_link_local or mapped.is_multicast or mapped in _METADATA:
+        return f"{url!r} is a link-local, multicast or metadata address, where no worker serves"
+    if allowed and not any(mapped in net for net in allowed):
+        return f"{url!r} is outside registration_allowed_networks"
     return None
 
 
@@ -69,13 +87,14 @@ def _printable(value: object, max_chars: int) -> bool:
     return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
 
 
-def _validate(body: object) -> tuple[str, list[str], str | None, str | None, int | None]:
+def _validate(body: object, allowed: list[Network]) -> tuple[str, list[str], str | None, str | None,
+                                                             int | None]:
     if not isinstance(body, dict):
         raise RegistrationError(400, "body must be a JSON object")
     url = body.get("url")
     if not isinstance(url, str):
         raise RegistrationError(400, "url is required", "url")
-    problem = http_url_problem(url) or _unreachable(url)
+    problem = http_url_problem(url) or _unreachable(url, allowed)
     if problem:
         raise RegistrationError(400, f"url {problem}", "url")
     models = body.get("models", [])
@@ -102,7 +121,7 @@ def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool
     """Add or refresh (heartbeat) a registration. Returns (worker, created).
 
     `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py)."""
-    url, models, engine, worker_id, max_running = _validate(body)
+    url, models, engine, worker_id, max_running = _validate(body, service.cfg.registration_networks)
     registry = service.registry
     at_url = registry.by_url(url)
     if worker_id:

@@ -62,6 +62,7 @@ def test_params_by_policy_apply_to_the_chosen_policy_only(tmp_path, monkeypatch)
     (["--params-by-policy", '{"best": {}}'], "params-by-policy"),
     (["--workers", "127.0.0.1:8101"], "workers"),
     (["--registration-token", "t\n1"], "registration-token"),  # no worker could send it
+    (["--registration-allowed-networks", "10.0.0.0/8,10.0.0.300/32"], "registration-allowed-networks"),
 ])
 def test_invalid_value_is_one_line_naming_the_field(args, field):
     proc = subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=ROOT, capture_output=True,

@@ -128,3 +128,33 @@ async def test_a_failure_report_cannot_forge_log_lines(caplog):
     lines = [r.getMessage() for r in caplog.records if "w0" in r.getMessage()]
     assert lines and all("\n" not in line for line in lines), lines
     assert "forged" in svc.registry.workers["w0"].health.last_error  # still readable, escaped
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254", "http://169.254.169.254/latest/meta-data",
+                                 "http://[::ffff:169.254.169.254]", "http://[fe80::1]:8000",
+                                 "http://[fd00:ec2::254]", "http://224.0.0.1:8000"])
+def test_a_registration_cannot_point_at_link_local_or_metadata_addresses(url):
+    """The scheduler scrapes a registered URL and every gateway sends clients' requests to it
+    (`/v1/...` under its path): whoever held the token aimed both at the cloud metadata service."""
+    svc = make_service(n=0, config={"registration_token": "t"})
+    with pytest.raises(RegistrationError) as err:
+        register(svc, {"url": url, "models": ["m"]})
+    assert (err.value.status, err.value.param) == (400, "url")
+    assert not svc.registry.workers
+
+
+def test_registrations_are_kept_to_the_allowed_networks():
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "10.0.0.0/8, fd00:1::/64"})
+    assert register(svc, {"url": "http://10.1.2.3:8000", "models": ["m"]})[1]
+    assert register(svc, {"url": "http://[fd00:1::5]:8000", "models": ["m"]})[1]
+    for url in ("http://192.168.1.5:8000", "http://127.0.0.1:8000", "http://kubernetes.default:443",
+                "http://[fd00:2::5]:8000"):
+        with pytest.raises(RegistrationError) as err:
+            register(svc, {"url": url, "models": ["m"]})
+        assert (err.value.status, err.value.param) == (400, "url"), url
+    assert sorted(svc.registry.workers) == ["10.1.2.3:8000", "[fd00:1::5]:8000"]
+    # Without the option every other address is taken, names too (a compose service's).
+    svc = make_service(n=0, config={"registration_token": "t"})
+    for url in ("http://192.168.1.5:8000", "http://worker-1:8001"):
+        assert register(svc, {"url": url, "models": ["m"]})[1]
