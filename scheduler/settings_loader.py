@@ -77,10 +77,16 @@ def _config_path(argv: list[str], env_var: str) -> str | None:
     return os.environ.get(env_var) or None
 
 
+# Fields whose value is a secret: their error line names them but does not echo the value,
+# which went to the logs (a token with a stray control character was printed whole).
+_SECRET_FIELD = re.compile(r"(token|api_keys?|password|secret)$")
+
+
 def format_validation_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or "config"
-    return f"error: invalid value for {field.replace('_', '-')}: {err['msg']} (got {err.get('input')!r})"
+    shown = "(value hidden)" if _SECRET_FIELD.search(field) else f"(got {err.get('input')!r})"
+    return f"error: invalid value for {field.replace('_', '-')}: {err['msg']} {shown}"
 
 
 def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> SettingsT:

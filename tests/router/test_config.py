@@ -161,3 +161,19 @@ def test_an_api_key_file_without_a_key_stops_start_up(tmp_path, text):
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and lines and lines[-1].startswith("error: api-key-file"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+
+@pytest.mark.parametrize("argv", [["--admin-token", "sekrit\r1"], ["--upstream-api-key", "sekrit\n1"],
+                                  ["--config", "KEYS_AS_A_LIST"]])
+def test_a_refused_secret_is_named_but_not_printed(argv, tmp_path):
+    """The error line echoed the value (a YAML list of keys, a token with a stray control
+    character), and start-up errors go to the logs."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text("api_keys: [sekrit-1, sekrit-2]\n")
+    argv = [str(config) if a == "KEYS_AS_A_LIST" else a for a in argv]
+    r = subprocess.run([sys.executable, "-m", "router", "--scheduler", "http://x", *argv], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "sekrit" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: invalid value for ") and "(value hidden)" in lines[0]

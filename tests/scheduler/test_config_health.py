@@ -194,3 +194,11 @@ def test_a_registration_token_from_a_secret_file_matches_without_its_newline(mon
     cfg = load_scheduler_config([])
     svc = make_service(n=0, config={"registration_token": cfg.registration_token})
     check_token(svc, "Bearer s3cret")  # raises when refused
+
+
+def test_a_refused_registration_token_is_named_but_not_printed():
+    """The error line echoed the token, and start-up errors go to the logs."""
+    proc = subprocess.run([sys.executable, "-m", "scheduler", "--registration-token", "sekrit\n1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "registration-token" in proc.stderr, proc.stderr
+    assert "sekrit" not in proc.stderr

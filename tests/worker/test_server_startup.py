@@ -107,3 +107,10 @@ def test_config_file_from_the_environment(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "inference_worker"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert_one_line_error(result, "cannot read config file", "missing.yaml")
+
+
+def test_a_refused_registration_token_is_named_but_not_printed() -> None:
+    # The error line echoed the token, and start-up errors go to the logs.
+    result = run_worker("--registration-token", "sekrit\n1")
+    assert_one_line_error(result, "registration-token")
+    assert "sekrit" not in result.stderr
