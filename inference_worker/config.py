@@ -13,6 +13,10 @@ from inference_worker.settings_loader import clean_secret, load_settings
 
 
 class WorkerConfig(BaseSettings):
+    """Every flag may also be set by the environment variable WORKER_<FLAG>, e.g.
+    WORKER_MAX_NUM_SEQS, or in the YAML file --config names (field names, - or _).
+    Precedence: flag, then environment, then file, then the default."""
+
     model_config = SettingsConfigDict(
         env_prefix="WORKER_",
         cli_kebab_case=True,

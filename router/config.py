@@ -19,6 +19,10 @@ from scheduler.urls import http_url_problem
 
 
 class RouterConfig(BaseSettings):
+    """Every flag may also be set by the environment variable ROUTER_<FLAG>, e.g.
+    ROUTER_MAX_QUEUE_SIZE, or in the YAML file --config names (field names, - or _).
+    Precedence: flag, then environment, then file, then the default."""
+
     model_config = SettingsConfigDict(
         env_prefix="ROUTER_",
         cli_kebab_case=True,

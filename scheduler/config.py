@@ -14,6 +14,10 @@ from scheduler.urls import http_url_problem
 
 
 class SchedulerConfig(BaseSettings):
+    """Every flag may also be set by the environment variable SCHEDULER_<FLAG>, e.g.
+    SCHEDULER_SCRAPE_INTERVAL_MS, or in the YAML file --config names (field names, - or _).
+    Precedence: flag, then environment, then file, then the default."""
+
     model_config = SettingsConfigDict(
         env_prefix="SCHEDULER_",
         cli_kebab_case=True,

@@ -177,3 +177,12 @@ def test_a_refused_secret_is_named_but_not_printed(argv, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and "sekrit" not in r.stderr, r.stderr
     assert lines[0].startswith("error: invalid value for ") and "(value hidden)" in lines[0]
+
+
+def test_help_says_how_the_environment_sets_each_flag(monkeypatch):
+    """--help listed the flags only: nothing said that ROUTER_* variables set them too."""
+    r = subprocess.run([sys.executable, "-m", "router", "--help"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "ROUTER_MAX_QUEUE_SIZE" in r.stdout
+    monkeypatch.setenv("ROUTER_MAX_QUEUE_SIZE", "7")  # and it is so
+    assert load_router_config(["--scheduler", "http://x"]).max_queue_size == 7

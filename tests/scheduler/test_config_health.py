@@ -202,3 +202,12 @@ def test_a_refused_registration_token_is_named_but_not_printed():
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "registration-token" in proc.stderr, proc.stderr
     assert "sekrit" not in proc.stderr
+
+
+def test_help_says_how_the_environment_sets_each_flag(monkeypatch):
+    """--help listed the flags only: nothing said that SCHEDULER_* variables set them too."""
+    proc = subprocess.run([sys.executable, "-m", "scheduler", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "SCHEDULER_SCRAPE_INTERVAL_MS" in proc.stdout
+    monkeypatch.setenv("SCHEDULER_SCRAPE_INTERVAL_MS", "250")  # and it is so
+    assert load_scheduler_config([]).scrape_interval_ms == 250

@@ -114,3 +114,13 @@ def test_a_refused_registration_token_is_named_but_not_printed() -> None:
     result = run_worker("--registration-token", "sekrit\n1")
     assert_one_line_error(result, "registration-token")
     assert "sekrit" not in result.stderr
+
+
+def test_help_says_how_the_environment_sets_each_flag(monkeypatch) -> None:
+    # --help listed the flags only: nothing said that WORKER_* variables set them too.
+    from inference_worker.config import load_worker_config
+
+    result = run_worker("--help")
+    assert result.returncode == 0 and "WORKER_MAX_NUM_SEQS" in result.stdout
+    monkeypatch.setenv("WORKER_MAX_NUM_SEQS", "8")  # and it is so
+    assert load_worker_config([]).max_num_seqs == 8
