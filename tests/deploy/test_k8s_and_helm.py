@@ -387,10 +387,12 @@ def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admi
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"]}
     assert refs == {"ROUTER_API_KEYS": {"name": "llm-gateway-auth", "key": "api-keys"},
                     "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"}}
-    for name in refs:  # variables the gateway's config really reads
-        monkeypatch.setenv(name, "sk-1\nsk-2")
+    # Variables the gateway's config really reads, as Secrets made from files hold them: a key
+    # file's lines, a token with its file's last newline.
+    monkeypatch.setenv("ROUTER_API_KEYS", "sk-1\nsk-2\n")
+    monkeypatch.setenv("ROUTER_ADMIN_TOKEN", "admin-1\n")
     cfg = RouterConfig(workers="http://w:1")
-    assert cfg.admin_token and cfg.api_keys
+    assert cfg.admin_token == "admin-1" and cfg.api_keys
     assert "admin_token" not in config_of(objs, "prod", "gateway")
     [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router-gateway")["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer",
