@@ -77,10 +77,13 @@ class ScheduleRequest(BaseModel):
     # gateways' heads, compete for freed room: without it a priority 5 request already asking
     # took room before a priority -1 one asking beside it).
     priority: int = 0
-    # How long the request has waited in the gateway's queue so far. A long poll that ends
-    # unanswered is asked again: held calls go in the order their requests arrived, not their
-    # calls (else a head that re-asks goes behind every call held since).
-    waited_ms: int = Field(0, ge=0, le=86_400_000)
+    # Where the request stands in its gateway's queue, in ms before now: its arrival there (how
+    # long it has waited), less its prompt's weight where the queue serves short prompts first
+    # (--queue-ms-per-prompt-token), so it may be negative. Held calls go in this order, as the
+    # gateways' queues do: a long poll that ends unanswered is asked again and keeps its place
+    # (else a head that re-asks went behind every call held since), and a gateway's askers
+    # (--queue-askers) keep their queue's order, shortest first, not their arrivals'.
+    queue_place_ms: int = Field(0, ge=-86_400_000, le=86_400_000)
 
 
 class ScheduleDecision(BaseModel):

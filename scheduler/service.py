@@ -5,8 +5,8 @@ Held calls are woken, when something may have freed room, in the order of their 
 (the gateway queue's, lower first: ScheduleRequest.priority). Within a priority, a model's
 calls go in the order of their flows' token counters (scheduler/fair_share.py: the tenant
 served the fewest weighted tokens over every gateway's traffic first), arrival order among
-equals and for calls without a flow (the arrival of the request in its gateway's queue:
-ScheduleRequest.waited_ms, so a long poll that ran out and is asked again keeps its place);
+equals and for calls without a flow (the request's place in its gateway's queue:
+ScheduleRequest.queue_place_ms, so a long poll that ran out and is asked again keeps its place);
 calls of different models keep their arrival order between them (their counters do not
 compare). Each gateway sends only the head of its own queue (or its best few: --queue-askers),
 so this orders the replicas' heads: without it a tenant alone on one replica got one turn per
@@ -44,6 +44,8 @@ CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
 _NO_PLACE = frozenset({"waiting", "running", "running_cap", "prefill_backlog"})
 # Flows whose last held call ran out, kept at most (SchedulerService._polls_out).
 POLLS_OUT_KEPT = 4096
+# A call of a flow whose last held call ran out this recently is that flow asking again.
+ASKED_AGAIN_WITHIN_S = 1.0
 
 
 class Wait:
@@ -63,8 +65,9 @@ class _Held:
 
     def __init__(self, arrival: tuple[float, int], ledger: FlowLedger | None, flow: str | None,
                  priority: int = 0) -> None:
-        # Arrival order: when its request started waiting (time.monotonic(), less what it
-        # waited in the gateway before this call), then the call's number.
+        # Arrival order: its request's place in its gateway's queue (time.monotonic(): when it
+        # arrived there, later by its prompt's weight in a shortest-first queue), then the
+        # call's number.
         self.arrival = arrival
         self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
         self.flow = flow
@@ -357,9 +360,9 @@ class SchedulerService:
         self.metrics.decision_done(out, time.perf_counter() - t0)
         return out
 
-    async def schedule(self, req: Request, wait_ms: int = 0, waited_ms: int = 0):
-        """decide(), holding up to wait_ms while the answer is Wait. waited_ms: how long the
-        request has waited in its gateway's queue already (its place among held calls)."""
+    async def schedule(self, req: Request, wait_ms: int = 0, queue_place_ms: int = 0):
+        """decide(), holding up to wait_ms while the answer is Wait. queue_place_ms: where the
+        request stands in its gateway's queue, ms before now (its place among held calls)."""
         now = time.monotonic()
         out = self.schedule_now(req, now)
         if not isinstance(out, Wait) or wait_ms <= 0:
@@ -367,8 +370,9 @@ class SchedulerService:
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
-        held = _Held((now - waited_ms / 1000.0, next(self._held_seq)), ledger, req.flow, req.priority)
-        if ledger is not None and self._idle(ledger, req.flow, now - waited_ms / 1000.0):
+        held = _Held((now - queue_place_ms / 1000.0, next(self._held_seq)), ledger, req.flow,
+                     req.priority)
+        if ledger is not None and self._idle(ledger, req.flow, now):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:
             # each gateway asks for its queue's head only, so a busy tenant's next request
@@ -406,13 +410,14 @@ class SchedulerService:
                 self.metrics.wait_done(True, time.monotonic() - now)
                 return out
 
-    def _idle(self, ledger: FlowLedger, flow: str, waiting_since: float) -> bool:
+    def _idle(self, ledger: FlowLedger, flow: str, now: float) -> bool:
         """Whether the flow arrives now: nothing of it runs or is held here, and no call of it
-        ran out since this request started waiting (then its gateway asks again)."""
+        ran out just before (then its gateway is asking again, at once, for a request that
+        waits on)."""
         if (ledger, flow) in self._open_flows:
             return False
         ran_out = self._polls_out.pop((ledger, flow), None)
-        if ran_out is not None and ran_out >= waiting_since:
+        if ran_out is not None and now - ran_out <= ASKED_AGAIN_WITHIN_S:
             return False
         return not any(h.ledger is ledger and h.flow == flow for h in self._held)
 
