@@ -24,6 +24,7 @@ from scheduler.channel import (
     serve_channel,
 )
 from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
+from scheduler.gateway_auth import require_token
 from scheduler.policies import Request
 from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
@@ -246,17 +247,25 @@ def build_app(service: SchedulerService) -> web.Application:
     app[SERVICE_KEY] = service
     app[OPEN_CHANNELS] = weakref.WeakSet()
     app.on_shutdown.append(close_channels)
-    routes = [
+    # The decision API: with --gateway-token, only callers that send it (scheduler/gateway_auth.py).
+    decisions = [
         ("POST", "/v1/schedule", schedule),
         ("POST", "/v1/release", release),
         ("POST", "/v1/prefilled", prefilled),
         ("POST", "/v1/renew", renew),
         ("POST", "/v1/batch", batch),
         ("GET", "/v1/channel", channel),
+        ("POST", "/v1/workers/{worker_id}/failure", worker_failure),
+    ]
+    token = service.cfg.gateway_token
+    if token:
+        decisions = [(method, path, require_token(handler, token)) for method, path, handler in decisions]
+    routes = [
+        *decisions,
+        # Read-only (GET /v1/workers, /health, /metrics: Prometheus) or with a token of their own.
         ("GET", "/v1/workers", list_workers),
         ("POST", "/v1/workers", register_worker),
         ("DELETE", "/v1/workers/{worker_id}", delete_worker),
-        ("POST", "/v1/workers/{worker_id}/failure", worker_failure),
         ("GET", "/health", health),
         ("GET", "/metrics", metrics),
     ]

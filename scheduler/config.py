@@ -34,6 +34,12 @@ class SchedulerConfig(BaseSettings):
     # Discovery
     workers: str = Field("", description="static worker URLs, comma-separated")
     registration_token: str | None = Field(None, description="shared token for POST /v1/workers")
+    # Why: whoever reaches the decision API can take leases or take any worker out of rotation
+    # with a failure report; the gateways send this token (their --scheduler-token).
+    gateway_token: str | None = Field(
+        None, description="shared token the gateways must send (Authorization: Bearer) on the "
+        "decision API: schedule, release, prefilled, renew, /v1/batch, /v1/channel and failure "
+        "reports (else 401); unset: no check. GET /v1/workers, /health and /metrics stay open")
     # Finite: an infinite TTL went out as the registration answer's heartbeat_interval_s,
     # `Infinity`, which is no JSON.
     registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
@@ -151,7 +157,7 @@ class SchedulerConfig(BaseSettings):
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
 
-    @field_validator("registration_token")
+    @field_validator("registration_token", "gateway_token")
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)
