@@ -79,7 +79,8 @@ class Gateway:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         if cfg.scheduler:
-            self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000)
+            self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000,
+                                          token=cfg.scheduler_token)
         self.sched = Scheduling(
             self.client,
             self.fallback,
@@ -95,7 +96,8 @@ class Gateway:
         )
         if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
             self.sched.pipe = SchedulerPipe(
-                cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel
+                cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel,
+                token=cfg.scheduler_token,
             )
         self.sched.start(self.session)
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)

@@ -44,6 +44,10 @@ class RouterConfig(BaseSettings):
     scheduler: str | None = Field(None, description="scheduler base URL, e.g. http://127.0.0.1:8090")
     workers: str = Field("", description="comma-separated worker URLs always usable in fallback mode")
     scheduler_timeout_ms: int = Field(2000, ge=10, description="timeout of one scheduler call")
+    scheduler_token: str | None = Field(
+        None, description="Bearer token sent on every call to the scheduler (its --gateway-token); "
+        "a token it refuses (401) is logged as an ERROR and the gateway serves by round robin "
+        "until the scheduler takes it")
     scheduler_pipelining: bool = Field(
         True,
         description="batch each loop iteration's schedule/release calls into one message on one "
@@ -194,7 +198,7 @@ class RouterConfig(BaseSettings):
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
 
-    @field_validator("admin_token", "upstream_api_key")
+    @field_validator("admin_token", "upstream_api_key", "scheduler_token")
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)

@@ -23,8 +23,11 @@ one, e.g. for A/B measurements) tries "ws" and falls back to "http".
 
 Long-polls (wait_ms > 0) must not hold up the pipeline, so they, /v1/workers, health
 probes and failure reports keep using `scheduler.client.SchedulerClient`.
-Errors mean the same as there: UnknownModelError (404), SchedulerRequestError (other
-4xx), SchedulerUnavailableError (connection failure, timeout, 5xx other than "wait").
+Errors mean the same as there: UnknownModelError (404), SchedulerAuthError (401/403: the
+token refused, on a call or at the channel's upgrade), SchedulerRequestError (other 4xx),
+SchedulerUnavailableError (connection failure, timeout, 5xx other than "wait").
+With a token (--scheduler-token), every request written here carries it: the header is part
+of the prebuilt request heads, so it costs nothing per call.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ from router.sched_wire import (
     _WsPipe,
     ws_frame,
 )
-from scheduler.client import SchedulerRequestError, SchedulerUnavailableError, UnknownModelError
+from scheduler.client import (
+    SchedulerRequestError,
+    SchedulerUnavailableError,
+    UnknownModelError,
+    raise_for_auth,
+)
 from scheduler.protocol import CLIENT_LEFT
 
 log = logging.getLogger("router.sched_pipe")
@@ -73,7 +81,8 @@ def orphan_release(lease_id: str) -> dict:
 
 
 class SchedulerPipe:
-    def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto") -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto",
+                 token: str | None = None) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"the pipelined channel needs an http:// scheduler URL, got {base_url!r}")
@@ -84,22 +93,24 @@ class SchedulerPipe:
         prefix = u.path.rstrip("/").encode()
         self.timeout_s = timeout_s
         host_hdr = f"{self.host}:{self.port}".encode()
-        self._schedule_head = (
-            b"POST "
-            + prefix
-            + b"/v1/schedule HTTP/1.1\r\nHost: "
-            + host_hdr
-            + b"\r\nContent-Type: application/json\r\nContent-Length: "
-        )
-        self._release_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/release")
-        self._prefilled_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/prefilled")
-        self._renew_head = self._schedule_head.replace(b"/v1/schedule", b"/v1/renew")
+        # UTF-8, as the scheduler reads it (aiohttp decodes header bytes as UTF-8).
+        auth = b"\r\nAuthorization: Bearer " + token.encode() if token else b""
+
+        def head(path: bytes) -> bytes:
+            return (b"POST " + prefix + path + b" HTTP/1.1\r\nHost: " + host_hdr + auth
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: ")
+
+        self._schedule_head = head(b"/v1/schedule")
+        self._release_head = head(b"/v1/release")
+        self._prefilled_head = head(b"/v1/prefilled")
+        self._renew_head = head(b"/v1/renew")
         key = base64.b64encode(os.urandom(16))
         self._upgrade = (
             b"GET "
             + prefix
             + b"/v1/channel HTTP/1.1\r\nHost: "
             + host_hdr
+            + auth
             + b"\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: "
             + key
             + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
@@ -235,6 +246,7 @@ class SchedulerPipe:
             message = _error_message(raw)
         if status == 404:
             raise UnknownModelError(message)
+        raise_for_auth(status, message)
         if 400 <= status < 500:
             raise SchedulerRequestError(f"scheduler answered {status}: {message}")
         raise SchedulerUnavailableError(f"scheduler answered {status}: {message}")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import from_json
 
-from scheduler.client import SchedulerUnavailableError
+from scheduler.client import SchedulerAuthError, SchedulerUnavailableError
 
 if TYPE_CHECKING:
     from router.sched_pipe import SchedulerPipe
@@ -196,7 +196,10 @@ class _WsPipe(_ChannelProtocol):
             del buf[: end + 4]
             status = int(head[9:12]) if head.startswith(b"HTTP/1.") and head[9:12].isdigit() else 0
             if status != 101:
-                cls = _NoChannel if 400 <= status < 500 else SchedulerUnavailableError
+                # 401/403: our token refused. Not "no channel": pipelined HTTP would be refused
+                # too, and the gateway must say why it cannot schedule (router/scheduling.py).
+                cls = (SchedulerAuthError if status in (401, 403)
+                       else _NoChannel if 400 <= status < 500 else SchedulerUnavailableError)
                 self.abort(cls(f"scheduler answered the channel upgrade with {status or head[:40]!r}"))
                 return
             self.handshake.set_result(None)

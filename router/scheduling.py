@@ -8,6 +8,11 @@ Scheduler availability is one shared state per gateway process:
   switches to fallback mode (round robin over last-known healthy workers).
 - The probe (GET /health every --scheduler-probe-ms) switches back the moment the
   scheduler answers. Both switch durations are logged and exported.
+- A scheduler that refuses the gateway's token (401/403: --scheduler-token is not its
+  --gateway-token) counts as unavailable, not as a bad request: every client's request got a
+  400 instead. The switch is the same, with one ERROR that names the 401 when it is first
+  seen (per switch, not per request), and the probe then also asks whether the token is
+  taken (an empty batch call: /health takes no token), so round robin lasts until it is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueTimeout
 from router.sched_pipe import SchedulerPipe, orphan_release
 from scheduler.client import (
+    SchedulerAuthError,
     SchedulerClient,
     SchedulerError,
     SchedulerUnavailableError,
@@ -99,6 +105,9 @@ class Scheduling:
         # A schedule call failed since the scheduler was marked down: then only a call that
         # succeeds ends the wait for the switch, not the /health probe (see _probe_loop).
         self._calls_failed = False
+        # The scheduler refused our token since scheduled routing last worked: logged once, and
+        # the probe brings scheduled routing back only once the token is taken.
+        self.token_refused = False
         self._refresher: asyncio.Task | None = None
         self._static: asyncio.Task | None = None
         self.worker_views: list[dict] = []  # last /v1/workers answer (healthy ones)
@@ -418,6 +427,15 @@ class Scheduling:
         not when the client gave up on it: a hung scheduler's calls fail only at the client
         timeout (--scheduler-timeout-ms), and counting from then put the switch to round robin
         that much past --wait-schedule-timeout-ms."""
+        refused = isinstance(exc, SchedulerAuthError)
+        if refused and not self.token_refused:
+            # Checked before the clock (which a plain outage may have started): a wrong token
+            # is a configuration error that no retry mends, so it is said as an ERROR, once.
+            self.token_refused = True
+            log.error("scheduler refused this gateway's token (%s): set --scheduler-token "
+                      "(ROUTER_SCHEDULER_TOKEN) to the scheduler's --gateway-token; serving by "
+                      "round robin (after %.0f ms) until it takes the token", exc,
+                      self.wait_timeout_s * 1000)
         if self.down_since is not None:
             return
         now = time.monotonic()
@@ -434,6 +452,8 @@ class Scheduling:
                         "after %.0f s of healthy probes", exc, self._flaps.hold_s)
             self._enter_fallback(0.0)
             return
+        if refused:
+            return  # said above, as an ERROR
         log.warning(
             "scheduler unreachable (%s); retrying every %.0f ms, fallback after %.0f ms",
             exc,
@@ -457,13 +477,15 @@ class Scheduling:
         self.metrics.mode_switches.labels("fallback").inc()
         self.metrics.mode_switch_seconds.labels("fallback").set(elapsed)
         log.warning(
-            "fallback mode ON: round robin over %d known workers (%.0f ms after the first failure)",
+            "fallback mode ON: round robin over %d known workers (%.0f ms after the first failure)%s",
             len(self.fallback.workers),
             elapsed * 1000,
+            " (the scheduler refuses our token: 401)" if self.token_refused else "",
         )
 
     def _scheduler_back(self, probe_started: float | None = None) -> None:
         was_fallback = self.fallback_active
+        self.token_refused = False
         down_for = time.monotonic() - (self.down_since or time.monotonic())
         self.down_since = None
         if self._fallback_timer is not None:
@@ -506,6 +528,11 @@ class Scheduling:
                 # ending it here restarted the clock at every probe, and a scheduler that
                 # fails every call held each request until its client gave up.
                 routable_since = None
+            elif self.token_refused and not await self.client.token_accepted():
+                # Its /health answers (it takes no token) while our token is refused: every
+                # call would fail again, and the return would only flap.
+                routable_since = None
+                last_failed = time.monotonic()
             else:
                 routable_since = routable_since or t0
                 # After a flap, only once it has stayed routable a while (router/flap_guard.py).

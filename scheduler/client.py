@@ -11,6 +11,10 @@ Errors:
 - `UnknownModelError`: no known worker serves the model (HTTP 404).
 - `SchedulerUnavailableError`: connection failure, timeout, or a 5xx that is not
   the scheduler's "wait" answer. The gateway falls back to round robin on it.
+- `SchedulerAuthError` (a `SchedulerUnavailableError`): the scheduler refused the gateway's
+  token (401/403: its --gateway-token and our --scheduler-token differ). Unavailable, not a
+  bad request: no request of a client can be served by it, so the gateway falls back to round
+  robin (router/scheduling.py logs why, as an ERROR) instead of failing every request.
 - `SchedulerRequestError`: the scheduler rejected the request (other 4xx).
 """
 
@@ -44,6 +48,22 @@ class UnknownModelError(SchedulerError):
 
 class SchedulerUnavailableError(SchedulerError):
     """The scheduler could not be reached or failed (connection error, timeout, 5xx)."""
+
+
+class SchedulerAuthError(SchedulerUnavailableError):
+    """The scheduler refused our token (401 or 403): a configuration error, not an outage."""
+
+
+def raise_for_auth(status: int, message: str) -> None:
+    """SchedulerAuthError for a 401/403 answer (shared with router/sched_pipe.py)."""
+    if status in (401, 403):
+        raise SchedulerAuthError(f"scheduler answered {status} (its --gateway-token refused our "
+                                 f"--scheduler-token): {message}")
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The Authorization header that carries the gateway token, or none."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class SchedulerRequestError(SchedulerError):
@@ -91,8 +111,12 @@ class SchedulerClient:
         *,
         timeout_s: float = 2.0,
         session: aiohttp.ClientSession | None = None,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Built once: every call sends the same headers (token: the scheduler's --gateway-token).
+        self._get_headers = auth_headers(token)
+        self._post_headers = {**_JSON_HEADERS, **self._get_headers}
         self.timeout_s = timeout_s
         self._session = session
         self._owns_session = session is None
@@ -118,7 +142,7 @@ class SchedulerClient:
         session = self._get_session()
         try:
             async with session.post(
-                url, data=body, headers=_JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                url, data=body, headers=self._post_headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -130,6 +154,7 @@ class SchedulerClient:
             return status, raw
         if status == 404:
             raise UnknownModelError(_error_message(raw))
+        raise_for_auth(status, _error_message(raw))
         if 400 <= status < 500:
             raise SchedulerRequestError(f"scheduler answered {status}: {_error_message(raw)}")
         raise SchedulerUnavailableError(f"scheduler answered {status}: {_error_message(raw)}")
@@ -208,7 +233,8 @@ class SchedulerClient:
         session = self._get_session()
         try:
             async with session.get(
-                self._workers_url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                self._workers_url, headers=self._get_headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -227,7 +253,8 @@ class SchedulerClient:
         session = self._get_session()
         try:
             async with session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                f"{self.base_url}/health", headers=self._get_headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -239,6 +266,16 @@ class SchedulerClient:
         except (ValueError, AttributeError):
             return 1
         return n if isinstance(n, int) and not isinstance(n, bool) else 1
+
+    async def token_accepted(self) -> bool:
+        """Whether the scheduler takes our token now: an empty batch (no operation, nothing
+        changes) answered anything but 401/403. /health, which the probe reads, takes no token,
+        so it cannot tell. False too when the scheduler does not answer."""
+        try:
+            status, _ = await self._post(f"{self.base_url}/v1/batch", b"[]", self.timeout_s)
+        except SchedulerUnavailableError:
+            return False
+        return status not in (401, 403)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
