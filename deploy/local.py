@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free, print_line
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m deploy.local",
         description="Start N inference workers, the scheduler and the gateway on 127.0.0.1.",
+        epilog="SCHEDULER_GATEWAY_TOKEN (or ROUTER_SCHEDULER_TOKEN) in the environment: the token "
+        "the scheduler's decision API then wants, given to the gateway too; unset: none.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--workers", type=int, default=2, help="number of inference workers")
@@ -89,9 +92,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.served_model_name = args.served_model_name or args.model
     try:
         args.admin_token = read_admin_token(args.admin_token_file)
+        args.scheduler_token = read_scheduler_token(os.environ)
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def read_scheduler_token(env: Mapping[str, str]) -> str:
+    """The token the scheduler's decision API wants (its --gateway-token) and the gateway sends
+    (its --scheduler-token): SCHEDULER_GATEWAY_TOKEN, or ROUTER_SCHEDULER_TOKEN, from the
+    launcher's environment; "" for none. One value for both children: each inherited only its
+    own variable, and a token set for one side alone made every scheduler call a 401."""
+    values = {name: (env.get(name) or "").strip()
+              for name in ("SCHEDULER_GATEWAY_TOKEN", "ROUTER_SCHEDULER_TOKEN")}
+    given = {v for v in values.values() if v}
+    if len(given) > 1:
+        raise ValueError("SCHEDULER_GATEWAY_TOKEN and ROUTER_SCHEDULER_TOKEN are both set and differ: "
+                         "the scheduler and the gateway here share one token; set one of them")
+    token = given.pop() if given else ""
+    if any(ch.isspace() or not ch.isprintable() for ch in token):
+        raise ValueError("SCHEDULER_GATEWAY_TOKEN must hold one token (no spaces or control characters)")
+    return token
 
 
 def read_admin_token(path: Path) -> str:
@@ -147,7 +168,10 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
                       json.dumps({"llm_aware": {"max_prefill_backlog": LOCAL_PREFILL_CAP}})]
     if args.max_num_seqs is not None:
         scheduler_argv += ["--worker-max-running", json.dumps({"*": args.max_num_seqs})]
-    scheduler = ServiceSpec("scheduler", scheduler_argv, f"{scheduler_url}/health")
+    # Both always set, in the environment (not on command lines, which the launcher logs and `ps`
+    # shows): "" (no token) overrides one inherited from the launcher's environment.
+    scheduler = ServiceSpec("scheduler", scheduler_argv, f"{scheduler_url}/health",
+                            {"SCHEDULER_GATEWAY_TOKEN": args.scheduler_token})
     gateway = ServiceSpec(
         "gateway",
         [py, "-m", "router", "--host", HOST, "--port", str(args.gateway_port),
@@ -155,7 +179,8 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
         f"http://{HOST}:{args.gateway_port}/health",
         # In its environment, not on its command line, which the launcher logs and `ps` shows.
         # Always set: "" (no token) overrides one inherited from the launcher's environment.
-        {"HF_HUB_OFFLINE": "1", "ROUTER_ADMIN_TOKEN": args.admin_token},
+        {"HF_HUB_OFFLINE": "1", "ROUTER_ADMIN_TOKEN": args.admin_token,
+         "ROUTER_SCHEDULER_TOKEN": args.scheduler_token},
     )
     return workers, scheduler, gateway
 

@@ -56,18 +56,20 @@ class LocalStack:
 
 
 def start_stack(workers: int = 2, extra: tuple[str, ...] = (),
-                admin_token_file: str = os.devnull) -> LocalStack:
+                admin_token_file: str = os.devnull, scheduler_token: str = "") -> LocalStack:
     """The launcher on free ports. Its admin token comes from `admin_token_file` (none by default),
-    never from the developer's deploy/prometheus/gateway-admin-token or ROUTER_ADMIN_TOKEN."""
+    never from the developer's deploy/prometheus/gateway-admin-token or ROUTER_ADMIN_TOKEN; its
+    scheduler's gateway token is `scheduler_token` ("" for none), never one of the developer's."""
     gateway_port, scheduler_port = free_ports(2)
     base = consecutive_free_ports(workers)
     argv = [sys.executable, "-m", "deploy.local", "--backend", "sim", "--workers", str(workers),
             "--gateway-port", str(gateway_port), "--scheduler-port", str(scheduler_port),
             "--base-worker-port", str(base), "--startup-timeout", "120", "--grace-period", "5",
             "--admin-token-file", admin_token_file, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "ROUTER_ADMIN_TOKEN"}
+    inherited = ("ROUTER_ADMIN_TOKEN", "SCHEDULER_GATEWAY_TOKEN", "ROUTER_SCHEDULER_TOKEN")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**env, "HF_HUB_OFFLINE": "1"})
+                            env={**env, "HF_HUB_OFFLINE": "1", "SCHEDULER_GATEWAY_TOKEN": scheduler_token})
     stack = LocalStack(proc, gateway_port, scheduler_port, list(range(base, base + workers)),
                        admin_token=Path(admin_token_file).read_text().strip())
 

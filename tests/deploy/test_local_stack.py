@@ -3,7 +3,8 @@ traffic through the gateway with the official openai client, the shipped dashboa
 alerts' metric names against the live /metrics, a real Prometheus scraping the stack with the
 shipped config and rules, and Ctrl-C stopping every child. The tests of this module share one
 stack and run in file order; the last one stops it. Its gateway has an admin token (from the
-launcher's --admin-token-file), which the shipped prometheus.yml must send.
+launcher's --admin-token-file), which the shipped prometheus.yml must send, and its scheduler a
+gateway token (from the launcher's SCHEDULER_GATEWAY_TOKEN), which the gateway must send.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 ADMIN_TOKEN = "local-stack-admin-0123456789"
+SCHEDULER_TOKEN = "local-stack-scheduler-9876543210"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def token_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(token_dir):
     stack = start_stack(workers=2, extra=("--max-num-seqs", "32"),
-                        admin_token_file=str(token_dir / "gateway-admin-token"))
+                        admin_token_file=str(token_dir / "gateway-admin-token"),
+                        scheduler_token=SCHEDULER_TOKEN)
     try:
         wait_ready(stack)
         yield stack
@@ -126,6 +129,17 @@ def test_completions_through_the_gateway(stack):
         assert [m.id for m in c.models.list().data] == ["smollm2"]
     # The gateway's access log line made it through the launcher's log forwarding.
     assert stack.wait_for_line("[gateway]", 5)
+
+
+def test_the_scheduler_wants_the_launchers_token_and_the_gateway_sends_it(stack):
+    body = {"model": "smollm2", "prompt_tokens": 1}
+    r = httpx.post(f"{stack.scheduler}/v1/schedule", json=body, timeout=10, trust_env=False)
+    assert r.status_code == 401, r.text
+    # The requests above were scheduled, not served by round robin after 401s.
+    mode = [line for line in scrape(stack, stack.gateway).splitlines()
+            if line.startswith("router_fallback_mode ")]
+    assert mode and float(mode[0].split()[1]) == 0, mode
+    assert SCHEDULER_TOKEN not in stack.output()
 
 
 def test_every_metric_in_dashboards_and_alerts_is_exposed_by_the_stack(stack):
