@@ -243,8 +243,27 @@ def test_raw_gateway_monitor_sends_the_admin_token_the_gateway_reads():
     [container] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
     # Optional: without the Secret the gateway starts, with no keys and no token.
     refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"]]
-    assert {r["key"] for r in refs} == {"api-keys", "admin-token"}
+    assert {r["key"] for r in refs} == {"api-keys", "admin-token", "gateway-token"}
     assert all(r["optional"] is True for r in refs)
+
+
+def _secret_refs(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_raw_scheduler_and_gateways_read_one_gateway_token():
+    """The scheduler's decision API token and the one every gateway sends come from the same
+    Secret key, optional on both sides (without the Secret: no token, as before)."""
+    objs = raw_objects()
+    [scheduler] = find(objs, "Deployment", "llm-scheduler")["spec"]["template"]["spec"]["containers"]
+    [gateway] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
+    ref = {"name": "llm-scheduler-auth", "key": "gateway-token", "optional": True}
+    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
+    assert _secret_refs(gateway)["ROUTER_SCHEDULER_TOKEN"] == ref
+    # Variables each service's config really reads (a Secret from a file: its last newline).
+    assert "gateway_token" in SchedulerConfig.model_fields
+    assert "scheduler_token" in RouterConfig.model_fields
 
 
 # ---------------------------------------------------------------- Helm chart, statically
@@ -407,6 +426,36 @@ def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admi
     check_monitors(keys_only, token_sent=False)
     [gateway] = find(render(None), "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
     assert "env" not in gateway  # no Secret named: no auth, and no reference to a missing Secret
+
+
+def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monkeypatch):
+    """scheduler.auth.secret: the scheduler reads its gateway token from the Secret, and the
+    gateways send the same key; with gateway.auth beside it, the gateway reads all three."""
+    objs = render({"scheduler": {"auth": {"secret": "sched-auth"}},
+                   "gateway": {"auth": {"secret": "llm-gateway-auth", "adminToken": True}}})
+    check_cluster(objs, "prod", "llm")
+    [scheduler] = find(objs, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]["containers"]
+    [gateway] = find(objs, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    ref = {"name": "sched-auth", "key": "gateway-token"}
+    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
+    assert _secret_refs(gateway) == {
+        "ROUTER_API_KEYS": {"name": "llm-gateway-auth", "key": "api-keys"},
+        "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"},
+        "ROUTER_SCHEDULER_TOKEN": ref}
+    assert "gateway_token" not in config_of(objs, "prod", "scheduler")  # never in the ConfigMap
+    # What each service makes of the variables, as a Secret made from a file holds them.
+    monkeypatch.setenv("SCHEDULER_GATEWAY_TOKEN", "tok-1\n")
+    monkeypatch.setenv("ROUTER_SCHEDULER_TOKEN", "tok-1\n")
+    assert SchedulerConfig().gateway_token == RouterConfig(workers="http://w:1").scheduler_token == "tok-1"
+    assert validate_against_kubernetes_schemas(objs) > 0
+
+    # The scheduler's token alone: the gateway reads only that.
+    alone = render({"scheduler": {"auth": {"secret": "sched-auth"}}})
+    [gateway] = find(alone, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    assert _secret_refs(gateway) == {"ROUTER_SCHEDULER_TOKEN": ref}
+    # None named (the default): no token, and no reference to a missing Secret.
+    [scheduler] = find(render(None), "Deployment", "prod-scheduler")["spec"]["template"]["spec"]["containers"]
+    assert "env" not in scheduler
 
 
 # ---------------------------------------------------------------- official Kubernetes schemas

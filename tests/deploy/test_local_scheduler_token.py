@@ -1,12 +1,14 @@
-"""The local launcher gives the scheduler and the gateway one gateway token (or none)."""
+"""The local launcher and compose give the scheduler and the gateway one gateway token (or none)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy.local import build_specs, parse_args
+from tests.deploy.helpers import DEPLOY
 
 
 def _specs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]):
@@ -42,3 +44,11 @@ def test_two_different_tokens_stop_the_launcher(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "differ" in err
     assert "tok-aaa" not in err and "tok-bbb" not in err
+
+
+def test_compose_gives_the_scheduler_and_the_gateway_the_same_token():
+    services = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
+    scheduler = services["scheduler"]["environment"]["SCHEDULER_GATEWAY_TOKEN"]
+    gateway = services["gateway"]["environment"]["ROUTER_SCHEDULER_TOKEN"]
+    # One shell variable for both; unset: empty, which both take as no token.
+    assert scheduler == gateway == "${SCHEDULER_GATEWAY_TOKEN:-}"
