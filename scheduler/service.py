@@ -1,21 +1,15 @@
 """The decision core: candidates for a request, the policy's pick, leases, and holding
 requests while every candidate is saturated (woken by events, never by polling).
 
-Held calls are woken, when something may have freed room, in the order of their priorities
-(the gateway queue's, lower first: ScheduleRequest.priority). Within a priority, a model's
-calls go in the order of their flows' token counters (scheduler/fair_share.py: the tenant
-served the fewest weighted tokens over every gateway's traffic first), arrival order among
-equals and for calls without a flow (the request's place in its gateway's queue:
-ScheduleRequest.queue_place_ms, so a long poll that ran out and is asked again keeps its place);
-calls of different models keep their arrival order between them (their counters do not
-compare). Each gateway sends only the head of its own queue (or its best few: --queue-askers),
-so this orders the replicas' heads: without it a tenant alone on one replica got one turn per
-request against the tenants of the others, whatever its requests cost."""
+Held calls are woken when something may have freed room, in the order scheduler/held_calls.py
+gives them (priority, then each model's flows' token counters, then the requests' places in
+their gateways' queues). Each gateway sends only the head of its own queue (or its best few:
+--queue-askers), so this orders the replicas' heads: without it a tenant alone on one replica
+got one turn per request against the tenants of the others, whatever its requests cost."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import Counter
@@ -23,6 +17,7 @@ from collections import Counter
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FlowLedger
 from scheduler.health import HALF_OPEN
+from scheduler.held_calls import HeldCalls
 from scheduler.leases import Lease, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
@@ -42,10 +37,6 @@ CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
 # Why a policy counts a worker saturated (WorkerState.saturated), when that keeps every request
 # off it: all but "kv_usage", which room held for a follow-up may get past (_claim).
 _NO_PLACE = frozenset({"waiting", "running", "running_cap", "prefill_backlog"})
-# Flows whose last held call ran out, kept at most (SchedulerService._polls_out).
-POLLS_OUT_KEPT = 4096
-# A call of a flow whose last held call ran out this recently is that flow asking again.
-ASKED_AGAIN_WITHIN_S = 1.0
 
 
 class Wait:
@@ -56,27 +47,6 @@ class Wait:
     def __init__(self, retry_after_ms: int, reason: str) -> None:
         self.retry_after_ms = retry_after_ms
         self.reason = reason
-
-
-class _Held:
-    """A schedule call held until something may have freed room."""
-
-    __slots__ = ("arrival", "flow", "future", "ledger", "priority")
-
-    def __init__(self, arrival: tuple[float, int], ledger: FlowLedger | None, flow: str | None,
-                 priority: int = 0) -> None:
-        # Arrival order: its request's place in its gateway's queue (time.monotonic(): when it
-        # arrived there, later by its prompt's weight in a shortest-first queue), then the
-        # call's number.
-        self.arrival = arrival
-        self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
-        self.flow = flow
-        self.priority = priority
-        self.future: asyncio.Future | None = None
-
-    def turn(self) -> tuple[int, float, tuple[float, int]]:
-        served = self.ledger.served(self.flow) if self.ledger is not None else 0.0
-        return (self.priority, served, self.arrival)
 
 
 class SchedulerService:
@@ -90,16 +60,11 @@ class SchedulerService:
         self.metrics = metrics or SchedulerMetrics(self)
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
-        # Held calls waiting for the next event that may free room, in the order they were held.
-        self._held: list[_Held] = []
-        self._held_seq = itertools.count()
+        self.held = HeldCalls()  # calls waiting for the next event that may free room
         self._ledgers: dict[str, FlowLedger] = {}  # by model key: the flows' token counters
         # Open leases per (counters, flow): a flow with requests running is not arriving anew
         # when its gateway's next request asks, so it is not lifted then (see schedule()).
         self._open_flows: Counter[tuple[FlowLedger, str]] = Counter()
-        # Per (counters, flow): when its last held call ran out unplaced. Its gateway asks
-        # again for the same request at once, which is the flow still waiting, not arriving.
-        self._polls_out: dict[tuple[FlowLedger, str], float] = {}
         # Workers on probation: each gets one trial request before any policy choice.
         self.half_open: set[str] = set()
         # model -> routable workers serving it; rebuilt lazily after any health or membership
@@ -116,19 +81,9 @@ class SchedulerService:
     # ---- events that can free capacity -----------------------------------------------
 
     def capacity_changed(self) -> None:
-        """Wake the held calls. Each decides again as it resumes, in the order woken (tasks
-        resume in the order their futures complete), and waits again if still saturated."""
-        held = self._held
-        if not held:
-            return
-        self._held = []
-        if any(h.ledger is not None for h in held):
-            held = _fair_order(held)
-        if any(h.priority for h in held):
-            held = sorted(held, key=_priority_of)  # stable: each priority keeps the order above
-        for h in held:
-            if h.future is not None and not h.future.done():
-                h.future.set_result(None)
+        """Wake the held calls. Each decides again as it resumes, in the order woken, and waits
+        again if still saturated."""
+        self.held.wake_all()
 
     def _ledger_of(self, req: Request) -> FlowLedger | None:
         """The counters of the request's model (or LoRA, as decide() routes it), when it
@@ -370,65 +325,45 @@ class SchedulerService:
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
-        held = _Held((now - queue_place_ms / 1000.0, next(self._held_seq)), ledger, req.flow,
-                     req.priority)
+        held = self.held.new(now, queue_place_ms, ledger, req.flow, req.priority)
         if ledger is not None and self._idle(ledger, req.flow, now):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:
             # each gateway asks for its queue's head only, so a busy tenant's next request
             # asks anew after each placement, and lifting it then to the heavy tenant's counter
             # would undo every turn it had.
-            ledger.lift(req.flow, (h.flow for h in self._held if h.ledger is ledger))
-        loop = asyncio.get_running_loop()
-        # A request asking again (its last poll ran out) goes ahead of the calls held since it
-        # arrived; woken and still waiting, a call goes back in the order woken (its turn).
-        first = next((i for i, h in enumerate(self._held) if h.arrival > held.arrival), None)
+            ledger.lift(req.flow, self.held.flows_held(ledger))
+        # At its request's place first; woken and still waiting, back in the order woken.
+        at = self.held.place_of(held)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.wait_done(False, time.monotonic() - now)
                 if ledger is not None:
-                    self._poll_ran_out(ledger, req.flow)
+                    self.held.poll_ran_out(ledger, req.flow)
                 return out
-            held.future = loop.create_future()
-            if first is None:
-                self._held.append(held)
-            else:
-                self._held.insert(first, held)
-                first = None
+            woken = self.held.hold(held, at)
+            at = None
             try:
-                await asyncio.wait([held.future], timeout=remaining)
+                await asyncio.wait([woken], timeout=remaining)
             except asyncio.CancelledError:
                 # The caller hung up (the HTTP handler is cancelled): deciding later would hand
                 # a lease to nobody, counted as load on a worker until it expired.
-                self._unhold(held)
+                self.held.unhold(held)
                 self.metrics.wait_cancelled(time.monotonic() - now)
                 raise
-            self._unhold(held)  # woken (it left the list then) or timed out (it is still in it)
+            self.held.unhold(held)
             out = self.decide(req, time.monotonic())
             if not isinstance(out, Wait):
                 self.metrics.wait_done(True, time.monotonic() - now)
                 return out
 
     def _idle(self, ledger: FlowLedger, flow: str, now: float) -> bool:
-        """Whether the flow arrives now: nothing of it runs or is held here, and no call of it
-        ran out just before (then its gateway is asking again, at once, for a request that
-        waits on)."""
+        """Whether the flow arrives now: nothing of it runs here, and it is not waiting (a call
+        held, or one that ran out just before: its gateway asks again at once)."""
         if (ledger, flow) in self._open_flows:
             return False
-        ran_out = self._polls_out.pop((ledger, flow), None)
-        if ran_out is not None and now - ran_out <= ASKED_AGAIN_WITHIN_S:
-            return False
-        return not any(h.ledger is ledger and h.flow == flow for h in self._held)
-
-    def _poll_ran_out(self, ledger: FlowLedger, flow: str) -> None:
-        now = time.monotonic()
-        if len(self._polls_out) >= POLLS_OUT_KEPT:
-            # Calls not asked again (their requests left): a gateway asks again at once.
-            self._polls_out = {k: t for k, t in self._polls_out.items() if now - t < 60.0}
-            if len(self._polls_out) >= POLLS_OUT_KEPT:
-                self._polls_out.clear()  # at worst, flows asking again are lifted as before
-        self._polls_out[ledger, flow] = now
+        return not self.held.waiting(ledger, flow, now)
 
     def _lease_ended(self, lease: Lease) -> None:
         """Released, handed off, expired or dropped with its worker: its flow has one request
@@ -442,11 +377,6 @@ class SchedulerService:
             self._open_flows[key] = left
         else:
             del self._open_flows[key]
-
-    def _unhold(self, held: _Held) -> None:
-        if held.future is not None and not held.future.done():
-            held.future.cancel()
-            self._held.remove(held)
 
     # ---- lease ends and failure reports -------------------------------------------------
 
@@ -557,17 +487,3 @@ class SchedulerService:
     def workers_view(self) -> list[dict]:
         now = time.monotonic()
         return [w.view(now) for w in self.registry.workers.values()]
-
-
-def _priority_of(held: _Held) -> int:
-    return held.priority
-
-
-def _fair_order(held: list[_Held]) -> list[_Held]:
-    """Each model's calls in their flows' order, in the places its calls had in arrival order
-    (a model's counters say nothing about another model's)."""
-    by_ledger: dict[FlowLedger | None, list[_Held]] = {}
-    for h in held:
-        by_ledger.setdefault(h.ledger, []).append(h)
-    turns = {ledger: iter(sorted(calls, key=_Held.turn)) for ledger, calls in by_ledger.items()}
-    return [next(turns[h.ledger]) for h in held]

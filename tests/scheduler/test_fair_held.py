@@ -194,11 +194,11 @@ def test_a_call_that_times_out_or_is_cancelled_leaves_the_held_list():
         assert isinstance(out, Wait)
         task = asyncio.create_task(svc.schedule(Request("m", 10, 10, flow="b"), wait_ms=5000))
         await asyncio.sleep(0.01)
-        assert len(svc._held) == 1
+        assert len(svc.held) == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert svc._held == []
+        assert len(svc.held) == 0
 
     asyncio.run(scenario())
 
