@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -187,6 +188,15 @@ def test_queue_timeout_gets_429(cluster):
         g.stop()
 
 
+def _timed_poster(gw: str, finished: dict[str, float]) -> Callable[[str, dict], int]:
+    """post(name, body) to `gw`: its status, and when its answer came noted in `finished`."""
+    def post(name: str, body: dict) -> int:
+        status = _post(gw, body).status_code
+        finished[name] = time.monotonic()
+        return status
+    return post
+
+
 def _wait_queued(gw: str, n: int, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while httpx.get(gw + "/admin/state").json()["queued"] < n:
@@ -254,11 +264,7 @@ def test_among_several_askers_freed_room_goes_to_the_better_priority(cluster):
     # order), which would hide the order under test.
     g, gu = start_gateway("--scheduler", scheduler, "--queue-askers", "2", "--schedule-wait-ms", "20000")
     finished: dict[str, float] = {}
-
-    def post(name: str, body: dict) -> int:
-        status = _post(gu, body).status_code
-        finished[name] = time.monotonic()
-        return status
+    post = _timed_poster(gu, finished)
 
     try:
         with ThreadPoolExecutor(5) as ex:
@@ -288,21 +294,16 @@ def test_a_request_that_asks_again_keeps_its_place_among_the_held_calls(cluster)
     ga, gau = start_gateway("--scheduler", scheduler, "--schedule-wait-ms", "300")
     gb, gbu = start_gateway("--scheduler", scheduler, "--schedule-wait-ms", "20000")
     finished: dict[str, float] = {}
-
-    def post(name: str, gw: str, body: dict) -> int:
-        status = _post(gw, body).status_code
-        finished[name] = time.monotonic()
-        return status
+    post, post_a, post_b = (_timed_poster(gw, finished) for gw in (cluster, gau, gbu))
 
     try:
         with ThreadPoolExecutor(4) as ex:
-            running = [ex.submit(post, "short", cluster, SLOW),
-                       ex.submit(post, "long", cluster, {**SLOW, "max_tokens": 450})]
+            running = [ex.submit(post, "short", SLOW), ex.submit(post, "long", {**SLOW, "max_tokens": 450})]
             _wait_leases(scheduler, 2)
-            queued = [ex.submit(post, "early", gau, SLOW)]
+            queued = [ex.submit(post_a, "early", SLOW)]
             _wait_queued(gau, 1)
             time.sleep(0.15)
-            queued.append(ex.submit(post, "late", gbu, SLOW))
+            queued.append(ex.submit(post_b, "late", SLOW))
             _wait_queued(gbu, 1)
             assert [f.result() for f in running + queued] == [200] * 4
         assert finished["early"] < finished["late"]
@@ -321,11 +322,7 @@ def test_askers_keep_their_queues_shortest_first_order_at_the_scheduler(cluster)
     g, gu = start_gateway("--scheduler", scheduler, "--queue-askers", "2", "--schedule-wait-ms", "20000",
                           "--queue-ms-per-prompt-token", "50")
     finished: dict[str, float] = {}
-
-    def post(name: str, body: dict) -> int:
-        status = _post(gu, body).status_code
-        finished[name] = time.monotonic()
-        return status
+    post = _timed_poster(gu, finished)
 
     try:
         with ThreadPoolExecutor(4) as ex:
