@@ -49,6 +49,12 @@ async def _huge_tokenize(base_url: str) -> dict:
         return (await client.post(f"{base_url}/tokenize", content=body)).json()
 
 
+async def _huge_response(base_url: str) -> dict:
+    body = json.dumps({"model": MODEL, "input": [{"role": "user", "content": HUGE_TEXT}]}).encode()
+    async with httpx.AsyncClient(timeout=120) as client:
+        return (await client.post(f"{base_url}/v1/responses", content=body)).json()
+
+
 async def _huge_over_websocket(base_url: str) -> dict:
     message = json.dumps({"model": MODEL, "prompt": HUGE_TEXT, "max_tokens": 1})
     async with aiohttp.ClientSession() as session, session.ws_connect(f"{base_url}/v1/ws") as ws:
@@ -56,7 +62,8 @@ async def _huge_over_websocket(base_url: str) -> dict:
         return json.loads((await ws.receive(timeout=120)).data)
 
 
-@pytest.mark.parametrize("send_huge", [_huge_completion, _huge_chat, _huge_tokenize, _huge_over_websocket])
+@pytest.mark.parametrize("send_huge", [_huge_completion, _huge_chat, _huge_tokenize, _huge_response,
+                                       _huge_over_websocket])
 async def test_a_huge_body_does_not_pause_the_other_streams(
     worker, send_huge: Callable[[str], Awaitable[dict]]
 ) -> None:
