@@ -220,10 +220,6 @@ class AdmissionQueue:
                 for model, ledger in self._ledgers.items()}
         return state
 
-    def place_of(self, arrival: float, prompt_tokens: int) -> float:
-        """A request's place in its flow's line: its arrival, later by its prompt's weight."""
-        return arrival + self.s_per_prompt_token * max(0, prompt_tokens)
-
     def has_waiters(self, model: str) -> bool:
         return bool(self._lines.get(model))
 
@@ -256,7 +252,7 @@ class AdmissionQueue:
                 line.askers[me] = arrival
                 line.last_flow = flow
             else:
-                place = self.place_of(arrival, prompt_tokens)
+                place = arrival + self.s_per_prompt_token * max(0, prompt_tokens)
                 line.push(priority, flow, (place, next(self._tickets), arrival, me))
                 self._waiting[flow] += 1
                 timer = (None if deadline is None else asyncio.get_running_loop().call_later(

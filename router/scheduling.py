@@ -203,7 +203,7 @@ class Scheduling:
             # The scheduler keeps the same counters over every replica's traffic and orders the
             # replicas' held calls by them (scheduler/service.py).
             body["flow"] = flow
-        body.pop("queue_place_ms", None)  # set below, once it queues (a retry's body comes back)
+        body.pop("waited_ms", None)  # set below, once it queues (a retry's body comes back)
         if priority:
             # And by priority before that: this queue's askers (--queue-askers) and the other
             # replicas' compete for the room that frees, as they do in this queue.
@@ -234,7 +234,7 @@ class Scheduling:
         # may be one no worker serves (the counters would keep every name a client makes up).
         if self.fallback_active:
             return self._fallback_pick(model, exclude, pin, pinned_url)
-        place = self.queue.place_of(time.monotonic(), body.get("prompt_tokens") or 0)
+        queued_at = time.monotonic()
         async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow, deadline):
             while True:
                 if self.fallback_active:
@@ -243,10 +243,9 @@ class Scheduling:
                 remaining_ms = int((deadline - now) * 1000)
                 if remaining_ms <= 0:
                     raise QueueTimeout
-                # Its place among the scheduler's held calls is its place in this queue, so
-                # that a poll that ran out and is asked again keeps it, and this queue's askers
-                # keep its order (shortest prompt first) among the other gateways' calls.
-                body["queue_place_ms"] = int((now - place) * 1000)
+                # Its place among the scheduler's held calls is its arrival here, so that a
+                # poll that ran out and is asked again keeps it (scheduler/protocol.py).
+                body["waited_ms"] = int((now - queued_at) * 1000)
                 route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
                 if route is not None:
                     # Charged before it leaves the line: the next turn (chosen as it leaves)

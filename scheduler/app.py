@@ -104,16 +104,16 @@ def parse_schedule(raw: bytes) -> tuple[Request, int, int]:
         raise _validation_error(exc) from None
     if not r.model:
         raise BadRequest("model is required", "model")
-    return request_of(r), r.wait_ms, r.queue_place_ms
+    return request_of(r), r.wait_ms, r.waited_ms
 
 
 async def schedule(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     try:
-        req, wait_ms, queue_place_ms = parse_schedule(await read_body(request))
+        req, wait_ms, waited_ms = parse_schedule(await read_body(request))
     except BadRequest as exc:
         return error_response(400, str(exc), exc.param)
-    out = await svc.schedule(req, wait_ms, queue_place_ms)
+    out = await svc.schedule(req, wait_ms, waited_ms)
     if isinstance(out, dict):
         if caller_gone(request.transport):
             # Nobody to answer (a call read late, its gateway gone meanwhile): the lease back.

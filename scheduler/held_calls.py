@@ -8,10 +8,9 @@ decide gets the room. That order is:
   (scheduler/fair_share.py: the tenant served the fewest weighted tokens over every gateway's
   traffic first), in the places its calls hold in the list (a model's counters say nothing
   about another model's);
-- otherwise the list's order: a call goes in at its request's place in its gateway's queue
-  (ScheduleRequest.queue_place_ms: a long poll that ran out and is asked again keeps it, and a
-  gateway's askers keep their queue's order); woken and still waiting, it goes back in the
-  order woken (its turn).
+- otherwise the list's order: a call goes in at its request's arrival in its gateway's queue
+  (ScheduleRequest.waited_ms: a long poll that ran out and is asked again keeps its place);
+  woken and still waiting, it goes back in the order woken (its turn).
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ class HeldCall:
 
     def __init__(self, arrival: tuple[float, int], ledger: FlowLedger | None, flow: str | None,
                  priority: int = 0) -> None:
-        # Its request's place in its gateway's queue (time.monotonic(): when it arrived there,
-        # later by its prompt's weight in a shortest-first queue), then the call's number.
+        # When its request arrived in its gateway's queue (time.monotonic()), then the call's
+        # number.
         self.arrival = arrival
         self.ledger = ledger  # its model's counters (None: no flow, or fair_share off)
         self.flow = flow
@@ -60,12 +59,12 @@ class HeldCalls:
     def __len__(self) -> int:
         return len(self._held)
 
-    def new(self, now: float, queue_place_ms: int, ledger: FlowLedger | None, flow: str | None,
+    def new(self, now: float, waited_ms: int, ledger: FlowLedger | None, flow: str | None,
             priority: int) -> HeldCall:
-        return HeldCall((now - queue_place_ms / 1000.0, next(self._seq)), ledger, flow, priority)
+        return HeldCall((now - waited_ms / 1000.0, next(self._seq)), ledger, flow, priority)
 
     def place_of(self, call: HeldCall) -> int | None:
-        """Where a new call goes: ahead of the calls held since its request's place (None: at
+        """Where a new call goes: ahead of the calls held since its request arrived (None: at
         the end)."""
         return next((i for i, h in enumerate(self._held) if h.arrival > call.arrival), None)
 

@@ -77,13 +77,13 @@ class ScheduleRequest(BaseModel):
     # gateways' heads, compete for freed room: without it a priority 5 request already asking
     # took room before a priority -1 one asking beside it).
     priority: int = 0
-    # Where the request stands in its gateway's queue, in ms before now: its arrival there (how
-    # long it has waited), less its prompt's weight where the queue serves short prompts first
-    # (--queue-ms-per-prompt-token), so it may be negative. Held calls go in this order, as the
-    # gateways' queues do: a long poll that ends unanswered is asked again and keeps its place
-    # (else a head that re-asks went behind every call held since), and a gateway's askers
-    # (--queue-askers) keep their queue's order, shortest first, not their arrivals'.
-    queue_place_ms: int = Field(0, ge=-86_400_000, le=86_400_000)
+    # How long the request has waited in its gateway's queue. Held calls go in the order their
+    # requests arrived, not their calls: a long poll that ends unanswered is asked again, and
+    # went behind every call held since. Arrival, not the queue's place (arrival plus the
+    # prompt's weight where the queue serves short prompts first): that order holds within a
+    # tenant's flow only, and across replicas without flows (--fair-share requests) it gave
+    # every turn to the replica of short prompts, where arrival order alternates the heads.
+    waited_ms: int = Field(0, ge=0, le=86_400_000)
 
 
 class ScheduleDecision(BaseModel):

@@ -2,7 +2,7 @@
 requests while every candidate is saturated (woken by events, never by polling).
 
 Held calls are woken when something may have freed room, in the order scheduler/held_calls.py
-gives them (priority, then each model's flows' token counters, then the requests' places in
+gives them (priority, then each model's flows' token counters, then the requests' arrivals in
 their gateways' queues). Each gateway sends only the head of its own queue (or its best few:
 --queue-askers), so this orders the replicas' heads: without it a tenant alone on one replica
 got one turn per request against the tenants of the others, whatever its requests cost."""
@@ -315,9 +315,9 @@ class SchedulerService:
         self.metrics.decision_done(out, time.perf_counter() - t0)
         return out
 
-    async def schedule(self, req: Request, wait_ms: int = 0, queue_place_ms: int = 0):
-        """decide(), holding up to wait_ms while the answer is Wait. queue_place_ms: where the
-        request stands in its gateway's queue, ms before now (its place among held calls)."""
+    async def schedule(self, req: Request, wait_ms: int = 0, waited_ms: int = 0):
+        """decide(), holding up to wait_ms while the answer is Wait. waited_ms: how long the
+        request has waited in its gateway's queue (its place among held calls)."""
         now = time.monotonic()
         out = self.schedule_now(req, now)
         if not isinstance(out, Wait) or wait_ms <= 0:
@@ -325,7 +325,7 @@ class SchedulerService:
         deadline = now + wait_ms / 1000.0
         self.metrics.waits.inc()
         ledger = self._ledger_of(req)
-        held = self.held.new(now, queue_place_ms, ledger, req.flow, req.priority)
+        held = self.held.new(now, waited_ms, ledger, req.flow, req.priority)
         if ledger is not None and self._idle(ledger, req.flow, now):
             # The flow arrives: no lower than the flows waiting beside it (no credit banked
             # while away; scheduler/fair_share.py). Not while it has requests running or held:

@@ -110,14 +110,14 @@ def test_with_fair_share_off_each_priority_keeps_its_arrival_order():
 
 
 def test_a_request_asking_again_goes_ahead_of_calls_held_since_it_arrived():
-    """A gateway's long poll runs out and it asks again, saying where its request stands in its
-    queue: the call goes in at that place, not behind every call held since."""
+    """A gateway's long poll runs out and it asks again, saying how long its request has
+    waited: the call goes in at its request's arrival, not behind every call held since."""
     svc, blocker = one_at_a_time(config={"fair_share": False})
 
     async def scenario() -> list[str]:
         names = {}
-        for name, queue_place_ms in (("new1", 0), ("new2", 0), ("old", 5000)):
-            task = asyncio.create_task(svc.schedule(Request("m", 10, 10), 5000, queue_place_ms))
+        for name, waited_ms in (("new1", 0), ("new2", 0), ("old", 5000)):
+            task = asyncio.create_task(svc.schedule(Request("m", 10, 10), 5000, waited_ms))
             names[task] = name
             await asyncio.sleep(0.005)
         order, lease = [], blocker
@@ -140,8 +140,8 @@ def test_a_flow_asking_again_after_its_poll_ran_out_is_not_lifted():
     ledger = svc._ledger_of(Request("m", flow="chat"))
 
     async def scenario() -> tuple[bool, bool, float, float]:
-        def ask(flow: str, wait_ms: int = 5000, queue_place_ms: int = 0) -> asyncio.Task:
-            return asyncio.create_task(svc.schedule(Request("m", 10, 5, flow=flow), wait_ms, queue_place_ms))
+        def ask(flow: str, wait_ms: int = 5000, waited_ms: int = 0) -> asyncio.Task:
+            return asyncio.create_task(svc.schedule(Request("m", 10, 5, flow=flow), wait_ms, waited_ms))
         docs1, docs2 = ask("docs"), ask("docs")
         await asyncio.sleep(0.005)
         started = time.monotonic()
@@ -151,7 +151,7 @@ def test_a_flow_asking_again_after_its_poll_ran_out_is_not_lifted():
         placed = (await asyncio.wait_for(docs1, 2.0))["lease_id"]
         assert isinstance(await chat, Wait)  # its poll ran out: the gateway asks again
         before = ledger.served("chat")
-        chat = ask("chat", queue_place_ms=int((time.monotonic() - started) * 1000))
+        chat = ask("chat", waited_ms=int((time.monotonic() - started) * 1000))
         await asyncio.sleep(0.01)
         after = ledger.served("chat")
         svc.release(placed, True)
