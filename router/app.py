@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import socket
@@ -246,6 +247,15 @@ def build_metrics_app(gw: Gateway) -> web.Application:
     return app
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     gw = Gateway(cfg)
@@ -282,6 +292,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         cfg.scheduler or "none",
         len(cfg.worker_urls),
     )
+    if not gw.keys.enabled and not _loopback(cfg.host):
+        # Not refused (a proxy in front may authenticate), but said: every client that reaches
+        # this address can use the workers.
+        log.warning("no API keys (--api-key-file, ROUTER_API_KEYS) and listening on %s, not "
+                    "loopback: any client that reaches it is served", cfg.host)
     if ready is not None:
         ready.set()
     try:

@@ -186,3 +186,24 @@ def test_help_says_how_the_environment_sets_each_flag(monkeypatch):
     assert r.returncode == 0 and "ROUTER_MAX_QUEUE_SIZE" in r.stdout
     monkeypatch.setenv("ROUTER_MAX_QUEUE_SIZE", "7")  # and it is so
     assert load_router_config(["--scheduler", "http://x"]).max_queue_size == 7
+
+
+def test_a_gateway_open_to_other_hosts_without_api_keys_says_so(tmp_path):
+    """Listening beyond loopback with no API keys serves any client that reaches it: allowed (a
+    proxy in front may authenticate), but said at start-up; on loopback, or with keys, not."""
+    from tests.router.procs import start_echo_worker, start_gateway
+
+    worker, wu = start_echo_worker()
+    keys = tmp_path / "keys"
+    keys.write_text("sk-1\n")
+    try:
+        for extra, warned in ((("--host", "0.0.0.0"), True), ((), False),
+                              (("--host", "0.0.0.0", "--api-key-file", str(keys)), False)):
+            g, _ = start_gateway("--workers", wu, *extra)  # it logs that before it serves /health
+            try:
+                out = g.output()
+            finally:
+                g.stop()
+            assert ("no API keys" in out) == warned, (extra, out[-2000:])
+    finally:
+        worker.stop()
