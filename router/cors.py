@@ -71,13 +71,19 @@ class CorsPolicy:
         return web.Response(status=204, headers=answer)
 
     async def _mark_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        if "Access-Control-Allow-Origin" in response.headers:  # a preflight's answer: done
+            return
+        if not self.any_origin:
+            # Whether it carries Access-Control-Allow-Origin depends on the request's Origin, for
+            # every answer (one to another origin, or to none, included): else a shared cache
+            # may keep the unmarked one and serve it to a listed origin's page, which then sees
+            # only "failed to fetch".
+            response.headers.add("Vary", "Origin")
         origin = request.headers.get("Origin")
-        if origin is None or "Access-Control-Allow-Origin" in response.headers:  # none, or preflight
+        if origin is None:
             return
         allowed = self.allowed_value(origin)
         if allowed is None:
             return
         response.headers["Access-Control-Allow-Origin"] = allowed
         response.headers["Access-Control-Expose-Headers"] = _EXPOSE
-        if allowed != "*":
-            response.headers.add("Vary", "Origin")

@@ -71,13 +71,18 @@ def test_answers_to_a_listed_origin_are_marked_stream_included(stack):
     # Errors are readable by the page too (else it sees only "failed to fetch").
     r = httpx.post(stack["open"] + "/v1/chat/completions", json=body, headers={"Origin": stack["origin"]})
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == stack["origin"]
-    # Another origin, or none: nothing marked.
+    assert r.headers["vary"] == "Origin"
+    # Another origin, or none: nothing marked, but each says it varies by Origin (else a shared
+    # cache could serve the unmarked answer to the listed origin's page).
     r = httpx.post(stack["open"] + "/v1/chat/completions", json=body,
                    headers={**headers, "Origin": "http://evil.example"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.headers["vary"] == "Origin"
     r = httpx.post(stack["open"] + "/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {KEY}"})
-    assert "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in r.headers and r.headers["vary"] == "Origin"
+    r = preflight(stack["open"], "http://evil.example")  # a refused preflight too
+    assert r.status_code == 403 and r.headers["vary"] == "Origin"
 
 
 def test_any_origin(stack):
