@@ -32,7 +32,6 @@ class FlapGuard:
         # How long the probe must find the scheduler routable before the next return.
         self.hold_s = 0.0
         self._returned_at: float | None = None  # when scheduled routing last resumed
-        self.flaps = 0  # in a row
 
     def returned(self, now: float) -> None:
         """Scheduled routing resumed after round robin."""
@@ -45,9 +44,8 @@ class FlapGuard:
         if returned_at is None:
             return False
         if now - returned_at >= self.window_s:
-            self.hold_s, self.flaps = 0.0, 0  # it held: not a flap
+            self.hold_s = 0.0  # it held: not a flap
             return False
-        self.flaps += 1
         self.hold_s = min(self.max_hold_s, max(self.first_hold_s, 2 * self.hold_s))
         return True
 

@@ -21,8 +21,8 @@ from scheduler.registry import WorkerState
 class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
-    __slots__ = ("attach", "cached_tokens", "exclude", "flow", "lora", "max_tokens", "model", "pin",
-                 "prefix_hashes", "priority", "prompt_tokens", "reserved_only")
+    __slots__ = ("attach", "cached_tokens", "exclude", "flow", "keys", "lora", "max_tokens", "model",
+                 "pin", "prefix_hashes", "priority", "prompt_tokens", "reserved_only")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
@@ -50,6 +50,8 @@ class Request:
         # Its priority in the gateway's queue (ScheduleRequest.priority): held calls go in its
         # order, lower first.
         self.priority = priority
+        # Its prefix index keys, once a policy has computed them (Policy.prefix_keys).
+        self.keys: Sequence[int] | None = None
 
 
 class Pick(NamedTuple):
@@ -100,7 +102,10 @@ class Policy:
     def prefix_keys(self, req: Request) -> Sequence[int]:
         """The request's fingerprints as the shared prefix index keys them: scoped by model and
         adapter, and bounded (PrefixIndex.keys)."""
-        return self.env.prefix_index.keys(req.prefix_hashes, (req.model, req.lora))
+        keys = req.keys
+        if keys is None:  # once per request: a decision reads them up to four times
+            keys = req.keys = self.env.prefix_index.keys(req.prefix_hashes, (req.model, req.lora))
+        return keys
 
     def max_tokens(self, req: Request) -> int:
         """The request's answer limit, or the default the engines apply when none is given."""

@@ -36,13 +36,19 @@ def _opening() -> list[bytes]:
     return events
 
 
-async def _cut_mid_stream(request: web.Request) -> web.StreamResponse:
-    """The worker's process dies mid-answer: its connection closes without the stream's end."""
+async def _answer_opening(request: web.Request) -> web.StreamResponse:
+    """A stream begun, its opening events written (_opening)."""
     await request.read()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for event in _opening():
         await resp.write(event)
+    return resp
+
+
+async def _cut_mid_stream(request: web.Request) -> web.StreamResponse:
+    """The worker's process dies mid-answer: its connection closes without the stream's end."""
+    resp = await _answer_opening(request)
     await asyncio.sleep(0.2)
     assert request.transport is not None
     request.transport.close()
@@ -51,11 +57,7 @@ async def _cut_mid_stream(request: web.Request) -> web.StreamResponse:
 
 async def _silent_mid_stream(request: web.Request) -> web.StreamResponse:
     """A worker that hangs after a few events: the gateway's idle-stream timeout ends it."""
-    await request.read()
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for event in _opening():
-        await resp.write(event)
+    resp = await _answer_opening(request)
     await asyncio.sleep(30)  # cancelled when the gateway gives up on it (handler_cancellation)
     return resp
 
@@ -108,11 +110,7 @@ async def test_a_responses_stream_whose_worker_goes_silent_ends_with_the_respons
 
 async def _endless(request: web.Request) -> web.StreamResponse:
     """A long answer: a delta every 50 ms until the gateway hangs up."""
-    await request.read()
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for event in _opening():
-        await resp.write(event)
+    resp = await _answer_opening(request)
     for seq in itertools.count(2 + DELTAS):
         await asyncio.sleep(0.05)
         await resp.write(_event("response.output_text.delta", seq, item_id="msg_1", output_index=0,
