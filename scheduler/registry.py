@@ -133,7 +133,10 @@ class WorkerState:
     def routable(self) -> bool:
         h = self.health
         if h.state == HALF_OPEN:
-            return not self.leases  # a single trial at a time
+            # A single trial at a time. Leases from before it went down do not count: a worker
+            # taken out while long streams ran on it would otherwise stay out until the last
+            # of them ended (up to the gateway's request timeout), with its scrapes fine.
+            return not any(lease.trial for lease in self.leases.values())
         return h.routable
 
     def on_snapshot(self, snap: LoadSnapshot, visibility_lag_s: float) -> None:

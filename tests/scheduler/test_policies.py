@@ -299,6 +299,27 @@ def test_a_trial_whose_client_left_is_no_verdict_and_the_next_request_is_the_tri
     assert w1.health.state == UP
 
 
+def test_a_worker_taken_out_with_requests_running_gets_its_trial_while_they_run():
+    """Taken out by a report while other requests stream on it, back half open at the next
+    scrapes: its trial starts then, not when the last of those streams ends (up to the
+    gateway's request timeout later)."""
+    svc = make_service("round_robin")
+    w1 = worker(svc, "w1")
+    running = [d for d in (decide(svc) for _ in range(6)) if d["worker_id"] == "w1"]
+    assert running
+    svc.report_failure("w1", "connect")
+    w1.health.on_success(time.monotonic(), 1)
+    svc.on_health_change(w1)
+    assert w1.health.state == HALF_OPEN
+    trials = [d for d in (decide(svc) for _ in range(6)) if d["worker_id"] == "w1"]
+    assert len(trials) == 1 and svc.leases.leases[trials[0]["lease_id"]].trial
+    for d in running:  # the old ones ending says nothing about the worker
+        svc.release(d["lease_id"], True)
+    assert w1.health.state == HALF_OPEN
+    svc.release(trials[0]["lease_id"], True)
+    assert w1.health.state == UP
+
+
 def test_failed_trial_goes_back_down():
     svc, w1, trial = _half_open_trial()
     svc.release(trial["lease_id"], False, "connect")
