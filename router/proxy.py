@@ -54,6 +54,7 @@ from router.tokens import (
     schedule_request,
     schedule_request_off_loop,
 )
+from router.upstream_errors import read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -687,7 +688,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             async with self.session.request(
                 method, url, data=raw or None, headers=headers, timeout=self.whole_timeout
             ) as up:
-                data = await up.read()
+                # An error answer is read bounded: only its message is relayed (see
+                # router/upstream_errors.py), and some workers echo the whole prompt in it.
+                data = await (read_bounded(up) if up.status >= 400 else up.read())
                 return up.status, data, up.headers.get("Content-Type", "application/json")
         except _READ_TIMEOUT as exc:
             raise AnswerTimedOut(repr(exc)) from None
@@ -741,6 +744,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self._release(route, rec, ok=status < 400, handed_off=rec.detached and status == 200)
         if route.fallback:
             self.sched.fallback.mark_ok(route.url)
+        if status >= 400:
+            data, ctype = relayed_error(status, data, ctype)
         headers_out = self._response_headers(route, rec)
         headers_out["Content-Type"] = ctype
         return web.Response(status=status, body=data, headers=headers_out)

@@ -23,6 +23,7 @@ from router.scheduling import Scheduling
 from router.sse import usage_of_body
 from router.stored_responses import Owner, ResponseOwners, not_found_message
 from router.streaming import UPSTREAM_ERRORS
+from router.upstream_errors import read_bounded, relayed_error
 
 
 class StoredResponseCalls:
@@ -69,8 +70,8 @@ class StoredResponseCalls:
             ) as up:
                 if up.status == 200 and up.content_type == "text/event-stream":
                     return await self._relay_replay(request, up, headers, owner)
-                data = await up.read()
                 status = up.status
+                data = await (read_bounded(up) if status >= 400 else up.read())
                 ctype = up.headers.get("Content-Type", "application/json")
         except UPSTREAM_ERRORS as exc:
             return error_response(
@@ -85,6 +86,8 @@ class StoredResponseCalls:
             prompt, output = usage_of_body(data)
             if prompt is not None:  # finished: the conversation's length is known now
                 self.owners.learn(response_id, owner.worker_id, owner.url, prompt + (output or 0))
+        if status >= 400:
+            data, ctype = relayed_error(status, data, ctype)
         return web.Response(status=status, body=data, headers={"Content-Type": ctype, **headers})
 
     @staticmethod

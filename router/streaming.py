@@ -21,6 +21,7 @@ from router.metrics import RouterMetrics
 from router.scheduling import Route
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
+from router.upstream_errors import read_bounded, relayed_error
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
@@ -151,13 +152,16 @@ class StreamForwarding:
             ):
                 # An error (4xx) or a worker that answered without streaming: pass it through.
                 try:
-                    data = await up.read()
+                    data = await (read_bounded(up) if up.status >= 400 else up.read())
                 except UPSTREAM_ERRORS as exc:  # cut off mid-body: nothing reached the client yet
                     raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
                 rec.status = up.status
                 self._release(route, rec, ok=up.status < 400)
+                ctype = up.headers.get("Content-Type", "application/json")
+                if up.status >= 400:
+                    data, ctype = relayed_error(up.status, data, ctype)
                 h = self._response_headers(route, rec)
-                h["Content-Type"] = up.headers.get("Content-Type", "application/json")
+                h["Content-Type"] = ctype
                 complete = True
                 return web.Response(status=up.status, body=data, headers=h)
             try:
