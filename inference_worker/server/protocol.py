@@ -25,10 +25,13 @@ MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
+    """vLLM's defaults: a request that sends stream_options at all (`{}` too) gets the final
+    usage chunk unless it says otherwise; null is taken and means no, as there."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 def unsupported(param: str, what: str) -> APIError:

@@ -452,11 +452,24 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(worker) -> 
     done = [e["usage"]["completion_tokens"] for e in events]
     assert done[0] == 0 and done == sorted(done) and done[-1] == 6  # the role chunk, ..., the usage chunk
     assert {e["usage"]["prompt_tokens"] for e in events} == {events[-1]["usage"]["prompt_tokens"]}
-    # As in vLLM it needs include_usage: alone it adds nothing.
-    body["stream_options"] = {"continuous_usage_stats": True}
+    # As in vLLM it needs include_usage (true unless said otherwise): without it, it adds nothing.
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
     with httpx.stream("POST", worker.api_url + "/chat/completions", json=body, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events and not any("usage" in e for e in events)
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_stream_options_without_include_usage_ask_for_the_usage_chunk(worker, path) -> None:
+    """vLLM's StreamOptions.include_usage defaults to true: `stream_options: {}` gets the final
+    usage chunk, and an explicit null does not (taken, not refused)."""
+    prompt = {"messages": MESSAGES} if path == "/chat/completions" else {"prompt": PROMPT}
+    body = {"model": MODEL, **prompt, "max_tokens": 3, "ignore_eos": True}
+    events = _events(worker.api_url + path, {**body, "stream_options": {}})
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    assert not any("usage" in e for e in events[:-1])
+    events = _events(worker.api_url + path, {**body, "stream_options": {"include_usage": None}})
+    assert events and all(e["choices"] for e in events) and not any(e.get("usage") for e in events)
 
 
 def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:

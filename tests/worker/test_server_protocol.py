@@ -253,6 +253,21 @@ def test_a_seed_beyond_a_64_bit_integer_is_refused(seed) -> None:
             assert req_cls.model_validate({**body, "seed": within}).seed == within
 
 
+@pytest.mark.parametrize(
+    ("options", "usage", "continuous"),
+    [({}, True, False), ({"include_usage": None}, False, False), ({"include_usage": False}, False, False),
+     ({"continuous_usage_stats": True}, True, True), ({"continuous_usage_stats": None}, True, False)],
+)
+def test_stream_options_default_to_the_usage_chunk_as_in_vllm(options, usage, continuous) -> None:
+    """vLLM's StreamOptions: include_usage is true unless sent false or null, so a client that
+    sends `stream_options: {}` gets the final usage chunk there; here too."""
+    for req_cls, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)):
+        req = req_cls.model_validate_json(json.dumps({**body, "stream": True, "stream_options": options}))
+        assert (req.include_usage, req.continuous_usage) == (usage, continuous)
+    # No stream_options at all: no usage chunk (vLLM's default, and OpenAI's).
+    assert not CompletionRequest.model_validate({"prompt": "hi", "stream": True}).include_usage
+
+
 @pytest.mark.parametrize(("field", "default"), [("n", 1), ("stream", False), ("min_p", 0.0), ("echo", False)])
 def test_null_means_the_default_where_openai_allows_null(field, default) -> None:
     """OpenAI's reference gives these as "or null" and vLLM takes null: a client that sends the
