@@ -103,16 +103,25 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
         return self
 
     def _check_tool_choice(self) -> None:
-        """With no tools, "none" and "auto" answer in text; "required" or a named function would
-        demand a tool call this worker cannot make (vLLM refuses them without tools too;
-        "required" with an empty list means "none", as OpenAI and vLLM take it)."""
+        """vLLM's checks (its ChatCompletionRequest.check_tool_usage), in its order. Any choice but
+        "none" needs `tools` sent: "auto" too, which vLLM refuses without tools. Sent, the list
+        is empty here (tools are refused above): "auto" answers in text, "required" means
+        "none" (as OpenAI and vLLM take it), and a named function names none of them."""
         choice = self.tool_choice
-        if choice is None or choice in ("none", "auto") or (choice == "required" and self.tools == []):
+        if choice is None or choice == "none":
             return
-        if isinstance(choice, dict) or choice == "required":
-            raise unsupported("tool_choice", "tool_choice that requires a tool call")
+        if self.tools is None:
+            raise invalid_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if choice in ("auto", "required"):
+            return
+        if isinstance(choice, dict):
+            raise invalid_request(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                param="tool_choice",
+            )
         raise invalid_request(
-            f"tool_choice must be 'none', 'auto', 'required' or a named function, not {choice!r}",
+            f"Invalid value for `tool_choice`: {choice!r}. Only named tools, \"none\", \"auto\" or "
+            "\"required\" are supported.",
             param="tool_choice",
         )
 

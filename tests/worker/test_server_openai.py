@@ -472,6 +472,19 @@ def test_stream_options_without_include_usage_ask_for_the_usage_chunk(worker, pa
     assert events and all(e["choices"] for e in events) and not any(e.get("usage") for e in events)
 
 
+def test_a_tool_choice_without_tools_is_a_400_as_in_vllm(worker) -> None:
+    """vLLM refuses any tool_choice but "none" when no `tools` are sent ("auto" too); "none" is served."""
+    url = worker.api_url + "/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(url, json={**body, "tool_choice": choice}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": {"message": "When using `tool_choice`, `tools` must be set.",
+                                      "type": "invalid_request_error", "param": "tool_choice", "code": None}}
+    r = httpx.post(url, json={**body, "tool_choice": "none"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
     """X-Request-Id becomes the answer's id (`cmpl-<id>`, `chatcmpl-<id>`, every chunk too), so
     a gateway's log line and the client's answer name the same request; an id that is not a

@@ -218,27 +218,36 @@ def test_prompt_logprobs_are_refused_in_a_stream(req_cls, body) -> None:
     assert over_ws.value.param == "prompt_logprobs"
 
 
+_NEEDS_TOOLS = "When using `tool_choice`, `tools` must be set."
+_NAMED = {"type": "function", "function": {"name": "f"}}
+
+
 @pytest.mark.parametrize(
-    ("fields", "param", "code"),
+    ("fields", "message"),
     [
-        ({"tool_choice": "required"}, "tool_choice", "unsupported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported"),
-        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-         "unsupported"),
-        ({"tool_choice": "sometimes"}, "tool_choice", None),
+        ({"tool_choice": "auto"}, _NEEDS_TOOLS),
+        ({"tool_choice": "auto", "tools": None}, _NEEDS_TOOLS),
+        ({"tool_choice": "required"}, _NEEDS_TOOLS),
+        ({"tool_choice": _NAMED}, _NEEDS_TOOLS),
+        ({"tool_choice": "sometimes"}, _NEEDS_TOOLS),  # vLLM asks for tools before the value
+        ({"tools": [], "tool_choice": _NAMED}, "The tool specified in `tool_choice` does not match any"),
+        ({"tools": [], "tool_choice": "sometimes"}, "Invalid value for `tool_choice`: 'sometimes'"),
     ],
 )
-def test_a_tool_choice_that_demands_a_tool_call_is_refused(fields, param, code) -> None:
-    """The worker takes no tools: answered in text, such a request would get no tool call and
-    not know why."""
+def test_a_tool_choice_without_tools_is_refused_as_in_vllm(fields, message) -> None:
+    """vLLM's check_tool_usage: any tool_choice but "none" needs `tools`, "auto" included."""
     with pytest.raises(APIError) as err:
         ChatCompletionRequest.model_validate({**_CHAT, **fields})
-    assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
+    assert (err.value.status, err.value.param, err.value.code) == (400, "tool_choice", None)
+    assert err.value.message.startswith(message)
 
 
-@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tool_choice": "auto"}, {"tool_choice": None},
+@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tool_choice": None}, {"tools": None},
+                                    {"tools": [], "tool_choice": "auto"},
                                     {"tools": [], "tool_choice": "required"}])
 def test_a_tool_choice_that_allows_text_is_served(fields) -> None:
+    """"none" needs no tools; with an empty list "auto" answers in text and "required" means
+    "none" (OpenAI's reading, which vLLM follows)."""
     ChatCompletionRequest.model_validate({**_CHAT, **fields})
 
 
