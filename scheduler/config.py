@@ -130,6 +130,13 @@ class SchedulerConfig(BaseSettings):
         0.0, ge=0, le=5000,
         description="hold a finished request's KV this long for its follow-up turn (0: off; "
         "scheduler/reservations.py)")
+    keep_room_after_s: float = Field(
+        5.0, ge=0, le=3600, allow_inf_nan=False,
+        description="a held request that fits a worker's whole KV pool but what is free on none "
+        "of them, after waiting this long in its gateway's queue, has the worker nearest to "
+        "holding it kept for it: nothing else is placed there until it is, so smaller requests "
+        "(other gateways', other askers') cannot take the room it waits for forever (0: off; "
+        "scheduler/kept_room.py)")
     # Why a bound: on a worker whose cache is nearly full admissions wait for KV, not prefill;
     # draining its backlog early only sends it prompts that then wait in its FCFS queue
     # instead of the gateway's (multi-turn chat: P99 TTFT +5 % unbounded, level at 0.8;

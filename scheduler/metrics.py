@@ -61,6 +61,20 @@ class _WorkerCollector:
                     kv.add_metric(wid, s.kv_usage)
         yield from (healthy, age, leases, backlog, reserved, running, waiting, kv, cap)
         yield from self._reservations()
+        yield from self._kept_rooms()
+
+    def _kept_rooms(self):
+        keeper = self.service.kept
+        keeps = CounterMetricFamily("scheduler_room_keeps", "workers kept for a held request too large "
+                                    "for the room smaller ones kept taking (started), and those whose "
+                                    "request was then placed (placed)", labels=["event"])
+        keeps.add_metric(["started"], keeper.started)
+        keeps.add_metric(["placed"], keeper.placed)
+        kept = GaugeMetricFamily("scheduler_worker_kept", "1 while the worker is kept for one held "
+                                 "request (scheduler/kept_room.py)", labels=["worker"])
+        for w in list(keeper.by_worker):
+            kept.add_metric([w.worker_id], 1.0)
+        yield from (keeps, kept)
 
     def _reservations(self):
         table = self.service.reservations

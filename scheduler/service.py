@@ -17,7 +17,8 @@ from collections import Counter
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FlowLedger
 from scheduler.health import HALF_OPEN
-from scheduler.held_calls import HeldCalls
+from scheduler.held_calls import ASKED_AGAIN_WITHIN_S, HeldCalls
+from scheduler.kept_room import RoomKeeper
 from scheduler.leases import Lease, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
@@ -61,6 +62,8 @@ class SchedulerService:
         self._lag_s = config.visibility_lag_ms / 1000.0
         self._retry_after_ms = config.retry_after_ms or config.scrape_interval_ms
         self.held = HeldCalls()  # calls waiting for the next event that may free room
+        # Workers kept for held requests that freed room kept passing by (too large for it).
+        self.kept = RoomKeeper(config.keep_room_after_s if self.policy.holds else 0.0)
         self._ledgers: dict[str, FlowLedger] = {}  # by model key: the flows' token counters
         # Open leases per (counters, flow): a flow with requests running is not arriving anew
         # when its gateway's next request asks, so it is not lifted then (see schedule()).
@@ -90,7 +93,7 @@ class SchedulerService:
         names a flow and fair_share is on."""
         if req.flow is None or not self.cfg.fair_share:
             return None
-        key = req.lora if req.lora and req.lora in self.registry.by_model else req.model
+        key = self._key_of(req)
         ledger = self._ledgers.get(key)
         if ledger is None:
             ledger = self._ledgers[key] = FlowLedger(self.cfg.fair_output_token_weight)
@@ -169,6 +172,7 @@ class SchedulerService:
             self._lease_ended(lease)
         self.leases.drop_worker(w)
         self.reservations.forget_worker(w)
+        self.kept.forget_worker(w)
         self.half_open.discard(w.worker_id)
         self.env.prefix_index.forget(w.worker_id)
         self.metrics.forget_worker(w.worker_id)
@@ -176,10 +180,16 @@ class SchedulerService:
 
     # ---- decisions --------------------------------------------------------------------
 
-    def decide(self, req: Request, now: float):
-        """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light."""
+    def _key_of(self, req: Request) -> str:
+        """The pool a request is placed in: its adapter's where a worker serves it, else its
+        model's."""
+        return req.lora if req.lora and req.lora in self.registry.by_model else req.model
+
+    def decide(self, req: Request, now: float, arrival: float | None = None):
+        """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light.
+        arrival: when a held request arrived in its gateway's queue (scheduler/kept_room.py)."""
         by_model = self.registry.by_model
-        key = req.lora if req.lora and req.lora in by_model else req.model
+        key = self._key_of(req)
         if req.attach:
             return self._attach(req, by_model.get(key), now)
         cands = self._routable.get(key)
@@ -205,6 +215,10 @@ class SchedulerService:
                             "pinned_worker_gone" if gone else "pinned_worker_unavailable")
         if not cands:
             return Wait(self._retry_after_ms, "no_routable_worker")
+        if self.kept.by_worker and req.pin is None:
+            cands = self.kept.others_may_use(cands, key, self.policy.kv_need(req), arrival, now)
+            if not cands:
+                return Wait(self._retry_after_ms, "saturated")
         pick = None
         if self.reservations.by_key and req.prefix_hashes and req.pin is None:
             pick = self._claim(req, cands, now)
@@ -218,8 +232,17 @@ class SchedulerService:
         if pick is None:
             pick = self.policy.choose(req, cands, now)
         if pick is None:
+            if arrival is not None and self.kept.after_s and req.pin is None:
+                self.kept.consider(key, self.policy.kv_need(req), arrival, cands, now)
             return Wait(self._retry_after_ms, "saturated")
-        return self._issue(req, pick, pick.worker.health.state == HALF_OPEN, len(cands), now)
+        out = self._issue(req, pick, pick.worker.health.state == HALF_OPEN, len(cands), now)
+        if self.kept.by_key and arrival is not None:
+            keep = self.kept.mine(key, self.policy.kv_need(req), arrival)
+            if keep is not None:
+                out["reason"]["kept_room"] = keep.worker is pick.worker
+                self.kept.end(keep, "placed")
+                self.capacity_changed()  # what it left there is everyone's again
+        return out
 
     def _attach(self, req: Request, pool: list[WorkerState] | None, now: float):
         """A lease on the worker a request is already bound for (ScheduleRequest.attach): no
@@ -308,10 +331,10 @@ class SchedulerService:
         self.policy.refresh(w)
         self.capacity_changed()
 
-    def schedule_now(self, req: Request, now: float):
+    def schedule_now(self, req: Request, now: float, arrival: float | None = None):
         """decide() with its metrics; never holds (the batch channel's path)."""
         t0 = time.perf_counter()
-        out = self.decide(req, now)
+        out = self.decide(req, now, arrival)
         self.metrics.decision_done(out, time.perf_counter() - t0)
         return out
 
@@ -319,7 +342,8 @@ class SchedulerService:
         """decide(), holding up to wait_ms while the answer is Wait. waited_ms: how long the
         request has waited in its gateway's queue (its place among held calls)."""
         now = time.monotonic()
-        out = self.schedule_now(req, now)
+        arrival = now - waited_ms / 1000.0
+        out = self.schedule_now(req, now, arrival)
         if not isinstance(out, Wait) or wait_ms <= 0:
             return out
         deadline = now + wait_ms / 1000.0
@@ -341,6 +365,7 @@ class SchedulerService:
                 self.metrics.wait_done(False, time.monotonic() - now)
                 if ledger is not None:
                     self.held.poll_ran_out(ledger, req.flow)
+                self._call_left(req, arrival)
                 return out
             woken = self.held.hold(held, at)
             at = None
@@ -351,12 +376,25 @@ class SchedulerService:
                 # a lease to nobody, counted as load on a worker until it expired.
                 self.held.unhold(held)
                 self.metrics.wait_cancelled(time.monotonic() - now)
+                self._call_left(req, arrival)
                 raise
             self.held.unhold(held)
-            out = self.decide(req, time.monotonic())
+            out = self.decide(req, time.monotonic(), arrival)
             if not isinstance(out, Wait):
                 self.metrics.wait_done(True, time.monotonic() - now)
                 return out
+
+    def _call_left(self, req: Request, arrival: float) -> None:
+        """A held call ended unplaced. If a worker is kept for its request, the keep ends
+        unless the request asks again soon (a poll that ran out is asked again at once)."""
+        if not self.kept.by_key:
+            return
+        self.kept.left(self._key_of(req), self.policy.kv_need(req), arrival, time.monotonic())
+        asyncio.get_running_loop().call_later(ASKED_AGAIN_WITHIN_S + 0.05, self._expire_keeps)
+
+    def _expire_keeps(self) -> None:
+        if self.kept.expire(time.monotonic()):
+            self.capacity_changed()
 
     def _idle(self, ledger: FlowLedger, flow: str, now: float) -> bool:
         """Whether the flow arrives now: nothing of it runs here, and it is not waiting (a call

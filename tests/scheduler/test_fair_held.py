@@ -265,9 +265,9 @@ def test_a_snapshot_of_a_worker_still_full_does_not_wake_the_held_calls():
     decisions = []
     decide = svc.decide
 
-    def counted(req, now):
+    def counted(req, now, arrival=None):
         decisions.append(now)
-        return decide(req, now)
+        return decide(req, now, arrival)
 
     svc.decide = counted
 
