@@ -54,7 +54,7 @@ from router.tokens import (
     schedule_request,
     schedule_request_off_loop,
 )
-from router.upstream_errors import read_bounded, relayed_error
+from router.upstream_errors import answer_status, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 
@@ -713,6 +713,30 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             if not task.done():
                 task.cancel()
 
+    def _whole_answer(self, route: Route, rec: RequestRecord, path: str, status: int, data: bytes,
+                      ctype: str) -> tuple[bytes, str]:
+        """What a worker's whole answer (`status`: answer_status's) counts for, streamed requests'
+        included (a worker may answer one with plain JSON): its usage, the lease, the stored
+        response's owner. Returns the body and content type to relay (an error's in the OpenAI
+        shape). Raises RetryElsewhere when another worker may serve it."""
+        if status >= 500 or status == OVERLOADED:
+            raise RetryElsewhere(
+                f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
+            )
+        p, c = usage_of_body(data) if status == 200 else (None, None)
+        if status == 200 and path == RESPONSES_PATH:
+            self.owners.learn(response_id_in(data), route.worker_id, route.url, (p or 0) + (c or 0))
+        if p is not None:
+            rec.prompt_tokens = p
+        rec.output_tokens = c or 0
+        rec.status = status
+        self._release(route, rec, ok=status < 400, handed_off=rec.detached and status == 200)
+        if route.fallback:
+            self.sched.fallback.mark_ok(route.url)
+        if status >= 400:
+            return relayed_error(status, data, ctype)
+        return data, ctype
+
     async def _forward(
         self,
         request: web.Request,
@@ -730,22 +754,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             status, data, ctype = await fetch
         else:
             status, data, ctype = await self._unless_down(fetch, route.worker_id)
-        if status >= 500 or status == OVERLOADED:
-            raise RetryElsewhere(
-                f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
-            )
-        p, c = usage_of_body(data) if status == 200 else (None, None)
-        if status == 200 and path == RESPONSES_PATH:
-            self.owners.learn(response_id_in(data), route.worker_id, route.url, (p or 0) + (c or 0))
-        if p is not None:
-            rec.prompt_tokens = p
-        rec.output_tokens = c or 0
-        rec.status = status
-        self._release(route, rec, ok=status < 400, handed_off=rec.detached and status == 200)
-        if route.fallback:
-            self.sched.fallback.mark_ok(route.url)
-        if status >= 400:
-            data, ctype = relayed_error(status, data, ctype)
+        status = answer_status(status, data)
+        data, ctype = self._whole_answer(route, rec, path, status, data, ctype)
         headers_out = self._response_headers(route, rec)
         headers_out["Content-Type"] = ctype
         return web.Response(status=status, body=data, headers=headers_out)

@@ -21,7 +21,8 @@ from router.metrics import RouterMetrics
 from router.scheduling import Route
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
-from router.upstream_errors import read_bounded, relayed_error
+from router.upstream_errors import answer_status, read_bounded
+from router.whole_as_sse import sse_of_whole
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
@@ -150,20 +151,10 @@ class StreamForwarding:
             if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
                 "text/event-stream"
             ):
-                # An error (4xx) or a worker that answered without streaming: pass it through.
-                try:
-                    data = await (read_bounded(up) if up.status >= 400 else up.read())
-                except UPSTREAM_ERRORS as exc:  # cut off mid-body: nothing reached the client yet
-                    raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
-                rec.status = up.status
-                self._release(route, rec, ok=up.status < 400)
-                ctype = up.headers.get("Content-Type", "application/json")
-                if up.status >= 400:
-                    data, ctype = relayed_error(up.status, data, ctype)
-                h = self._response_headers(route, rec)
-                h["Content-Type"] = ctype
+                # An error (4xx), or a worker that answered without streaming.
+                answer = await self._whole_in_stream(up, route, rec, path, strip_usage)
                 complete = True
-                return web.Response(status=up.status, body=data, headers=h)
+                return answer
             try:
                 first = await up.content.readany()
             except UPSTREAM_ERRORS as exc:
@@ -249,6 +240,28 @@ class StreamForwarding:
                 up.release()
             else:
                 up.close()
+
+    async def _whole_in_stream(self, up: aiohttp.ClientResponse, route: Route, rec: RequestRecord,
+                               path: str, strip_usage: bool) -> web.Response:
+        """A streamed request's answer that is no event stream: an error, or a whole answer (an
+        engine that ignored `stream`, or answers some requests so). It counts as the whole
+        answer it is (its usage, its status: an error in a 200's body is that error), and a
+        chat or completions answer is sent as the stream its client reads. (No TTFT: its first
+        token reached the client with its last, as a non-stream answer's does.)"""
+        try:
+            data = await (read_bounded(up) if up.status >= 400 else up.read())
+        except UPSTREAM_ERRORS as exc:  # cut off mid-body: nothing reached the client yet
+            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+        status = answer_status(up.status, data)
+        data, ctype = self._whole_answer(route, rec, path, status, data,
+                                         up.headers.get("Content-Type", "application/json"))
+        h = self._response_headers(route, rec)
+        events = sse_of_whole(path, data, include_usage=not strip_usage) if status == 200 else None
+        if events is not None:
+            data, ctype = events, "text/event-stream"
+            h["Cache-Control"] = "no-cache"
+        h["Content-Type"] = ctype
+        return web.Response(status=status, body=data, headers=h)
 
     def _learn_owner(self, tap: StreamTap, route: Route, tokens: int) -> None:
         """Where the response a stream named in its opening events lives (0 tokens: its

@@ -24,6 +24,8 @@ from router.errors import error_body
 ERROR_BODY_LIMIT = 64 * 1024
 # The most of a worker's text kept as the message (an HTML error page is mostly markup).
 _MESSAGE_LIMIT = 4096
+# How far into a 200 answer an error body names itself ({"error": ..., {"object": "error", ...).
+_SNIFF = 64
 
 
 async def read_bounded(up: aiohttp.ClientResponse, limit: int = ERROR_BODY_LIMIT) -> bytes:
@@ -74,6 +76,35 @@ def openai_error(status: int, data: bytes) -> bytes | None:
         message = f"the worker answered {status} {_phrase(status)}".rstrip()
     return error_body(message[:_MESSAGE_LIMIT], type_ or default_type(status),
                       code if code is not None else status, param)
+
+
+def error_status_of_ok(data: bytes) -> int | None:
+    """The status a 200 answer stands for when its body is an error (some engines write some
+    errors so, or put them in a stream's place): its code when that is a 4xx or 5xx, else 502 (a
+    worker's error of no known kind). None: no error. Only a body that names "error" near its
+    start is parsed: every answer passes here."""
+    if b'"error"' not in data[:_SNIFF]:
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    # A Responses API object carries `"error": null` (or a failed response's error) as a field
+    # of its own: an answer with an `object` that is not "error" is no error body.
+    if obj.get("object") != "error" if "object" in obj else not obj.get("error"):
+        return None
+    err = obj.get("error")
+    code = obj.get("code", err.get("code") if isinstance(err, dict) else None)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    return 502
+
+
+def answer_status(status: int, data: bytes) -> int:
+    """The status a worker's whole answer stands for: its own, or an error's in a 200's body."""
+    return (error_status_of_ok(data) or status) if status == 200 else status
 
 
 def relayed_error(status: int, data: bytes, content_type: str) -> tuple[bytes, str]:
