@@ -34,6 +34,10 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",  # proxies (nginx) must not buffer the stream
 }
 _DONE = "data: [DONE]\n\n"
+# The most ids one /detokenize decodes. vLLM has no cap, but the tokenizer's decode holds the
+# GIL throughout (~0.2 s per million ids here), so even in a thread a longer list would stop
+# the event loop and every stream; no model's context comes near it.
+MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -141,12 +145,15 @@ async def models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: `{"prompt": str}` or `{"messages": [...]}` -> tokens, count, max_model_len."""
-    engine: AsyncEngineClient = request.app[ENGINE]
     raw = await request.read()
-    tokens = await prepared(len(raw), _tokens, request.app[FACTORY], raw)
-    return web.json_response(
-        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None}
-    )
+    answer = await prepared(len(raw), _tokenize_answer, request.app[FACTORY], raw)
+    return _json_answer(answer)
+
+
+def _tokenize_answer(factory: GenerationFactory, raw: bytes) -> bytes:
+    tokens = _tokens(factory, raw)
+    length = factory.engine.max_model_len
+    return _json_bytes({"count": len(tokens), "max_model_len": length, "tokens": tokens, "token_strs": None})
 
 
 def _tokens(factory: GenerationFactory, raw: bytes) -> list[int]:
@@ -160,12 +167,35 @@ def _tokens(factory: GenerationFactory, raw: bytes) -> list[int]:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    engine: AsyncEngineClient = request.app[ENGINE]
-    factory: GenerationFactory = request.app[FACTORY]
-    body = DetokenizeRequest.model_validate_json(await request.read())
+    """vLLM's /detokenize: `{"tokens": [...]}` -> the text. A large list is parsed, checked and
+    decoded in a thread, as vLLM does (4M ids held the loop 2.6 s here, every stream stopped)."""
+    raw = await request.read()
+    return _json_answer(await prepared(len(raw), _detokenize_answer, request.app[FACTORY], raw))
+
+
+def _detokenize_answer(factory: GenerationFactory, raw: bytes) -> bytes:
+    body = DetokenizeRequest.model_validate_json(raw)
     factory.check_model(body.model)
-    vocab_size = getattr(engine.tokenizer, "vocab_size", None)
-    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in body.tokens):
+    if len(body.tokens) > MAX_DETOKENIZE_TOKENS:
+        raise APIError(
+            400,
+            f"tokens holds {len(body.tokens)} ids; /detokenize takes at most {MAX_DETOKENIZE_TOKENS} "
+            "at once (split the list)",
+            param="tokens",
+        )
+    tokenizer = factory.engine.tokenizer
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    if vocab_size is not None and body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab_size):
         raise APIError(400, f"token ids must be in [0, {vocab_size})", param="tokens")
     # vLLM's keeps special tokens: the text tokenizes back to the same ids.
-    return web.json_response({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    return _json_bytes({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+def _json_bytes(answer: dict[str, Any]) -> bytes:
+    """Encoded where the answer is built (a thread, for a large one): megabytes of ids or
+    text take a while to encode too."""
+    return json.dumps(answer).encode()
+
+
+def _json_answer(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from inference_worker.server.openai_api import MAX_DETOKENIZE_TOKENS
 from tests.worker.conftest import wait_for
 from tests.worker.model_under_test import RANDOM_WEIGHTS
 
@@ -278,6 +279,23 @@ def test_token_ids_are_echoed_and_detokenized_with_their_special_tokens(worker) 
     echoed = httpx.post(worker.api_url + "/completions", timeout=60, json={
         "model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}).json()["choices"][0]
     assert echoed["text"] == text == "".join(echoed["logprobs"]["tokens"])
+
+
+def test_detokenize_bounds_its_list_and_refuses_ids_outside_the_vocabulary(worker) -> None:
+    """A large list is decoded in a thread, but the tokenizer holds the GIL as it decodes (the
+    event loop with it): past MAX_DETOKENIZE_TOKENS ids it is a 400, not seconds of stopped
+    streams. An id outside the vocabulary is a 400 too, at any length."""
+    url = worker.base_url + "/detokenize"
+    ids = httpx.post(worker.base_url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    k = MAX_DETOKENIZE_TOKENS // len(ids)
+    r = httpx.post(url, json={"tokens": ids * k}, timeout=120)
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT * k}
+    r = httpx.post(url, json={"tokens": ids * (k + 1)}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    assert f"at most {MAX_DETOKENIZE_TOKENS}" in r.json()["error"]["message"]
+    for bad in ([ids[0], 10**9], [-1], [2**70], ids * k + [10**9]):
+        r = httpx.post(url, json={"tokens": bad}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
 
 
 def test_an_assistant_prefill_is_continued(worker) -> None:
