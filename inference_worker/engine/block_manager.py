@@ -109,11 +109,7 @@ class BlockManager:
     # ---- allocation ---------------------------------------------------------------------
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
-        old = self.block_hash[block]
-        if old is not None:  # evict: this block's contents are about to be overwritten
-            if self._cached.get(old) == block:
-                del self._cached[old]
-            self.block_hash[block] = None
+        self._uncache(block)  # evict: this block's contents are about to be overwritten
         self.ref_counts[block] = 1
         return block
 
@@ -144,6 +140,24 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self._cached:
                 self.block_hash[block] = h
                 self._cached[h] = block
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self._cached.get(h) == block:
+                del self._cached[h]
+            self.block_hash[block] = None
+
+    def forget_unwritten(self, seq: Sequence) -> None:
+        """Take seq's blocks that the coming step was to fill out of the prefix cache.
+
+        They were cached when allocated for that step (see the module docstring); a sequence
+        preempted after it was scheduled in the step is not computed, so its blocks from index
+        num_computed_tokens // block_size on do not hold what their hashes name, and a later
+        request must not be handed them.
+        """
+        for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
+            self._uncache(block)
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks go to the eviction front: they are the least shareable."""

@@ -162,6 +162,9 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
+        # The priority policy's victim may already sit in this step's batch: the blocks cached
+        # for this step would stay in the prefix cache, never written (a no-op for any other victim).
+        self.block_manager.forget_unwritten(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
