@@ -177,7 +177,7 @@ class LLMEngine:
         for request_id in self._pending_aborts:
             seq = self._seqs.get(request_id)
             if seq is not None:
-                outputs.append(self._finish(seq, FinishReason.ABORT, iteration, self.clock(), None))
+                outputs.append(self._abort(seq))
         self._pending_aborts.clear()
 
         sched = self.scheduler.schedule()
@@ -269,14 +269,34 @@ class LLMEngine:
         reason: FinishReason,
         iteration: IterationStats,
         now: float,
+        token: int,
+        matched: str | int | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
+        iteration.finished_requests.append(self._finished_stats(seq, reason, now))
+        return self._release(seq, reason, token, matched, logprobs)
+
+    def _abort(self, seq: Seq) -> RequestOutput:
+        """End an aborted request (its client left, or its caller closed it) without stats: vLLM
+        v1 records a request's finished stats (request_success_total, the latency and length
+        histograms) only for one the engine finished, not for one aborted from outside; the
+        tokens it produced were already counted step by step, as there."""
+        if seq.sampling.parallel is not None:
+            seq.sampling.parallel.drop()
+        return self._release(seq, FinishReason.ABORT, None)
+
+    def _release(
+        self,
+        seq: Seq,
+        reason: FinishReason,
         token: int | None,
         matched: str | int | None = None,
         logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
+        """Free the sequence's blocks and state; its last output."""
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         detok = self._detok.pop(seq.seq_id)
-        iteration.finished_requests.append(self._finished_stats(seq, reason, now))
         return RequestOutput(
             request_id=seq.request_id,
             text=detok.take(final=True),

@@ -47,6 +47,11 @@ class ParallelSampling:
         self.max_generation_tokens = max(self.max_generation_tokens, num_generation_tokens)
         return self.unfinished == 0
 
+    def drop(self) -> None:
+        """One choice was aborted: it holds the request open no longer, and its length is not
+        observed (vLLM's ParentRequest). If it was the last, the request's n goes unrecorded."""
+        self.unfinished -= 1
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -220,7 +225,8 @@ class AsyncEngineClient(Protocol):
     The engine's step loop runs off the event loop (a thread); `generate` streams
     outputs as the steps produce them. Closing the `generate` iterator early (client
     disconnect, stop string seen by the server) aborts the request in the engine and
-    frees its KV blocks at the next step; it is then counted as finished_reason=abort.
+    frees its KV blocks at the next step. Like vLLM v1, it is not counted as finished (no
+    request_success_total{finished_reason="abort"}, no per-request histograms).
     All engine timestamps come from the engine's own clock (for the sim backend:
     monotonic seconds divided by --time-scale, so metrics report simulated seconds).
     """

@@ -393,24 +393,20 @@ async def test_async_engine_streams_stops_aborts_and_reports_stats(runner, token
         await aengine.shutdown()
 
     finished = {f.finish_reason: f for f in logger.finished}
-    assert [f.finish_reason for f in logger.finished] == [
-        FinishReason.LENGTH,
-        FinishReason.STOP,
-        FinishReason.ABORT,
-        FinishReason.ABORT,
-    ]
+    # The two aborted requests are not counted as finished (as in vLLM v1)...
+    assert [f.finish_reason for f in logger.finished] == [FinishReason.LENGTH, FinishReason.STOP]
+    # ... but the tokens they took and made are, step by step: at least what their readers got.
     its = logger.iterations
-    assert sum(it.num_generation_tokens for it in its) == sum(
-        f.num_generation_tokens for f in logger.finished
-    )
+    generated = sum(it.num_generation_tokens for it in its)
+    assert generated >= sum(f.num_generation_tokens for f in logger.finished) + 2 + 1
     assert sum(it.num_prompt_tokens for it in its) == len(prompts[1]) * 2 + len(prompts[0]) + len(prompts[2])
     assert len([x for it in its for x in it.time_to_first_tokens_iter]) == 4
     n_itl = len([x for it in its for x in it.inter_token_latencies_iter])
-    assert n_itl == sum(f.num_generation_tokens - 1 for f in logger.finished)
-    for f, early in zip(logger.finished, [0.25, 0.0, 0.0, 0.0], strict=True):  # "full" arrived 0.25 s early
+    assert n_itl == generated - 4  # a gap per token after each request's first
+    for f, early in zip(logger.finished, [0.25, 0.0], strict=True):  # "full" arrived 0.25 s early
         parts = f.queued_time + f.prefill_time + f.decode_time
         e2e = f.e2e_latency - early
-        # e2e also holds the hand-over to the engine thread and, for aborts, the wait for the next step.
+        # e2e also holds the hand-over to the engine thread.
         assert 0 <= e2e - parts <= 0.5 * e2e
         assert f.inference_time == pytest.approx(f.prefill_time + f.decode_time)
     full_stats = finished[FinishReason.LENGTH]

@@ -16,7 +16,7 @@ from inference_worker.engine.errors import EngineRequestError, PromptTooLongErro
 from inference_worker.engine.llm_engine import LLMEngine
 from inference_worker.engine.sequence import Sequence
 from inference_worker.engine.stats import EngineEventType
-from inference_worker.engine.types import FinishReason, SamplingParams
+from inference_worker.engine.types import FinishReason, ParallelSampling, SamplingParams
 from tests.worker.engine_helpers import ArithmeticRunner, CharTokenizer, ManualClock, RecordingLogger
 
 BS = 4
@@ -308,7 +308,10 @@ def test_the_priority_policy_preempts_the_worst_priority_not_the_newest():
     assert preempted == {"batch"}
 
 
-def test_abort_frees_blocks_at_next_step_and_counts_as_abort():
+def test_abort_frees_blocks_at_next_step_and_is_not_counted_as_finished():
+    """As in vLLM v1: a request aborted from outside gets no finished stats (no
+    request_success_total{finished_reason="abort"}, no per-request histograms); the tokens it
+    made were counted step by step and stay counted."""
     engine, _, logger = make_engine()
     engine.add_request("x", list(range(3, 20)), greedy(50))
     engine.step()
@@ -318,7 +321,22 @@ def test_abort_frees_blocks_at_next_step_and_counts_as_abort():
     outs = engine.step()
     assert [o.finish_reason for o in outs if o.request_id == "x"] == [FinishReason.ABORT]
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished
-    assert logger.finished[-1].finish_reason is FinishReason.ABORT
+    assert logger.finished == []
+    assert sum(it.num_generation_tokens for it in logger.iterations) == 2
+
+
+def test_an_aborted_choice_leaves_n_to_its_siblings():
+    """n > 1: an aborted choice no longer holds the request open (vLLM's ParentRequest), so the
+    last choice to finish still records n and the longest finished answer."""
+    engine, _, logger = make_engine()
+    parallel = ParallelSampling(n=2, unfinished=2)
+    engine.add_request("a", list(range(3, 12)), greedy(4, parallel=parallel))
+    engine.add_request("b", list(range(3, 12)), greedy(50, parallel=parallel))
+    engine.step()
+    engine.abort_request("b")
+    run_all(engine)
+    (finished,) = logger.finished
+    assert (finished.n_param, finished.max_num_generation_tokens) == (2, 4)
 
 
 def test_stop_string_stop_token_eos_and_length():
