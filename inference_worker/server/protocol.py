@@ -143,7 +143,9 @@ class GenerationRequest(BaseModel):
             raise invalid_request(
                 "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
             )
-        if self.stream_options is not None and not self.stream:
+        # vLLM refuses only options that say something: an empty `stream_options: {}` (which
+        # some clients always send) is taken on a request that does not stream.
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )

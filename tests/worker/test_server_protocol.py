@@ -277,6 +277,19 @@ def test_stream_options_default_to_the_usage_chunk_as_in_vllm(options, usage, co
     assert not CompletionRequest.model_validate({"prompt": "hi", "stream": True}).include_usage
 
 
+def test_empty_stream_options_are_taken_without_stream_as_in_vllm() -> None:
+    """vLLM refuses stream_options on a request that does not stream only when they say
+    something (its check reads the raw dict's truth): `{}` is taken, `{"include_usage": true}`
+    is refused."""
+    for req_cls, body in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, _CHAT)):
+        req = req_cls.model_validate({**body, "stream_options": {}})
+        assert not req.stream
+        for options in ({"include_usage": True}, {"include_usage": None}):
+            with pytest.raises(ValidationError) as err:
+                req_cls.model_validate({**body, "stream_options": options})
+            assert exception_to_api_error(err.value).param == "stream_options"
+
+
 @pytest.mark.parametrize(("field", "default"), [("n", 1), ("stream", False), ("min_p", 0.0), ("echo", False)])
 def test_null_means_the_default_where_openai_allows_null(field, default) -> None:
     """OpenAI's reference gives these as "or null" and vLLM takes null: a client that sends the
