@@ -118,7 +118,10 @@ class Scheduler:
                     got_blocks = False
                     break
             if not got_blocks:
-                break  # seq preempted itself: it was the last choice, nothing is left to try
+                # seq preempted itself. FCFS: it was the newest, nobody is left after it. By
+                # priority it was the worst ranked: those after it rank better and still run, in
+                # the room it left (a break gave them no token this step).
+                continue  # running[i] is the next one now
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
             i += 1

@@ -443,3 +443,18 @@ def test_a_block_cached_for_a_step_its_sequence_was_preempted_from_is_not_served
     engine.add_request("z", [*x.token_ids[:12], 7], greedy(3))
     while engine.has_unfinished:
         engine.step()  # the runner raises if "z" reads a position never computed
+
+
+def test_by_priority_a_request_that_preempts_itself_does_not_stall_the_better_ones_behind_it() -> None:
+    """"batch" (priority 5) runs first and needs a block; the pool is full, so the worst-ranked
+    request, itself, is preempted. "urgent" (priority 0), behind it and needing no block, must
+    still get its token in that step (it got none: the step ran empty)."""
+    engine = LLMEngine(ArithmeticRunner(BS, 4), CharTokenizer(), max_num_seqs=4, max_num_batched_tokens=64,
+                       max_model_len=16, scheduling_policy="priority", clock=ManualClock(tick=0.001))
+    engine.add_request("batch", [3] * 7, greedy(8, priority=5))  # 2 blocks, the 2nd full after 1 decode
+    engine.step()
+    engine.add_request("urgent", [4] * 7, greedy(8))  # the other 2 blocks
+    engine.step()
+    outputs = engine.step()  # "batch" needs a 3rd block
+    assert engine.sequence("batch").num_preemptions == 1
+    assert [o.request_id for o in outputs] == ["urgent"]
