@@ -132,7 +132,8 @@ class SchedulerConfig(BaseSettings):
         "scheduler/reservations.py)")
     keep_room_after_s: float = Field(
         5.0, ge=0, le=3600, allow_inf_nan=False,
-        description="a held request that fits a worker's whole KV pool but what is free on none "
+        description="a held large request (a tenth of a worker's KV pool or more) that fits a "
+        "worker's whole pool but what is free on none "
         "of them, after waiting this long in its gateway's queue, has the worker nearest to "
         "holding it kept for it: nothing else is placed there until it is, so smaller requests "
         "(other gateways', other askers') cannot take the room it waits for forever (0: off; "

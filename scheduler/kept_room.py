@@ -8,12 +8,14 @@ never drains that far, and the large request waits until its queue timeout: star
 gateway with one asker cannot starve it (nothing behind its head asks), but the deployments
 this project ships run several replicas with four askers each.
 
-So once such a request has waited `keep_room_after_s` since it arrived in its gateway's queue,
-the worker nearest to holding it (the most free KV among those whose pool can hold it) is kept
-for it: no other request is placed there until it is (it still goes wherever it fits first).
-The kept worker's running requests finish and free their KV, and nothing refills it. That costs
-the smaller requests one worker for as long as the drain takes, which is the price of an
-order in which every request that fits some worker is eventually served.
+So once such a request, one that needs a tenth of a pool or more (LARGE_SHARE), has waited
+`keep_room_after_s` since it arrived in its gateway's queue, the worker nearest to holding it
+(the most free KV among those whose pool can hold it) is kept for it: no other request is
+placed there until it is (it still goes wherever it fits first). The kept worker's running
+requests finish and free their KV, and nothing refills it. That costs the smaller requests one
+worker for as long as the drain takes (seconds to tens of seconds: benchmarks/RESULTS.md,
+"Large requests beside a saturating load"), the price of an order in which every request that
+fits some worker is eventually served.
 
 A keep ends when its request is placed, when its call ends without being asked again within
 ASKED_AGAIN_WITHIN_S (its client left, or its gateway's queue timed it out), or when its worker
@@ -34,6 +36,13 @@ from scheduler.registry import WorkerState
 
 log = logging.getLogger(__name__)
 
+# Only a request that needs at least this share of a worker's pool has a worker kept for it.
+# Under saturation every request waits, and each that needs a few hundred tokens more than
+# is free is held "by its size" for a moment; but the room a release or two frees soon
+# covers it, while a share this large is rarely free on a full worker (the KV guard keeps
+# about 5 % free). Kept for them too, the workers went to one small request after another
+# (each for a second or two), and a large one waited for its turn at the per-model keep.
+LARGE_SHARE = 0.1
 # Two calls of one request give arrivals this close (its waited_ms is whole milliseconds, and
 # the poll's answer and the next call take a round trip); two requests this close with the
 # same need are interchangeable here.
@@ -105,8 +114,8 @@ class RoomKeeper:
             self.end(keep, "worker_gone")  # no longer a candidate: keep another one
         target = None
         for w in cands:
-            if w.capacity_tokens >= need > w.free_tokens and w not in self.by_worker and (
-                    target is None or w.free_tokens > target.free_tokens):
+            if (w.capacity_tokens >= need > w.free_tokens and need >= LARGE_SHARE * w.capacity_tokens
+                    and w not in self.by_worker and (target is None or w.free_tokens > target.free_tokens)):
                 target = w
         if target is None:
             return None

@@ -66,6 +66,19 @@ def test_no_keep_for_a_request_that_has_not_waited_long_or_is_not_held_by_its_si
     assert not capped.kept.by_key
 
 
+def test_no_keep_for_a_small_request_that_the_next_releases_will_fit():
+    """Under saturation every request waits, and one a few hundred tokens over what is free is
+    held by its size for a moment: keeping a worker for each such request made them take
+    turns at the keep (and a large one wait for its turn). Only a tenth of a pool or more."""
+    svc = _pool()
+    feed(svc, worker(svc, "w0"), running=40, kv=0.95)  # 800 free
+    feed(svc, worker(svc, "w1"), running=40, kv=0.96)
+    assert isinstance(_decide(svc, 1000, time.monotonic() - 20.0), Wait)  # 6 % of a pool
+    assert not svc.kept.by_key
+    assert isinstance(_decide(svc, 1700, time.monotonic() - 20.0), Wait)  # 11 %
+    assert svc.kept.by_key["m"].worker is worker(svc, "w0")
+
+
 def test_a_request_too_large_for_every_pool_keeps_nothing():
     svc = _pool()
     assert "worker_id" in _decide(svc, 20_000, time.monotonic() - 6.0)  # its engine answers it
