@@ -230,6 +230,12 @@ def router_dashboard() -> dict:
               "came back unfiltered; three per worker and it is read whole for good"),
         panel(ts, "Scheduler hold time (all workers saturated)",
               quantiles("scheduler_wait_seconds", "", ""), "s", width=8),
+        panel(ts, "Workers kept for a large request", [
+            ("scheduler_worker_kept", "kept {{worker}}"),
+            (f"sum by (event) (rate(scheduler_room_keeps_total[{RATE}]))", "keeps/s {{event}}")], width=8,
+              description="A worker kept for a held request too large for the room that frees on a "
+              "busy pool (scheduler --keep-room-after-s): it takes nothing else until that request "
+              "is placed. Often kept: large requests arrive faster than workers drain"),
         panel(ts, "Lease ends by outcome, and renewals", [
             (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}"),
             (f"sum by (outcome) (rate(scheduler_lease_renewals_total[{RATE}]))", "renewed {{outcome}}")],
