@@ -18,20 +18,30 @@ of a busy engine (the engine says when it goes idle, and idle time is not counte
 `stats.late_s` the steps that ended after their modelled end. The worker publishes both
 (sim/metrics.py), so a benchmark can tell how far its CPU contention slowed the "GPU".
 
-Tokens. The next token is a hash of the last two tokens and the position, mapped onto the
-sim tokenizer's word list: it depends only on the sequence's content, so a sequence's
-output is the same alone, batched, after a prefix-cache hit or after a preemption
-(recompute). Sampling parameters other than `seed`, `ignore_eos` and `min_tokens` are not
-modelled. When the profile sets mean_output_tokens and the request does not ignore EOS,
-EOS comes out with probability 1/mean_output_tokens at each position (a geometric length).
-Logprobs report that modelled distribution: the word, and EOS where it may come out (prompt
-logprobs: a prompt token is certain if it is the word, else impossible).
+Tokens. The next token is a hash of the last two tokens, the position and a digest of the
+prompt, mapped onto the sim tokenizer's word list: it depends only on the sequence's content,
+so a sequence's output is the same alone, batched, after a prefix-cache hit or after a
+preemption (recompute). The prompt's digest is there because the last two tokens and the
+position alone are shared by many prompts (every chat prompt ends with its template's
+`[/INST]`): without it, all prompts of one length got one answer and one length, where on
+vLLM each prompt's answer is its own. The choices of an n > 1 request differ when sampled, as
+vLLM draws each on its own: a seeded one by its seed (the server gives choice i seed + i, as
+vLLM does), an unseeded one by its sequence id; greedy choices are one answer, as on vLLM.
+Sampling parameters other than `seed`, `ignore_eos`, `min_tokens` and greedy-or-not (for
+n > 1) are not modelled. When the profile sets mean_output_tokens and the request does not
+ignore EOS, EOS comes out with probability 1/mean_output_tokens at each position (a geometric
+length, drawn afresh for every prompt). Logprobs report that modelled distribution: the word,
+and EOS where it may come out (prompt logprobs: a prompt token is certain if it is the word
+the last two tokens and the position lead to, else impossible; a position of the prompt
+cannot see the whole prompt, so no digest there).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import zlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +50,9 @@ from inference_worker.sim.latency_model import LatencyModel
 from inference_worker.sim.tokenizer import EOS_ID
 
 _MASK = 0xFFFFFFFF
+# Prompt digests kept (one per sequence); past this many they are all dropped and worked out
+# again as sequences come back: a digest is a function of the prompt alone, so only time is lost.
+_MAX_DIGESTS = 8192
 
 
 @dataclass(slots=True)
@@ -85,6 +98,7 @@ class SimModelRunner:
         self._sleep = sleep
         self._clock = clock
         self._end = float("-inf")  # modelled end of the previous step, on `clock`
+        self._digests: dict[tuple[int, int], int] = {}  # (seq_id, prompt length) -> prompt digest
 
     def execute(self, batch: StepBatch) -> list[int | None]:
         if not batch.sequences:
@@ -127,11 +141,38 @@ class SimModelRunner:
         """The token for `position` (the index the new token will have), and its logprobs."""
         sampling = seq.sampling
         may_end = not sampling.ignore_eos and seq.num_output_tokens >= sampling.min_tokens
-        word, ends = self._next_token(seq.token_ids, position, sampling.seed or 0)
+        word, ends = self._next_token(seq.token_ids, position, self._salt(seq))
         token = EOS_ID if ends and may_end else word
         if sampling.logprobs is not None:
             seq.sampled_logprobs = self._logprobs(token, word, may_end, sampling.logprobs)
         return token
+
+    def _salt(self, seq: ScheduledSequence) -> int:
+        """What, beside the last two tokens and the position, picks this sequence's next tokens:
+        its prompt, and which of a request's sampled choices it is."""
+        sampling = seq.sampling
+        if sampling.seed is not None:
+            choice = sampling.seed
+        elif sampling.parallel is not None and not sampling.greedy:
+            choice = seq.seq_id  # n > 1, unseeded, sampled: vLLM's choices are independent draws
+        else:
+            choice = 0
+        return (choice * 0x27D4EB2F + self._prompt_digest(seq)) & _MASK
+
+    def _prompt_digest(self, seq: ScheduledSequence) -> int:
+        """crc32 of the prompt's ids, worked out once per sequence (a prompt can be long, and a
+        decode step must stay cheap). The prompt is what precedes the outputs, also when a
+        preempted sequence is computed again. Kept by (seq_id, prompt length): the engine never
+        gives one seq_id to two sequences."""
+        prompt_len = len(seq.token_ids) - seq.num_output_tokens
+        key = (seq.seq_id, prompt_len)
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= _MAX_DIGESTS:
+                self._digests.clear()
+            digest = zlib.crc32(array("q", seq.token_ids[:prompt_len]))
+            self._digests[key] = digest
+        return digest
 
     def _prompt_logprobs(self, seq: ScheduledSequence) -> list[SampleLogprobs]:
         """The modelled odds of the prompt tokens this step's positions predict: certain where

@@ -183,3 +183,66 @@ def test_idle_time_is_not_a_stretch_of_the_timeline():
     fake.now += credit * 3  # busy: the engine's Python time past the credit is a stretch
     runner.execute(batch)
     assert runner.stats.gap_s == pytest.approx(2 * credit)
+
+
+def _answer(runner, prompt, length, sampling=GREEDY, seq_id=1):
+    """`length` tokens decoded one by one (the engine's view: prompt, then outputs)."""
+    tokens = list(prompt)
+    prefill = seq(seq_id, tokens, 0, len(tokens), sampling=sampling, prefill=True)
+    out = [runner.execute(StepBatch([prefill]))[0]]
+    while len(out) < length and out[-1] != EOS_ID:
+        tokens.append(out[-1])
+        step = seq(seq_id, tokens, len(tokens) - 1, 1, sampling=sampling)
+        step.num_output_tokens = len(out)
+        out.append(runner.execute(StepBatch([step]))[0])
+    return out
+
+
+def test_prompts_that_end_alike_get_answers_of_their_own():
+    """A chat prompt always ends with the template's closing tokens (`[/INST]`): prompts of one
+    length that differ before their last two tokens must not all get the same answer, as they
+    would if only the last two tokens and the position chose the next token."""
+    runner, tok = make_runner(fake=FakeTime())
+    questions = ("What is the capital of France?", "Write me a poem about the sea", "Who are you, my dear?")
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    assert len({len(p) for p in prompts}) == 1 and len({tuple(p[-2:]) for p in prompts}) == 1
+    answers = {tuple(_answer(runner, p, 8, seq_id=i)) for i, p in enumerate(prompts)}
+    assert len(answers) == len(prompts)
+
+
+def test_answer_lengths_of_prompts_that_end_alike_are_geometric():
+    """With mean_output_tokens, each prompt's length is its own draw (1 in 4 ends at once
+    here), not one fate shared by every prompt of that length and ending."""
+    runner, _ = make_runner(fake=FakeTime(), mean_output_tokens=4)
+    sampled = SamplingParams(max_tokens=100)
+    firsts = [runner.execute(StepBatch([seq(i, [1, 300 + i, 7, 8], 0, 4, sampling=sampled, prefill=True)]))[0]
+              for i in range(400)]
+    assert 50 < firsts.count(EOS_ID) < 150
+
+
+def test_a_prompt_gets_the_same_answer_again_and_after_a_recompute():
+    runner, tok = make_runner(fake=FakeTime(), mean_output_tokens=1000)
+    prompt = tok.encode("Tell me a story about a cluster of workers")
+    answer = _answer(runner, prompt, 30, seq_id=5)
+    assert len(answer) == 30
+    assert _answer(runner, prompt, 30, seq_id=9) == answer
+    # Preempted after 10 tokens: the whole sequence is computed again as a prefill.
+    tokens = [*prompt, *answer[:10]]
+    resumed = seq(5, tokens, 0, len(tokens), prefill=True)
+    resumed.num_output_tokens = 10
+    assert runner.execute(StepBatch([resumed]))[0] == answer[10]
+
+
+def test_sampled_choices_of_one_request_differ_greedy_ones_do_not():
+    """n > 1: vLLM draws each choice on its own (a seeded one from seed + index, which the
+    server already gives it), so sampled choices differ; greedy ones are the same answer."""
+    from dataclasses import replace
+
+    from inference_worker.engine.types import ParallelSampling
+
+    runner, tok = make_runner(fake=FakeTime())
+    prompt = tok.encode("Give me two ideas")
+    sampled = SamplingParams(max_tokens=100, n=2, parallel=ParallelSampling(2, 2))
+    greedy = replace(sampled, temperature=0.0, parallel=ParallelSampling(2, 2))
+    assert _answer(runner, prompt, 8, sampled, seq_id=3) != _answer(runner, prompt, 8, sampled, seq_id=4)
+    assert _answer(runner, prompt, 8, greedy, seq_id=3) == _answer(runner, prompt, 8, greedy, seq_id=4)

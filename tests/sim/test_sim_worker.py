@@ -161,6 +161,31 @@ def test_the_sim_publishes_how_far_its_timeline_stretched(worker):
     assert sample(after, "sim:late_seconds_total") >= 0
 
 
+def test_chat_answers_and_sampled_choices_are_their_own(worker):
+    """Every chat prompt ends with `[/INST]`: questions of one token length must still get
+    answers of their own (on vLLM each prompt's answer, and with EOS its length, is its own
+    draw), and the n choices of a sampled request differ while greedy ones agree, as on vLLM."""
+    questions = ("What is the capital of France?", "Write me a poem about the sea", "Who are you, my dear?")
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        def chat(question: str, **extra) -> list[str]:
+            messages = [{"role": "user", "content": question}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
+            answer = client.post("/v1/chat/completions", json=body).json()
+            return [choice["message"]["content"] for choice in answer["choices"]]
+
+        def prompt_len(question: str) -> int:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": question}]}
+            return client.post("/tokenize", json=body).json()["count"]
+
+        lengths = {prompt_len(q) for q in questions}
+        assert len(lengths) == 1  # one prompt length: only the questions' words tell them apart
+        assert len({chat(q)[0] for q in questions}) == len(questions)
+        sampled = chat(questions[0], n=2, temperature=1.0)
+        greedy = chat(questions[0], n=2, temperature=0.0)
+    assert sampled[0] != sampled[1]
+    assert greedy[0] == greedy[1]
+
+
 def _decode_seconds(scale: str) -> tuple[float, float]:
     """(simulated decode seconds from /metrics, wall seconds) of one 60-token request."""
     with launch_worker("--backend", "sim", "--sim-profile", "tiny", "--time-scale", scale, model=MODEL) as w:
