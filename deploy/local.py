@@ -23,6 +23,9 @@ from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free
 
 HOST = "127.0.0.1"
 LOCAL_PREFILL_CAP = 1024  # llm_aware max_prefill_backlog for our worker (see build_specs)
+# What a child needs, after its --shutdown-timeout, to cut what is left and exit (see
+# drain_timeout).
+EXIT_MARGIN_S = 2.0
 # SIGHUP too: closing the terminal (or an ssh session ending) hangs up `make run`. Its default
 # action ended the launcher alone, and the children, each in its own session, kept running
 # with their ports held: the next `make run` found every port in use.
@@ -64,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds each stage may take to answer /health")
     p.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping a child")
+                   help="seconds between SIGTERM and SIGKILL when stopping a child; the gateway and "
+                        "the workers get this less 2 s to finish the requests in flight")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be at least 1")
@@ -140,6 +144,14 @@ def read_admin_token(path: Path) -> str:
     return token
 
 
+def drain_timeout(grace_s: float) -> float:
+    """The --shutdown-timeout of the gateway and the workers: their requests in flight finish,
+    or are cut with a `shutting_down` error, before the launcher's SIGKILL. With their own
+    defaults (gateway 50 s, worker 30 s) against the 10 s grace period, a Ctrl-C during a long
+    stream killed the gateway mid-stream: the client's connection dropped with no error."""
+    return max(0.0, grace_s - EXIT_MARGIN_S)
+
+
 def worker_urls(args: argparse.Namespace) -> list[str]:
     return [f"http://{HOST}:{args.base_worker_port + i}" for i in range(args.workers)]
 
@@ -147,11 +159,12 @@ def worker_urls(args: argparse.Namespace) -> list[str]:
 def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpec, ServiceSpec]:
     """The command lines of every child: (workers, scheduler, gateway)."""
     py = sys.executable
+    drain = ["--shutdown-timeout", f"{drain_timeout(args.grace_period):g}"]
     workers = []
     for i, url in enumerate(worker_urls(args)):
         argv = [py, "-m", "inference_worker", "--backend", args.backend, "--model", args.model,
                 "--served-model-name", args.served_model_name,
-                "--host", HOST, "--port", str(args.base_worker_port + i)]
+                "--host", HOST, "--port", str(args.base_worker_port + i), *drain]
         if args.sim_profile:
             argv += ["--sim-profile", args.sim_profile]
         if args.time_scale is not None:
@@ -175,7 +188,7 @@ def build_specs(args: argparse.Namespace) -> tuple[list[ServiceSpec], ServiceSpe
     gateway = ServiceSpec(
         "gateway",
         [py, "-m", "router", "--host", HOST, "--port", str(args.gateway_port),
-         "--scheduler", scheduler_url, "--workers", ",".join(worker_urls(args))],
+         "--scheduler", scheduler_url, "--workers", ",".join(worker_urls(args)), *drain],
         f"http://{HOST}:{args.gateway_port}/health",
         # In its environment, not on its command line, which the launcher logs and `ps` shows.
         # Always set: "" (no token) overrides one inherited from the launcher's environment.
