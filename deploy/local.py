@@ -16,16 +16,22 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from deploy.processes import ServiceSpec, StartupError, Supervisor, port_is_free, print_line
+import httpx
+
+from deploy.processes import ManagedProcess, ServiceSpec, StartupError, Supervisor, port_is_free, print_line
 
 HOST = "127.0.0.1"
 LOCAL_PREFILL_CAP = 1024  # llm_aware max_prefill_backlog for our worker (see build_specs)
 # What a child needs, after its --shutdown-timeout, to cut what is left and exit (see
 # drain_timeout).
 EXIT_MARGIN_S = 2.0
+# A worker that dies again this soon after the launcher restarted it is in a crash loop: the
+# stack stops (see keep_workers_up).
+RESTART_MIN_UPTIME_S = 30.0
 # SIGHUP too: closing the terminal (or an ssh session ending) hangs up `make run`. Its default
 # action ended the launcher alone, and the children, each in its own session, kept running
 # with their ports held: the next `make run` found every port in use.
@@ -237,6 +243,49 @@ Press Ctrl-C to stop everything.
 ================================================================================""".lstrip("\n")
 
 
+async def keep_workers_up(supervisor: Supervisor, worker_names: set[str], stop: asyncio.Event,
+                          health_timeout_s: float) -> bool:
+    """Watch the children until `stop` is set (False) or the stack cannot go on (True).
+
+    A worker that dies is started again, as compose (`restart: unless-stopped`) and Kubernetes
+    do: the scheduler takes it out of rotation and back once it answers, and the others serve
+    meanwhile. One worker's crash stopped the whole stack, the gateway cutting the streams that
+    healthy workers were serving. A worker that dies again within RESTART_MIN_UPTIME_S of its
+    restart (a crash loop), or the scheduler or the gateway dying, stops the stack."""
+    restarted_at: dict[str, float] = {}
+    announcers: set[asyncio.Task] = set()
+
+    async def announce_healthy(child: ManagedProcess) -> None:
+        with contextlib.suppress(StartupError):
+            async with httpx.AsyncClient(trust_env=False) as client:
+                await child.wait_healthy(client, health_timeout_s)
+            print_line(f"[launcher] {child.name} is healthy again at {child.spec.health_url}")
+
+    try:
+        while (dead := await supervisor.watch(stop)) is not None:
+            code = dead.proc.returncode if dead.proc else None
+            up_s = time.monotonic() - restarted_at.get(dead.name, -math.inf)
+            if dead.name not in worker_names:
+                print_line(f"[launcher] error: {dead.name} exited with code {code}; stopping the rest")
+                return True
+            if up_s < RESTART_MIN_UPTIME_S:
+                print_line(f"[launcher] error: {dead.name} exited with code {code} again {up_s:.0f} s "
+                           "after its restart; stopping the rest")
+                return True
+            print_line(f"[launcher] {dead.name} exited with code {code}; starting it again (the others "
+                       "serve meanwhile)")
+            await supervisor.restart(dead)
+            restarted_at[dead.name] = time.monotonic()
+            task = asyncio.create_task(announce_healthy(dead))
+            announcers.add(task)
+            task.add_done_callback(announcers.discard)
+        return False
+    finally:
+        for task in list(announcers):
+            task.cancel()
+        await asyncio.gather(*announcers, return_exceptions=True)
+
+
 async def run(args: argparse.Namespace) -> int:
     problems = busy_ports(args)
     if problems:
@@ -271,10 +320,7 @@ async def run(args: argparse.Namespace) -> int:
             print_line(f"[launcher] error: {exc}")
             return 1
         print_line(banner(args))
-        dead = await supervisor.watch(stop)
-        if dead is not None:
-            print_line(f"[launcher] error: {dead.name} exited with code {dead.proc.returncode}; "
-                       "stopping the rest")
+        if await keep_workers_up(supervisor, {spec.name for spec in workers}, stop, args.startup_timeout):
             return 1
         print_line("[launcher] stopping")
         return 0

@@ -264,6 +264,12 @@ class Supervisor:
         dead = [waits[t] for t in done if t in waits]
         return dead[0] if dead else None
 
+    async def restart(self, child: ManagedProcess) -> None:
+        """Start an exited child again, in its place (it is stopped with its stage)."""
+        await child.wait()
+        await child.start()
+        self.emit(f"[launcher] started {child.name} (pid {child.pid}): {' '.join(child.spec.argv)}")
+
     def kill_all(self) -> None:
         """SIGKILL every child's group now (a second Ctrl-C: the user does not want to wait)."""
         for child in self.children:
