@@ -43,6 +43,7 @@ class Health:
             # First contact (e.g. a worker started after the scheduler): no trial needed.
             self.state = UP
             self.ever_up = True
+            self.last_error = None  # up: the errors before it are no reason any more
             return True
         if self.state == DOWN and self.consecutive_successes >= recover_streak:
             self.state = HALF_OPEN
@@ -99,5 +100,9 @@ class Health:
             return False
         self.state = UP if ok else DOWN
         self.ever_up = True
+        if ok:
+            # Back up: /v1/workers showed the error that took it out on a healthy worker, and
+            # the log said "worker ... is up (ClientConnectorError)".
+            self.last_error = None
         self.consecutive_successes = 0
         return True

@@ -182,6 +182,22 @@ def test_never_reached_worker_comes_up_on_first_success():
         h.on_failure("refused", 3, True)
     assert h.state == DOWN
     assert h.on_success(1.0, 2) and h.state == UP  # e.g. started after the scheduler
+    assert h.last_error is None
+
+
+def test_a_worker_back_up_shows_no_error():
+    """A worker killed and restarted was logged "is up (ClientConnectorError)" and shown in
+    /v1/workers as up with that error. While it is down or on trial, the error says why."""
+    h = Health()
+    h.on_success(0.0, 2)
+    h.force_down("gateway: connection")
+    for _ in range(3):
+        h.on_failure("ClientConnectorError", 3, True)
+    h.on_success(1.0, 2)
+    h.on_success(1.1, 2)
+    assert h.state == HALF_OPEN and h.last_error == "ClientConnectorError"
+    assert h.trial_result(True) and h.state == UP
+    assert h.last_error is None
 
 
 def test_a_registration_token_from_a_secret_file_matches_without_its_newline(monkeypatch):
