@@ -191,9 +191,14 @@ class AccessLog:
 
 
 async def stats_loop(stats: Stats, gauges, interval_s: float) -> None:
-    """gauges() -> (in_flight, queued, fallback_mode)."""
+    """gauges() -> (in_flight, queued, fallback_mode).
+
+    An idle gateway logs one all-zero line after its traffic ends, then none until something
+    happens (as vLLM's and our worker's stats lines): it logged a line of zeros every 5 s
+    forever, burying the lines that matter."""
     last = Stats()
     last_t = time.monotonic()
+    last_idle, last_fallback = True, False  # a gateway just started has nothing to report
     while True:
         await asyncio.sleep(interval_s)
         now = time.monotonic()
@@ -202,6 +207,12 @@ async def stats_loop(stats: Stats, gauges, interval_s: float) -> None:
         n = stats.done - last.done
         ttft_n = stats.ttft_n - last.ttft_n
         mean_ttft = (stats.ttft_sum_ms - last.ttft_sum_ms) / ttft_n if ttft_n else 0.0
+        idle = not (in_flight or queued or stats.__dict__ != last.__dict__)
+        quiet = idle and last_idle and fallback == last_fallback
+        last_idle, last_fallback = idle, fallback
+        if quiet:
+            last_t = now
+            continue
         stats_log.info(
             "req/s=%.1f errors=%d in_flight=%d queued=%d prompt_tok/s=%.1f gen_tok/s=%.1f mean_ttft_ms=%.1f "
             "mode=%s",

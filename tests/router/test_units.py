@@ -665,3 +665,34 @@ def test_stats_line_counts_tokens_of_served_requests_only():
         stats.add(rec)
     assert (stats.done, stats.errors) == (3, 2)
     assert (stats.prompt_tokens, stats.output_tokens, stats.ttft_n) == (7, 8, 1)
+
+
+async def test_an_idle_gateway_logs_one_stats_line_of_zeros_then_none(caplog):
+    """It logged `req/s=0.0 errors=0 ...` every 5 s forever; the workers stay quiet when idle."""
+    from router.access_log import stats_loop
+
+    stats, gauges = Stats(), {"in_flight": 0, "queued": 0, "fallback": False}
+    loop = asyncio.create_task(stats_loop(
+        stats, lambda: (gauges["in_flight"], gauges["queued"], gauges["fallback"]), 0.02))
+
+    async def lines_after(step) -> list[str]:
+        caplog.clear()
+        step()
+        await asyncio.sleep(0.2)  # ten intervals
+        return [r.getMessage() for r in caplog.records if r.name == "router.stats"]
+
+    try:
+        with caplog.at_level("INFO", logger="router.stats"):
+            assert await lines_after(lambda: None) == []  # just started, nothing happened
+            stats.add(RequestRecord("a", "POST", "/v1/completions"))
+            busy = await lines_after(lambda: gauges.update(in_flight=1))
+            assert len(busy) >= 3 and all("in_flight=1" in line for line in busy)
+            idle = await lines_after(lambda: gauges.update(in_flight=0))
+            assert len(idle) == 1 and "req/s=0.0" in idle[0] and "in_flight=0" in idle[0], idle
+            assert await lines_after(lambda: None) == []
+            fallback = await lines_after(lambda: gauges.update(fallback=True))  # a mode change
+            assert len(fallback) == 1 and "mode=fallback" in fallback[0], fallback
+    finally:
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
