@@ -130,7 +130,13 @@ class SchedulerService:
     def on_health_change(self, w: WorkerState) -> None:
         if self.is_gone(w):
             return  # else a removed worker's late verdict landed on the id's new worker
-        log.info("worker %s is %s (%s)", w.worker_id, w.health.state, w.health.last_error or "ok")
+        h = w.health
+        if h.state == HALF_OPEN:
+            # Answering again: the error it still carries is what took it out, not news.
+            log.info("worker %s is half_open: answering again after %s; its next request is a trial",
+                     w.worker_id, h.last_error or "an outage")
+        else:
+            log.info("worker %s is %s (%s)", w.worker_id, h.state, h.last_error or "ok")
         self._routable.clear()
         if w.health.state == HALF_OPEN:
             self.half_open.add(w.worker_id)

@@ -680,3 +680,13 @@ def test_with_no_grace_a_model_whose_workers_left_is_unknown_at_once():
     svc = make_service(n=1, config={"model_gone_grace_s": 0})
     svc.remove_worker("w0")
     assert svc.decide(Request("m", 10, 10), time.monotonic() + 0.01) == UNKNOWN_MODEL
+
+
+def test_the_log_says_a_half_open_worker_answers_again(caplog):
+    """Back half open, a worker still carries the error that took it out: the log line must
+    not read as if that error were news ("is half_open (ClientConnectorError)")."""
+    with caplog.at_level("INFO", logger="scheduler.service"):
+        _half_open_trial()
+    lines = [r.getMessage() for r in caplog.records if "half_open" in r.getMessage()]
+    assert lines == ["worker w1 is half_open: answering again after gateway: connect; its next "
+                     "request is a trial"]
