@@ -220,18 +220,24 @@ def banner(args: argparse.Namespace) -> str:
                        "messages": [{"role": "user", "content": "Say hello in one sentence."}]})
     workers = ", ".join(f"{url}/metrics" for url in worker_urls(args))
     gateway_auth = f" (Bearer token from {args.admin_token_file})" if args.admin_token else ""
+    # The gateway reads its API keys from the environment it inherits: with keys set, the
+    # examples must send one (as pasted, they got a 401).
+    keyed = bool(os.environ.get("ROUTER_API_KEYS") or os.environ.get("ROUTER_API_KEY_FILE"))
+    curl_auth = " -H \"Authorization: Bearer $API_KEY\"" if keyed else ""
+    api_key = 'os.environ["API_KEY"]' if keyed else '"unused"'
+    key_note = "\n(API keys are on: set API_KEY to one of ROUTER_API_KEYS first)\n" if keyed else ""
     return f"""
 ================================================================================
 LLM router ready: {base}
   model "{args.served_model_name}", {args.workers} {args.backend} worker(s), policy {args.policy}
-
+{key_note}
 curl:
-  curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
+  curl -s {base}/chat/completions -H 'Content-Type: application/json'{curl_auth} \\
     -d '{body}'
 
 openai (Python):
-  from openai import OpenAI
-  client = OpenAI(base_url="{base}", api_key="unused")
+  {"import os; " if keyed else ""}from openai import OpenAI
+  client = OpenAI(base_url="{base}", api_key={api_key})
   reply = client.chat.completions.create(model="{args.served_model_name}", max_tokens=32,
       messages=[{{"role": "user", "content": "Say hello in one sentence."}}])
   print(reply.choices[0].message.content)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from deploy import local
 from deploy.processes import port_is_free
 from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
 from tests.deploy.stack import start_stack, stop_stack, wait_ready
@@ -234,3 +235,18 @@ def test_a_launcher_killed_outright_takes_its_children_with_it():
         assert all(port_is_free(port) for port in ports)
     finally:
         stop_stack(stack)
+
+
+@pytest.mark.parametrize("env", ["ROUTER_API_KEYS", "ROUTER_API_KEY_FILE"])
+def test_the_banner_examples_send_a_key_when_the_gateway_wants_one(monkeypatch, env):
+    """The gateway inherits the launcher's environment: with API keys set there, the examples
+    as pasted got a 401."""
+    args = local.parse_args([])
+    monkeypatch.delenv("ROUTER_API_KEYS", raising=False)
+    monkeypatch.delenv("ROUTER_API_KEY_FILE", raising=False)
+    plain = local.banner(args)
+    assert 'api_key="unused"' in plain and "Authorization" not in plain
+    monkeypatch.setenv(env, "k1")
+    keyed = local.banner(args)
+    assert 'Authorization: Bearer $API_KEY' in keyed
+    assert 'import os; from openai import OpenAI' in keyed and 'api_key=os.environ["API_KEY"]' in keyed
