@@ -308,6 +308,14 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         # orchestrator's grace period and are killed instead of cut. Then aiohttp's shutdown
         # cuts what is left and closes the connections.
         await site.stop()
+        busy_requests = gw.proxy.in_flight.count if gw.proxy else 0
+        if busy_requests or gw.ws_sessions.open:
+            # Said at once, as the workers say it: an operator watching a stop that takes up to
+            # --shutdown-timeout sees what it waits for, not silence until the deadline.
+            log.info("shutting down: %d request(s) and %d WebSocket(s) in flight, waiting up to "
+                     "%g s for them", busy_requests, len(gw.ws_sessions.open), cfg.shutdown_timeout)
+        else:
+            log.info("shutting down: nothing in flight")
         ws_left, requests_left = await asyncio.gather(
             gw.ws_sessions.drain(cfg.shutdown_timeout),
             gw.proxy.in_flight.wait_done(cfg.shutdown_timeout) if gw.proxy else asyncio.sleep(0, 0),

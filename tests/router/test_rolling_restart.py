@@ -271,7 +271,8 @@ async def _a_socket_a_stream_and_a_queued_call_past_the_shutdown_timeout(stack: 
         exited_after = time.monotonic() - t0
         queued_answer = await queued
         return {"exit_code": exit_code, "exited_after": exited_after, "stream_events": await stream,
-                "queued": (queued_answer.status, await queued_answer.json())}
+                "queued": (queued_answer.status, await queued_answer.json()),
+                "log": stack.gateway_proc.output()}
 
 
 def _stream_until_cut(gw: str, body: dict) -> list[str]:
@@ -300,3 +301,6 @@ def test_the_shutdown_timeout_is_one_deadline_and_what_it_cuts_is_told_shutting_
     assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
     status, body = out["queued"]
     assert status == 503 and body["error"]["code"] == "shutting_down", out["queued"]
+    # Said when the stop begins, not only at the deadline: what it waits for (the queued call
+    # counts, its handler is in flight too).
+    assert "shutting down: 2 request(s) and 1 WebSocket(s) in flight, waiting up to 3 s" in out["log"]
