@@ -24,7 +24,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.errors import error_response, no_route
+from router.errors import error_code_of, error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.in_flight import SHUTTING_DOWN, InFlight
@@ -191,6 +191,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         try:
             resp = await self._handle(request, rec, path)
             rec.status = resp.status if rec.status == 0 else rec.status
+            if rec.status >= 400 and rec.error is None:
+                rec.error = error_code_of(resp)
             return resp
         except asyncio.CancelledError:
             if self.in_flight.cutting and rec.status == 0:

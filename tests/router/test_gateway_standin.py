@@ -516,3 +516,32 @@ def test_a_header_past_aiohttps_8_kib_default_reaches_the_worker():
     finally:
         g.stop()
         w.stop()
+
+
+def test_a_refused_request_s_access_line_names_its_error():
+    """A 4xx line said only its status: an operator grepping the access log for why requests
+    fail saw `status=400` and nothing more. It names the answer's error code (else its type)."""
+    w, wu = start_echo_worker()
+    g, gu = start_gateway("--workers", wu)
+    try:
+        errors = {}
+        for i, body in enumerate((b"{not json", b"[1, 2]")):
+            rid = f"refused-{i}"
+            r = httpx.post(gu + "/v1/completions", content=body,
+                           headers={"Content-Type": "application/json", "X-Request-Id": rid})
+            assert 400 <= r.status_code < 500, r.text
+            err = r.json()["error"]
+            errors[rid] = err["code"] if isinstance(err["code"], str) else err["type"]
+        deadline = time.monotonic() + 5
+        lines: dict[str, str] = {}
+        while time.monotonic() < deadline and len(lines) < len(errors):
+            for rid in errors:
+                line = next((x for x in g.output().splitlines() if f"router.access: id={rid} " in x), "")
+                if line:
+                    lines[rid] = line
+            time.sleep(0.05)
+        for rid, want in errors.items():
+            assert f"error={want}" in lines[rid], lines[rid]
+    finally:
+        g.stop()
+        w.stop()
