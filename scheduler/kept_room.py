@@ -50,14 +50,13 @@ SAME_ARRIVAL_S = 0.25
 
 
 class KeptRoom:
-    __slots__ = ("arrival", "key", "left_at", "need", "since", "worker")
+    __slots__ = ("arrival", "key", "left_at", "need", "worker")
 
-    def __init__(self, key: str, worker: WorkerState, need: float, arrival: float, now: float) -> None:
+    def __init__(self, key: str, worker: WorkerState, need: float, arrival: float) -> None:
         self.key = key  # the model (or adapter) the request is for
         self.worker = worker
         self.need = need  # its KV need (Policy.kv_need)
         self.arrival = arrival  # when it arrived in its gateway's queue (time.monotonic())
-        self.since = now
         self.left_at: float | None = None  # its last call ended unplaced (asked again: None)
 
     def is_for(self, key: str, need: float, arrival: float | None) -> bool:
@@ -119,7 +118,7 @@ class RoomKeeper:
                 target = w
         if target is None:
             return None
-        keep = KeptRoom(key, target, need, arrival, now)
+        keep = KeptRoom(key, target, need, arrival)
         self.by_key[key] = keep
         self.by_worker[target] = keep
         self.started += 1
