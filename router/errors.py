@@ -33,23 +33,6 @@ def error_response(
     )
 
 
-def error_code_of(resp: web.StreamResponse) -> str | None:
-    """The code (else the type) an OpenAI-shaped error answer names, for the access log's
-    `error=` field: a refused request's line said only its status. None for a streamed answer
-    (its body is gone) or a body that names neither. Error answers only: it parses the body."""
-    body = getattr(resp, "body", None)
-    if not isinstance(body, bytes) or len(body) > 65536:
-        return None
-    try:
-        err = json.loads(body).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    if not isinstance(err, dict):
-        return None
-    found = err.get("code") if isinstance(err.get("code"), str) else err.get("type")
-    return found if isinstance(found, str) and found else None
-
-
 async def no_route(request: web.Request) -> web.Response:
     """The answer for a request that no route serves: 405 if a route serves its path with
     other methods, else 404. (Catch-alls, which took it, match any method and add none.)"""

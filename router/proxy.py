@@ -24,7 +24,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.errors import error_code_of, error_response, no_route
+from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.in_flight import SHUTTING_DOWN, InFlight
@@ -54,7 +54,7 @@ from router.tokens import (
     schedule_request,
     schedule_request_off_loop,
 )
-from router.upstream_errors import answer_status, read_bounded, relayed_error
+from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
 

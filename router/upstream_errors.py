@@ -16,6 +16,7 @@ from http import HTTPStatus
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from router.errors import error_body
 
@@ -60,6 +61,24 @@ def is_openai_error(obj: Any) -> bool:
     err = obj.get("error")
     return isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(
         err.get("type"), str)
+
+
+def error_code_of(resp: web.StreamResponse) -> str | None:
+    """The code (else the type) of an error answer the gateway sends, for the access log's
+    `error=` field. Every such answer is in the OpenAI shape by then (the gateway's own, or a
+    worker's relayed through relayed_error). None for a streamed answer (its body is gone) or
+    another body. Error answers only: it parses the body."""
+    body = getattr(resp, "body", None)
+    if not isinstance(body, bytes) or len(body) > ERROR_BODY_LIMIT:
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not is_openai_error(obj):
+        return None
+    code = obj["error"].get("code")
+    return code if isinstance(code, str) and code else obj["error"]["type"] or None
 
 
 def openai_error(status: int, data: bytes) -> bytes | None:
