@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.cluster import Cluster, ClusterSpec
-from benchmarks.serve import prepare_workload, run_benchmark
+from benchmarks.serve import prepare_workload, run_benchmark, write_modes_json
 from router.fairness import DEFAULT_FAIRNESS_HEADER
 
 CLASSES = {"interactive": -1, "batch": 5}
@@ -126,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: {time.monotonic() - t0:.0f} s wall", file=sys.stderr)
     print(table(results))
     if args.output:
-        doc = {"scenario": {**vars(args), "command": " ".join(sys.argv)},
-               "modes": {m: {c: {k: v for k, v in r.items() if not isinstance(v, list)}
-                             for c, r in by_class.items()} for m, by_class in results.items()}}
-        Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")
+        write_modes_json(args.output, args, results)
     return 0
 
 

@@ -206,6 +206,15 @@ def prepare_workload(
     raise ValueError(f"unknown dataset {dataset!r}: use sharegpt or sharegpt-multiturn")
 
 
+def write_modes_json(path: str, args: Any, results: dict[str, dict[str, dict]]) -> None:
+    """A comparison of modes as JSON: the settings and command line, then each mode's and
+    client's result without its per-request lists (megabytes, and no summary reads them)."""
+    doc = {"scenario": {**vars(args), "command": " ".join(sys.argv)},
+           "modes": {mode: {client: {k: v for k, v in r.items() if not isinstance(v, list)}
+                            for client, r in by_client.items()} for mode, by_client in results.items()}}
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
 async def run_benchmark(
     base_url: str | Sequence[str] | None = None,
     model: str = "",
