@@ -98,7 +98,7 @@ class SimModelRunner:
         self._sleep = sleep
         self._clock = clock
         self._end = float("-inf")  # modelled end of the previous step, on `clock`
-        self._digests: dict[tuple[int, int], int] = {}  # (seq_id, prompt length) -> prompt digest
+        self._digests: dict[int, int] = {}  # seq_id -> prompt digest
 
     def execute(self, batch: StepBatch) -> list[int | None]:
         if not batch.sequences:
@@ -162,16 +162,15 @@ class SimModelRunner:
     def _prompt_digest(self, seq: ScheduledSequence) -> int:
         """crc32 of the prompt's ids, worked out once per sequence (a prompt can be long, and a
         decode step must stay cheap). The prompt is what precedes the outputs, also when a
-        preempted sequence is computed again. Kept by (seq_id, prompt length): the engine never
-        gives one seq_id to two sequences."""
-        prompt_len = len(seq.token_ids) - seq.num_output_tokens
-        key = (seq.seq_id, prompt_len)
-        digest = self._digests.get(key)
+        preempted sequence is computed again. Kept by seq_id: the engine never gives one seq_id to
+        two sequences, and a sequence's prompt never changes."""
+        digest = self._digests.get(seq.seq_id)
         if digest is None:
             if len(self._digests) >= _MAX_DIGESTS:
                 self._digests.clear()
+            prompt_len = len(seq.token_ids) - seq.num_output_tokens
             digest = zlib.crc32(array("q", seq.token_ids[:prompt_len]))
-            self._digests[key] = digest
+            self._digests[seq.seq_id] = digest
         return digest
 
     def _prompt_logprobs(self, seq: ScheduledSequence) -> list[SampleLogprobs]:
