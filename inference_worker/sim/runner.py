@@ -33,7 +33,8 @@ ignore EOS, EOS comes out with probability 1/mean_output_tokens at each position
 length, drawn afresh for every prompt). Logprobs report that modelled distribution: the word,
 and EOS where it may come out (prompt logprobs: a prompt token is certain if it is the word
 the last two tokens and the position lead to, else impossible; a position of the prompt
-cannot see the whole prompt, so no digest there).
+cannot see the whole prompt, so no digest there, and no seed either: a model's prompt logprobs
+come from its forward pass over the prompt, which no sampling seed changes).
 """
 
 from __future__ import annotations
@@ -175,13 +176,15 @@ class SimModelRunner:
 
     def _prompt_logprobs(self, seq: ScheduledSequence) -> list[SampleLogprobs]:
         """The modelled odds of the prompt tokens this step's positions predict: certain where
-        the prompt goes on as the sim would, impossible elsewhere (the model is a hash)."""
+        the prompt goes on as the sim would, impossible elsewhere (the model is a hash). A
+        function of the prompt alone, as a forward pass is: the request's seed picks samples,
+        not these odds, so every request with this prompt gets the same ones."""
         prompt_len = len(seq.token_ids) - seq.num_output_tokens
         start = seq.num_computed_tokens
         top_n = seq.sampling.prompt_logprobs or 0
         found = []
         for position in range(start + 1, min(start + seq.num_new_tokens, prompt_len - 1) + 1):
-            word, _ = self._next_token(seq.token_ids, position, seq.sampling.seed or 0)
+            word, _ = self._next_token(seq.token_ids, position, 0)
             certain = seq.token_ids[position] == word
             found.append(SampleLogprobs(0.0 if certain else float("-inf"), ((word, 0.0),)[:top_n],
                                         1 if certain else 2))

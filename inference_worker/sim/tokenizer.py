@@ -16,6 +16,11 @@ tokenizers of the Llama family cut English text:
 - newlines are chunked by 2, runs of spaces/tabs by 8 (code indentation);
 - any other character is one token, and a non-Latin one (CJK, Cyrillic, emoji) two.
 
+An empty text has no tokens, not even <s> (Llama-2's tokenizer would give [<s>]): the torch
+worker's tokenizer (SmolLM2's, which adds no BOS) gives it none, so the server refuses an
+empty prompt with a 400 ("The prompt is empty.", as vLLM refuses an empty decoder prompt),
+and the sim must refuse it too rather than serve a prompt of one start token.
+
 Ids 0-2 are the Llama specials (<unk>, <s>, </s>), 3 marks the second token of a
 non-Latin character, 4-258 (byte fallback in Llama) are unused, then come the words the
 sim generates (a fixed list), and every other piece gets `crc32(piece)` folded into the
@@ -141,9 +146,10 @@ class SimTokenizer:
         return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, with a leading <s> like Llama's tokenizer unless disabled."""
+        """Token ids of `text`, with a leading <s> like Llama's tokenizer unless disabled; an
+        empty text has none (see the module docstring: the torch worker's parity)."""
         lookup = self._lookup
-        ids = [BOS_ID] if add_special_tokens else []
+        ids = [BOS_ID] if add_special_tokens and text else []
         for piece in self.pieces(text):
             ids.append(lookup(piece))
             if len(piece) == 1 and piece > _LAST_LATIN:

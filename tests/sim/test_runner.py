@@ -246,3 +246,28 @@ def test_sampled_choices_of_one_request_differ_greedy_ones_do_not():
     greedy = replace(sampled, temperature=0.0, parallel=ParallelSampling(2, 2))
     assert _answer(runner, prompt, 8, sampled, seq_id=3) != _answer(runner, prompt, 8, sampled, seq_id=4)
     assert _answer(runner, prompt, 8, greedy, seq_id=3) == _answer(runner, prompt, 8, greedy, seq_id=4)
+
+
+def _prompt_logprobs(runner, prompt, sampling, seq_id=1):
+    """The prompt logprobs of one whole-prompt prefill, and its sampled first token."""
+    prefill = seq(seq_id, list(prompt), 0, len(prompt), sampling=sampling, prefill=True)
+    token = runner.execute(StepBatch([prefill]))[0]
+    return prefill.prompt_logprobs, token
+
+
+def test_prompt_logprobs_are_the_prompts_alone_the_seed_picks_only_samples():
+    """A model's prompt logprobs come from its forward pass over the prompt: a sampling seed
+    cannot change them. The seed still picks the sampled token."""
+    runner, tok = make_runner(fake=FakeTime())
+    prompt = tok.encode("The three primary colors are red, yellow and blue")
+    found = {}
+    for seq_id, seed in enumerate((None, 0, 1, 7, 12345)):
+        sampling = SamplingParams(max_tokens=4, seed=seed, prompt_logprobs=3)
+        found[seed] = _prompt_logprobs(runner, prompt, sampling, seq_id=seq_id)
+    other, _ = make_runner(fake=FakeTime())  # a fresh runner, a greedy request: the same odds
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3)
+    found["greedy"] = _prompt_logprobs(other, prompt, greedy, seq_id=99)
+    logprobs = [lp for lp, _ in found.values()]
+    assert len(logprobs[0]) == len(prompt) - 1 and all(lp == logprobs[0] for lp in logprobs)
+    assert all(entry.top for entry in logprobs[0])  # the modelled word is named at each position
+    assert len({token for _, token in found.values()}) > 1  # the seeds still draw their own samples

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import httpx
 import pytest
 
@@ -184,6 +185,74 @@ def test_chat_answers_and_sampled_choices_are_their_own(worker):
         greedy = chat(questions[0], n=2, temperature=0.0)
     assert sampled[0] != sampled[1]
     assert greedy[0] == greedy[1]
+
+
+
+# What the torch worker answers (tests/worker/test_server_openai.py sends the same bodies): its
+# tokenizer (SmolLM2's) gives an empty text no tokens, so the prompt is refused, as vLLM refuses
+# an empty decoder prompt; a token list must not be empty at all.
+EMPTY_PROMPT = "The prompt is empty."
+EMPTY_LIST = "prompt must be a string, a non-empty list of token ids, or a non-empty list of either"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {"prompt": ""}, EMPTY_PROMPT),
+        ("/v1/completions", {"prompt": "", "stream": True}, EMPTY_PROMPT),
+        ("/v1/completions", {"prompt": "", "echo": True, "max_tokens": 0}, EMPTY_PROMPT),
+        ("/v1/completions", {"prompt": ["a story", ""]}, EMPTY_PROMPT),
+        ("/v1/completions", {"prompt": []}, EMPTY_LIST),
+        ("/v1/completions", {"prompt": [[1, 2], []]}, EMPTY_LIST),
+    ],
+    ids=["empty-text", "empty-text-stream", "empty-text-echo", "empty-in-batch", "empty-ids",
+         "empty-ids-in-batch"],
+)
+def test_an_empty_prompt_is_a_400_as_on_the_torch_worker(worker, path, body, message):
+    """The sim's tokenizer is Llama-2's in all but this: an empty text has no tokens (Llama-2's
+    would give <s>), so the sim refuses it with the torch worker's 400, not a served answer."""
+    response = httpx.post(worker.base_url + path, json={"model": MODEL, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                         "param": "prompt", "code": None}}
+
+
+def test_an_empty_prompt_is_refused_over_the_websocket_too(worker):
+    """The WebSocket prepares its requests as /v1/completions does: the same refusal."""
+    async def ask() -> dict:
+        async with aiohttp.ClientSession() as session, session.ws_connect(worker.base_url + "/v1/ws") as ws:
+            await ws.send_json({"model": MODEL, "prompt": ""})
+            return await asyncio.wait_for(ws.receive_json(), 30)
+
+    answer = asyncio.run(ask())
+    assert answer["error"]["message"] == EMPTY_PROMPT and answer["error"]["param"] == "prompt", answer
+
+
+def test_tokenizing_an_empty_text_gives_no_tokens(worker):
+    answer = httpx.post(worker.base_url + "/tokenize", json={"model": MODEL, "prompt": ""}, timeout=30).json()
+    assert answer["count"] == 0 and answer["tokens"] == []
+
+
+def test_prompt_logprobs_depend_on_the_prompt_alone(worker):
+    """A model's prompt logprobs are its forward pass over the prompt: the same for every seed
+    and every request, through prompt_logprobs and through echo. The seed picks the samples."""
+    prompt = "The three primary colors are red, yellow and blue"
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        def complete(**extra) -> dict:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        seeds = (None, 1, 2, 7, 12345)
+        asked = [complete(prompt_logprobs=2, seed=seed) for seed in seeds]
+        echoed = [complete(echo=True, logprobs=2, max_tokens=0, seed=seed) for seed in seeds]
+        sampled = {complete(seed=seed, temperature=1.0)["text"] for seed in seeds}
+    assert all(choice["prompt_logprobs"] == asked[0]["prompt_logprobs"] for choice in asked)
+    assert asked[0]["prompt_logprobs"][0] is None and len(asked[0]["prompt_logprobs"]) > 5
+    assert all(choice["logprobs"] == echoed[0]["logprobs"] for choice in echoed)
+    assert echoed[0]["text"] == prompt
+    assert len(sampled) > 1
 
 
 def _decode_seconds(scale: str) -> tuple[float, float]:
