@@ -23,7 +23,12 @@ from scheduler.channel import (
     run_batch_bytes,
     serve_channel,
 )
-from scheduler.discovery.registration import RegistrationError, check_token, deregister, register
+from scheduler.discovery.registration import (
+    RegistrationError,
+    check_token,
+    deregister,
+    resolve_and_register,
+)
 from scheduler.gateway_auth import require_token
 from scheduler.policies import Request
 from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
@@ -181,7 +186,7 @@ async def register_worker(request: web.Request) -> web.Response:
             body = _json(await read_body(request))
         except BadRequest as exc:
             raise RegistrationError(400, str(exc)) from None
-        w, created = register(svc, body)
+        w, created = await resolve_and_register(svc, body)
     except RegistrationError as exc:
         kind = "authentication_error" if exc.status in (401, 403) else "invalid_request_error"
         return error_response(exc.status, str(exc), exc.param, type_=kind)

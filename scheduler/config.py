@@ -47,11 +47,19 @@ class SchedulerConfig(BaseSettings):
     # Why: the scheduler scrapes a registered URL and every gateway sends clients' requests to
     # it, so whoever holds the token can aim both at any host the cluster reaches. Link-local
     # addresses (the cloud metadata service) are refused whatever this says.
+    # A name is resolved at every heartbeat (scheduler/discovery/registration.py): DNS
+    # rebinding is caught within the TTL, not prevented (the scraper and the gateways resolve
+    # the name themselves, and a DNS server that answers each query differently can pass every
+    # check): the DNS answering for those names is trusted.
     registration_allowed_networks: str = Field(
         "", description="networks a registered worker's address must be in, comma-separated CIDRs "
-        "(e.g. the pod network, 10.0.0.0/8); a registration must then give an IP address, not a "
-        "name (a name would be resolved later, maybe elsewhere); empty: any address but "
-        "link-local ones")
+        "(e.g. the pod network, 10.0.0.0/8); a registration that names its host (a pod's, a "
+        "Service's or a compose service's DNS name) is then taken when every address the name "
+        "resolves to is in them (resolved within 2 s, else refused, 400), and the name is "
+        "resolved again at every heartbeat: once it resolves outside, the registration is "
+        "dropped (DNS rebinding), and while it does not resolve its heartbeats are refused (it "
+        "lapses after --registration-ttl-s). Register IP addresses for no window between those "
+        "checks; empty: any address but link-local ones, names unresolved")
     # Why a bound: every registered worker is scraped every scrape interval, so a registrar
     # gone wrong (a leaked token, a crash loop minting new ids) would grow the scrape load
     # without end; refused registrations say so instead.

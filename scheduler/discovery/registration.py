@@ -3,14 +3,31 @@
 Guarded by a shared token; a registration without heartbeats expires after
 registration_ttl_s. Without a configured token, registration is refused (an open
 endpoint would let anyone add an upstream).
+
+With registration_allowed_networks, a worker may still register by name (a pod's or a
+Service's DNS name, a compose service's): the POST handler resolves it (resolve_and_register)
+and takes it only when every address it resolves to is in those networks. The name is resolved
+again at every heartbeat, so a registration is never kept on a check older than
+registration_ttl_s: a heartbeat whose name now resolves outside drops the registration at once
+(DNS rebinding: the name was pointed elsewhere after it was checked), one whose name does not
+resolve is refused and the registration lapses at its TTL unless a later heartbeat resolves (a
+DNS hiccup is no reason to drop a worker serving traffic). This catches a name re-pointed
+after its check, it does not prevent every rebinding: the scraper and the gateways resolve the
+name themselves, and a DNS server that answers each query differently can pass every check. The
+DNS answering for those names is trusted; an operator who cannot trust it registers IP
+addresses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import logging
 import re
+import socket
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from scheduler.registry import WorkerState, worker_id_for
@@ -18,7 +35,13 @@ from scheduler.running_cap import is_positive_int
 from scheduler.service import SchedulerService
 from scheduler.urls import http_url_problem
 
+log = logging.getLogger(__name__)
+
 SOURCE = "registration"
+# Why a bound: a registration waits for its name's resolution, and the worker's registrar gives
+# up after 5 s (inference_worker/registration.py) then retries; a resolver that does not answer
+# within this is refused with a message that says so rather than left to that client timeout.
+RESOLVE_TIMEOUT_S = 2.0
 # Why a charset: a worker id is a path segment of the API (DELETE /v1/workers/{id}, the
 # gateways' .../failure reports, sent unquoted), a label of every metric and a field of the
 # scheduler's and the gateways' log lines. A registered "a?b" could never be reported failed or
@@ -51,10 +74,21 @@ def check_token(service: SchedulerService, authorization: str | None) -> None:
 # The cloud metadata services (169.254.169.254 and AWS's IPv6 one): no engine serves there.
 _METADATA = {ipaddress.ip_address("fd00:ec2::254")}
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def _unreachable(url: str, allowed: list[Network]) -> str | None:
-    """Why the scheduler must not take `url` as a worker's, or None.
+def _host(url: str) -> Address | str:
+    """The host of `url`: its IP address, or the name (a str) to resolve."""
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return host
+
+
+def _address_problem(url: str, address: Address, allowed: list[Network], resolved: bool) -> str | None:
+    """Why the scheduler must not take `url`, whose host is `address` or (`resolved`) a name
+    that resolves to it, or None.
 
     A worker listening on every interface (--host 0.0.0.0) and advertising that address:
     connecting to 0.0.0.0 or :: reaches the scheduler's own host, and every such worker
@@ -62,23 +96,61 @@ def _unreachable(url: str, allowed: list[Network]) -> str | None:
     registration is a URL the scheduler scrapes and the gateways send clients' requests to,
     so a leaked token pointed both at the host's credentials. Outside `allowed` (the
     operator's registration_allowed_networks), likewise."""
-    host = urlsplit(url).hostname or ""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:  # a name
-        if allowed:
-            return (f"{url!r} names its host: with registration_allowed_networks, register the "
-                    "worker's IP address")
-        return None
+    # The operator reads which of a name's addresses was refused (a name may have several).
+    at = f"{url!r} resolves to {address}, which" if resolved else f"{url!r}"
     if address.is_unspecified:
-        return (f"{url!r} names no address to reach ({host} is every interface of the worker's "
+        return (f"{at} names no address to reach ({address} is every interface of the worker's "
                 "host): register the worker's own address (the worker's --advertise-url)")
     mapped = getattr(address, "ipv4_mapped", None) or address  # ::ffff:169.254.169.254
     if mapped.is_link_local or mapped.is_multicast or mapped in _METADATA:
-        return f"{url!r} is a link-local, multicast or metadata address, where no worker serves"
+        return f"{at} is a link-local, multicast or metadata address, where no worker serves"
     if allowed and not any(mapped in net for net in allowed):
-        return f"{url!r} is outside registration_allowed_networks"
+        return (f"{at} is outside registration_allowed_networks "
+                f"({', '.join(str(net) for net in allowed)})")
     return None
+
+
+def _unreachable(url: str, allowed: list[Network], resolved: Sequence[Address] | None) -> str | None:
+    """Why the scheduler must not take `url` as a worker's, or None.
+
+    `resolved`: the addresses its host name resolved to (resolve_and_register), each checked
+    as an address given in the URL would be. With `allowed` a name is taken only so: without
+    it, a name is taken unresolved (the scraper and the gateways resolve it when they call)."""
+    name = _host(url)
+    if not isinstance(name, str):
+        return _address_problem(url, name, allowed, False)
+    if not allowed:
+        return None
+    if resolved is None:  # an in-process caller that did not resolve it
+        return (f"{url!r} names its host: with registration_allowed_networks, the name must be "
+                "resolved first (resolve_and_register)")
+    return next((p for a in resolved if (p := _address_problem(url, a, allowed, True))), None)
+
+
+async def _resolve(url: str, name: str) -> list[Address]:
+    """Every address `name` resolves to (asynchronously: getaddrinfo runs in the loop's
+    executor), or a 400 that says why there is none."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except TimeoutError:
+        # The executor's thread goes on until the resolver gives up; only the wait ends here.
+        raise RegistrationError(400, f"url {url!r}: its host {name!r} did not resolve within "
+                                f"{RESOLVE_TIMEOUT_S:g} s", "url") from None
+    except (OSError, UnicodeError) as exc:  # socket.gaierror: no such name, no address
+        raise RegistrationError(400, f"url {url!r}: its host {name!r} does not resolve ({exc})",
+                                "url") from None
+    addresses: dict[Address, None] = {}  # in the resolver's order, each once
+    for *_, sockaddr in infos:
+        try:
+            addresses[ipaddress.ip_address(sockaddr[0])] = None
+        except ValueError:  # a family other than IPv4 and IPv6: nothing an http client dials
+            continue
+    if not addresses:
+        raise RegistrationError(400, f"url {url!r}: its host {name!r} resolves to no IP address",
+                                "url")
+    return list(addresses)
 
 
 def _printable(value: object, max_chars: int) -> bool:
@@ -87,14 +159,14 @@ def _printable(value: object, max_chars: int) -> bool:
     return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
 
 
-def _validate(body: object, allowed: list[Network]) -> tuple[str, list[str], str | None, str | None,
-                                                             int | None]:
+def _validate(body: object, allowed: list[Network], resolved: Sequence[Address] | None
+              ) -> tuple[str, list[str], str | None, str | None, int | None]:
     if not isinstance(body, dict):
         raise RegistrationError(400, "body must be a JSON object")
     url = body.get("url")
     if not isinstance(url, str):
         raise RegistrationError(400, "url is required", "url")
-    problem = http_url_problem(url) or _unreachable(url, allowed)
+    problem = http_url_problem(url) or _unreachable(url, allowed, resolved)
     if problem:
         raise RegistrationError(400, f"url {problem}", "url")
     models = body.get("models", [])
@@ -117,11 +189,46 @@ def _validate(body: object, allowed: list[Network]) -> tuple[str, list[str], str
     return url.rstrip("/"), models, engine, worker_id, max_running
 
 
-def register(service: SchedulerService, body: object) -> tuple[WorkerState, bool]:
+async def resolve_and_register(service: SchedulerService, body: object) -> tuple[WorkerState, bool]:
+    """register(), for POST /v1/workers: with registration_allowed_networks and a URL that
+    names its host, the name is resolved first and every address it resolves to checked.
+
+    A name that now resolves where it must not drops the registration already at that URL (it
+    was checked when it resolved elsewhere): the scraper and the gateways would call there."""
+    allowed = service.cfg.registration_networks
+    url = body.get("url") if isinstance(body, dict) else None
+    if not allowed or not isinstance(url, str) or http_url_problem(url) is not None:
+        return register(service, body)  # nothing to resolve: refused or taken as before
+    name = _host(url)
+    if not isinstance(name, str):
+        return register(service, body)
+    addresses = await _resolve(url, name)
+    # After the await: what the registry holds is read afresh below, never before it.
+    problem = _unreachable(url, allowed, addresses)
+    if problem:
+        _drop_registration(service, url.rstrip("/"), problem)
+        raise RegistrationError(400, f"url {problem}", "url")
+    return register(service, body, addresses)
+
+
+def _drop_registration(service: SchedulerService, url: str, why: str) -> None:
+    w = service.registry.by_url(url)
+    if w is None or SOURCE not in w.sources:
+        return
+    log.warning("registration of %s dropped: %s", w.worker_id, why)
+    w.expires_at = None
+    service.remove_worker(w.worker_id, source=SOURCE)
+
+
+def register(service: SchedulerService, body: object,
+             resolved: Sequence[Address] | None = None) -> tuple[WorkerState, bool]:
     """Add or refresh (heartbeat) a registration. Returns (worker, created).
 
-    `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py)."""
-    url, models, engine, worker_id, max_running = _validate(body, service.cfg.registration_networks)
+    `max_running` (optional): the worker's running-request cap (scheduler/running_cap.py).
+    `resolved`: the addresses the URL's host name resolved to, where the operator keeps
+    registrations to networks (resolve_and_register resolves them)."""
+    url, models, engine, worker_id, max_running = _validate(body, service.cfg.registration_networks,
+                                                            resolved)
     registry = service.registry
     at_url = registry.by_url(url)
     if worker_id:

@@ -158,3 +158,152 @@ def test_registrations_are_kept_to_the_allowed_networks():
     svc = make_service(n=0, config={"registration_token": "t"})
     for url in ("http://192.168.1.5:8000", "http://worker-1:8001"):
         assert register(svc, {"url": url, "models": ["m"]})[1]
+
+
+# ---- names under --registration-allowed-networks (resolved, checked again at heartbeats) ----
+
+async def _post(svc, url: str, **more):
+    """POST /v1/workers as a worker's registrar does: (status, JSON body)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from scheduler.app import build_app
+
+    async with TestClient(TestServer(build_app(svc))) as client:
+        resp = await client.post("/v1/workers", json={"url": url, "models": ["m"], **more},
+                                 headers={"Authorization": "Bearer t"})
+        return resp.status, await resp.json()
+
+
+def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> list[str]:
+    """The running loop's getaddrinfo answers `answers` (a name's addresses, changed by the test
+    between calls: a DNS rebinding) and refuses names it has none for, as NXDOMAIN; returns the
+    names asked. Other names than the test's go to the real resolver."""
+    import asyncio
+    import socket
+
+    loop = asyncio.get_running_loop()
+    real, asked = loop.getaddrinfo, []
+
+    async def getaddrinfo(host, port, *args, **kwargs):
+        if not str(host).endswith(".test"):  # the test client's own connection
+            return await real(host, port, *args, **kwargs)
+        asked.append(host)
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (a, 0)) for a in answers[host]]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    return asked
+
+
+async def test_a_name_that_resolves_inside_the_allowed_networks_is_taken():
+    """Workers usually address themselves by name (a pod's or a Service's, a compose service's):
+    with allowed networks set, every such registration was refused, whatever the name
+    resolved to. Resolved for real: localhost is 127.0.0.1 (and ::1 where /etc/hosts says so)."""
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "127.0.0.0/8, ::1/128"})
+    status, body = await _post(svc, "http://localhost:8000")
+    assert status == 201, body
+    assert body["worker_id"] == "localhost:8000" and body["url"] == "http://localhost:8000"
+    assert (await _post(svc, "http://localhost:8000/"))[0] == 200  # its heartbeat
+    assert list(svc.registry.workers) == ["localhost:8000"]
+
+
+async def test_a_name_that_resolves_outside_or_not_at_all_is_refused_saying_why():
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "10.0.0.0/8"})
+    status, body = await _post(svc, "http://localhost:8000")
+    assert status == 400, body
+    error = body["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "url")
+    assert "resolves to 127.0.0.1" in error["message"] or "resolves to ::1" in error["message"]
+    assert "outside registration_allowed_networks (10.0.0.0/8)" in error["message"]
+    # .invalid never resolves (RFC 6761): refused, and the message says so.
+    status, body = await _post(svc, "http://no-such-worker.invalid:8000")
+    assert (status, body["error"]["param"]) == (400, "url"), body
+    assert "no-such-worker.invalid" in body["error"]["message"]
+    assert "resolve" in body["error"]["message"]
+    assert not svc.registry.workers
+
+
+async def test_a_name_with_any_address_outside_or_at_metadata_is_refused(monkeypatch):
+    """Every address counts: a client (the scraper, a gateway) may dial any of them."""
+    _fake_dns(monkeypatch, {"mixed.test": ["10.0.0.5", "192.168.1.5"],
+                            "meta.test": ["10.0.0.6", "169.254.169.254"],
+                            "v6.test": ["10.0.0.7", "fd00:1::7"]})
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "10.0.0.0/8, fd00:1::/64"})
+    status, body = await _post(svc, "http://mixed.test:8000")
+    assert status == 400 and "resolves to 192.168.1.5, which is outside" in body["error"]["message"]
+    status, body = await _post(svc, "http://meta.test:8000")
+    assert status == 400 and "169.254.169.254, which is a link-local" in body["error"]["message"]
+    assert not svc.registry.workers
+    assert (await _post(svc, "http://v6.test:8000"))[0] == 201
+
+
+async def test_a_registered_name_that_now_resolves_outside_is_dropped_at_its_heartbeat(
+        monkeypatch, caplog):
+    """DNS rebinding: the name was checked while it resolved inside, then pointed elsewhere
+    (the metadata service, a host outside the pod network); the scraper and the gateways would
+    follow it there. The next heartbeat resolves it again and the registration goes."""
+    answers = {"worker.test": ["10.0.0.5"]}
+    asked = _fake_dns(monkeypatch, answers)
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "10.0.0.0/8"})
+    assert (await _post(svc, "http://worker.test:8000"))[0] == 201
+    assert (await _post(svc, "http://worker.test:8000"))[0] == 200
+    assert asked == ["worker.test", "worker.test"]  # resolved at every heartbeat, not cached
+    answers["worker.test"] = ["10.0.0.5", "192.168.7.7"]
+    caplog.set_level("WARNING", logger="scheduler")
+    status, body = await _post(svc, "http://worker.test:8000")
+    assert status == 400 and "192.168.7.7" in body["error"]["message"]
+    assert not svc.registry.workers  # dropped now, not at its TTL
+    assert any("registration of worker.test:8000 dropped" in r.getMessage()
+               and "192.168.7.7" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_registered_name_that_stops_resolving_lapses_at_its_ttl(monkeypatch):
+    """A DNS hiccup is no rebinding: the worker, still serving, is not dropped, but a heartbeat
+    whose name cannot be checked does not renew it either."""
+    from scheduler.scrape.scraper import Scraper
+
+    answers = {"worker.test": ["10.0.0.5"]}
+    _fake_dns(monkeypatch, answers)
+    svc = make_service(n=0, config={"registration_token": "t", "registration_ttl_s": 5,
+                                    "registration_allowed_networks": "10.0.0.0/8"})
+    assert (await _post(svc, "http://worker.test:8000"))[0] == 201
+    w = svc.registry.workers["worker.test:8000"]
+    expires = w.expires_at
+    del answers["worker.test"]
+    status, body = await _post(svc, "http://worker.test:8000")
+    assert status == 400 and "does not resolve" in body["error"]["message"], body
+    assert svc.registry.workers["worker.test:8000"] is w and w.expires_at == expires
+    Scraper(svc).expire_registrations(expires + 1)
+    assert not svc.registry.workers
+
+
+async def test_a_resolver_that_does_not_answer_is_refused_in_time(monkeypatch):
+    import asyncio
+
+    from scheduler.discovery import registration
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", never)
+    monkeypatch.setattr(registration, "RESOLVE_TIMEOUT_S", 0.05)
+    svc = make_service(n=0, config={"registration_token": "t",
+                                    "registration_allowed_networks": "10.0.0.0/8"})
+    with pytest.raises(RegistrationError) as err:
+        await registration.resolve_and_register(svc, {"url": "http://slow.test:8000", "models": ["m"]})
+    assert (err.value.status, err.value.param) == (400, "url")
+    assert "did not resolve within 0.05 s" in str(err.value)
+
+
+async def test_without_allowed_networks_names_are_not_resolved(monkeypatch):
+    """As before: the name is taken as given (the scraper and the gateways resolve it)."""
+    asked = _fake_dns(monkeypatch, {})
+    svc = make_service(n=0, config={"registration_token": "t"})
+    assert (await _post(svc, "http://worker-1.test:8001"))[0] == 201
+    assert asked == []
