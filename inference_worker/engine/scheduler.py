@@ -113,7 +113,9 @@ class Scheduler:
                 victim = running.pop(at)
                 if at < i:  # it ran earlier in this step: the rest moved up by one
                     i -= 1
-                self._preempt(victim, now, out)
+                # A victim scheduled earlier in this step gives its tokens back (as vLLM v1 does):
+                # those ranked better, after it in running, may use them in this same step.
+                budget += self._preempt(victim, now, out)
                 if victim is seq:
                     got_blocks = False
                     break
@@ -164,7 +166,8 @@ class Scheduler:
             self._add_to_batch(out, seq, num_new)
             budget -= num_new
 
-    def _preempt(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, now: float, out: SchedulerOutput) -> int:
+        """Preempt seq by recompute; return the tokens it had been given in this step (or 0)."""
         # The priority policy's victim may already sit in this step's batch: the blocks cached
         # for this step would stay in the prefix cache, never written (a no-op for any other victim).
         self.block_manager.forget_unwritten(seq)
@@ -178,10 +181,14 @@ class Scheduler:
             self.waiting.appendleft(seq)
         out.preempted.append(seq)
         # It may already sit in this step's batch (scheduled before a later sequence ran out).
-        if seq in out.scheduled:
-            idx = out.scheduled.index(seq)
-            del out.scheduled[idx]
-            del out.batch.sequences[idx]
+        # Taking it out of the batch is all the per-step accounting there is to undo: the step's
+        # counts (sequences, prefill and decode tokens) are read off the batch, and its prefix-cache
+        # stats only count admissions, which a step that preempts does not make.
+        if seq not in out.scheduled:
+            return 0
+        idx = out.scheduled.index(seq)
+        del out.scheduled[idx]
+        return out.batch.sequences.pop(idx).num_new_tokens
 
     def _victim_index(self) -> int:
         """The running sequence to preempt: the newest (FCFS), or the worst priority."""

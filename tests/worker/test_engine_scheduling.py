@@ -308,6 +308,28 @@ def test_the_priority_policy_preempts_the_worst_priority_not_the_newest():
     assert preempted == {"batch"}
 
 
+def test_by_priority_a_victim_already_in_the_step_gives_its_tokens_back():
+    """Budget 4, pool 5 blocks of 4. "batch" (priority 5) runs first in the running list, then
+    "urgent" (0), then "late" (0, still in its prompt). In step 5 "batch" gets its decode token,
+    then "urgent" needs a block, none is free, and "batch", the worst ranked, is preempted. As
+    in vLLM v1 its token goes back to the step's budget: "late" computes 3 prompt tokens, not 2,
+    and the step uses the whole budget."""
+    engine, runner, _ = make_engine(num_blocks=5, max_num_seqs=3, max_batched=4, caching=False,
+                                    policy="priority")
+    engine.add_request("batch", [3] * 2, greedy(8, priority=5))
+    engine.step()
+    engine.add_request("urgent", [4] * 2, greedy(8))
+    engine.add_request("late", [5] * 8, greedy(8))
+    for _ in range(3):
+        engine.step()
+    assert runner.new_tokens[-1] == [1, 1, 2]  # batch, urgent, late; every block now in use
+    assert engine.block_manager.num_free_blocks == 0
+    engine.step()
+    assert engine.sequence("batch").num_preemptions == 1  # the schedule this test is about happened
+    assert runner.new_tokens[-1] == [1, 3]  # urgent, late (2 before: batch's token was lost)
+    assert run_all(engine).keys() == {"batch", "urgent", "late"}
+
+
 def test_abort_frees_blocks_at_next_step_and_is_not_counted_as_finished():
     """As in vLLM v1: a request aborted from outside gets no finished stats (no
     request_success_total{finished_reason="abort"}, no per-request histograms); the tokens it
