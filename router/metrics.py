@@ -101,11 +101,12 @@ class RouterMetrics:
         self.stored_response_lookups = Counter(
             "router_stored_response_lookups_total",
             "Requests on a stored response (previous_response_id, GET, cancel) by how its worker "
-            "was known: remembered from its answer, found by asking every worker, or missing",
+            "was known: remembered from its answer, found by asking every worker, missing, or "
+            "remembered as lost with its worker",
             ["result"],
             registry=r,
         )
-        for result in ("remembered", "found", "missing"):  # at 0 from the start, for rate()
+        for result in ("remembered", "found", "missing", "lost"):  # at 0 from the start, for rate()
             self.stored_response_lookups.labels(result)
         self.queue_wait = Histogram(
             "router_queue_wait_seconds",

@@ -32,12 +32,11 @@ from router.metrics import RouterMetrics
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
 from router.sse import usage_of_body
-from router.stored_calls import StoredResponseCalls
+from router.stored_calls import UNREACHABLE, StoredResponseCalls
 from router.stored_responses import (
     STORED_RESPONSE_PATH,
     Owner,
     ResponseOwners,
-    not_found_message,
     response_id_in,
 )
 from router.streaming import (
@@ -385,9 +384,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             if not is_name(previous):
                 return error_response(400, "'previous_response_id' must be a non-empty string",
                                       param="previous_response_id")
-            pinned = await self.owner_of(previous, request)
-            if pinned is None:
-                return error_response(404, not_found_message(previous), param="previous_response_id")
+            found = await self.stored_owner(previous, request, "previous_response_id")
+            if isinstance(found, web.Response):
+                return found  # lost with its worker, or held by none
+            pinned = found
             sched_body["worker_id"] = pinned.worker_id
             if pinned.tokens:  # the conversation so far: KV on that worker, already prefilled
                 sched_body["prompt_tokens"] = sched_body.get("prompt_tokens", 0) + pinned.tokens
@@ -403,12 +403,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 route = await self._acquire(rec, sched_body, exclude, deadline,
                                             pinned.url if pinned is not None else None, priority)
             except PinnedWorkerGone:
-                assert previous is not None
-                self.owners.forget(previous)
-                return error_response(
-                    404, f"{not_found_message(previous)} The worker that stored it left the pool.",
-                    param="previous_response_id",
-                )
+                assert previous is not None and pinned is not None
+                return self.unplaceable(previous, pinned, gone=True)
             except QueueFull as exc:
                 displaced = isinstance(exc, QueueDisplaced)
                 self.metrics.rejected.labels("displaced" if displaced else "queue_full").inc()
@@ -441,6 +437,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     return error_response(404, str(exc), code="model_not_found", param="model")
                 if attempt > 0:  # every worker of the model was tried: the last failure tells
                     break
+                if pinned is not None and previous is not None:
+                    # Its one worker cannot take it: it left the pool (the last of its model
+                    # did, and the scheduler knows the model no more), or it is down for now.
+                    return self.unplaceable(previous, pinned, gone=False)
                 self.metrics.rejected.labels("no_worker").inc()
                 return error_response(
                     503, str(exc), "service_unavailable", code="no_worker", headers={"Retry-After": "1"}
@@ -455,11 +455,12 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     )
                 else:
                     answer = await self._forward(request, rec, route, path, raw, headers)
-                if previous is not None and answer.status == 404:
-                    # The worker no longer holds it (evicted, restarted, deleted behind this
-                    # gateway): the next follow-up is looked for anew instead of pinned (and
-                    # queued) to a worker that would only answer 404 again.
-                    self.owners.forget(previous)
+                if (pinned is not None and previous is not None and answer.status == 404
+                        and isinstance(answer.body, bytes) and previous.encode() in answer.body):
+                    # The worker no longer holds it (restarted, evicted, deleted behind this
+                    # gateway): lost, and said so now and to the next follow-up, which is not
+                    # pinned (and queued) to a worker that would only answer 404 again.
+                    return self.owner_dropped(previous, pinned, "previous_response_id", answer.headers)
                 return answer
             except asyncio.CancelledError:
                 # The client went away: the worker was not at fault; give the lease back (a
@@ -483,6 +484,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     self._release(route, rec, ok=True, error="overloaded", held_kv=False)
                 else:
                     self._failed(route, r.reason, rec)
+                    if pinned is not None and previous is not None and r.reason in UNREACHABLE:
+                        # No other worker holds what it continues: no retry, and the answer
+                        # every call on the response gets while its worker is out of reach.
+                        rec.error = last_failure
+                        return self.owner_unreachable(previous, pinned, r.reason, "previous_response_id")
                 exclude.append(route.worker_id)
                 # No worker holds the request until the next attempt is placed: a client that
                 # leaves meanwhile was served by none (its prompt is no input a worker took).

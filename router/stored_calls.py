@@ -9,9 +9,27 @@ background response is learnt `queued`, before it has any).
 small); it uses the proxy's session, headers and owner map. Such a call generates nothing,
 so it takes no lease and is not queued; it is not retried elsewhere either, since no other
 worker holds the response.
+
+A response lives in its worker's memory only, so when that worker is lost the gateway says
+so, in the same words for every call on the response (these, and a follow-up that continues
+it, `previous_response_id`):
+- the worker cannot be reached (its connection fails, or it hangs: a call, a replay included,
+  waits on it only until the scheduler reports it down) but is still in the pool: a 503
+  `worker_unavailable` with Retry-After, since it may come back with the response;
+- the worker answers that it no longer holds the response (it restarted), or it cannot be
+  reached and has left the pool (the scheduler's last worker list, read after the worker was
+  last known in the pool with the response, no longer has it): a 404 `response_lost` naming
+  the worker and why, remembered for later calls (a client polling a background response
+  stops polling);
+- the worker left the pool but still answers (it drains): its responses are still served,
+  and only a follow-up, which cannot be placed there, is a 404 `response_lost`.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -21,9 +39,54 @@ from router.errors import SEQUENCE_NUMBER, error_response, responses_error_event
 from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
 from router.sse import usage_of_body
-from router.stored_responses import Owner, ResponseOwners, not_found_message
-from router.streaming import UPSTREAM_ERRORS
+from router.stored_responses import (
+    DROPPED,
+    LEFT,
+    Lost,
+    Owner,
+    ResponseOwners,
+    lost_message,
+    not_found_message,
+)
+from router.streaming import UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
+
+LOST = "response_lost"
+UNAVAILABLE = "worker_unavailable"
+# Why a worker could not be reached, by failure kind (router.streaming.failure_kind, and the
+# RetryElsewhere reasons that mean the same): the words of the 503 that says so.
+UNREACHABLE = {
+    "connect": "no connection could be made to it",
+    "connection": "its connection failed",
+    "timeout": "it did not answer in time",
+    "worker_down": "the scheduler reports it down",
+    "unavailable": "the scheduler reports it unavailable",
+}
+
+_T = TypeVar("_T")
+
+
+class OwnerDown(Exception):
+    """The scheduler reported the worker down while a call waited on it."""
+
+
+async def _unless_down(call: Awaitable[_T], down: asyncio.Future[None]) -> _T:
+    """`call`'s result, or OwnerDown once `down` resolves first: a hung worker (connections
+    taken, nothing answered) would hold a GET for the first-byte timeout, a replay for ever."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left
+        task.cancel()
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, aiohttp.ClientResponse):  # opened just now: not left open
+                result.close()
+        raise
+    if not task.done():
+        task.cancel()
+        raise OwnerDown
+    return task.result()
 
 
 class StoredResponseCalls:
@@ -48,11 +111,59 @@ class StoredResponseCalls:
         self.metrics.stored_response_lookups.labels("found" if owner is not None else "missing").inc()
         return owner
 
-    async def stored_response_call(self, request: web.Request, rec: RequestRecord, path: str,
-                                   response_id: str, raw: bytes) -> web.Response:
+    async def stored_owner(self, response_id: str, request: web.Request, param: str) -> Owner | web.Response:
+        """The worker that stores the response, or the 404 to answer: lost with its worker
+        (remembered), or held by no worker."""
+        lost = self.owners.lost(response_id)
+        if lost is not None:
+            self.metrics.stored_response_lookups.labels("lost").inc()
+            return lost_answer(response_id, lost, param)
         owner = await self.owner_of(response_id, request)
         if owner is None:
-            return error_response(404, not_found_message(response_id), param="response_id")
+            return error_response(404, not_found_message(response_id), param=param)
+        return owner
+
+    def owner_left(self, owner: Owner) -> bool:
+        """Whether the worker has left the pool, by the scheduler's last worker list: only one
+        read after the worker was last known in the pool with the response tells (an older one
+        may predate its joining), and a static worker or a scheduler away tells nothing."""
+        sched = self.sched
+        if sched.client is None or sched.down_since is not None or sched.worker_views_at <= owner.in_pool_at:
+            return False
+        if owner.url in sched.fallback.static_urls:
+            return False
+        return all(view.get("worker_id") != owner.worker_id for view in sched.worker_views)
+
+    def owner_unreachable(self, response_id: str, owner: Owner, reason: str, param: str) -> web.Response:
+        """The answer when the worker could not be reached (`reason`: an UNREACHABLE key): it
+        may come back with the response while in the pool; out of it, the response is lost."""
+        if self.owner_left(owner):
+            return lost_answer(response_id, self.owners.mark_lost(response_id, owner.worker_id, LEFT), param)
+        return unavailable_answer(response_id, owner, reason)
+
+    def unplaceable(self, response_id: str, owner: Owner, gone: bool) -> web.Response:
+        """A follow-up's answer when the scheduler will not place it on the worker that stores
+        what it continues: the worker left the pool (`gone`: the scheduler says so; else by
+        its last worker list), or it is down for now. Not marked lost: a worker that left the
+        pool but still answers (it drains) serves GET and cancel on what it holds."""
+        if gone or self.owner_left(owner):
+            return lost_answer(response_id, Lost(owner.worker_id, LEFT), "previous_response_id")
+        return unavailable_answer(response_id, owner, "unavailable")
+
+    def owner_dropped(self, response_id: str, owner: Owner, param: str,
+                      headers: Mapping[str, str]) -> web.Response:
+        """The answer when the worker answered that it no longer holds the response (with its
+        answer's `headers`, the x-router-* ones and the request's id)."""
+        lost = self.owners.mark_lost(response_id, owner.worker_id, DROPPED)
+        kept = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+        return lost_answer(response_id, lost, param, kept)
+
+    async def stored_response_call(self, request: web.Request, rec: RequestRecord, path: str,
+                                   response_id: str, raw: bytes) -> web.StreamResponse:
+        found = await self.stored_owner(response_id, request, "response_id")
+        if isinstance(found, web.Response):
+            return found
+        owner = found
         rec.worker = owner.worker_id
         url = owner.url + path
         if request.query_string:
@@ -61,46 +172,63 @@ class StoredResponseCalls:
         timeout = self.timeout
         if request.query.get("stream", "false").lower() not in ("false", "0"):
             # A replay waits as long as the response does (queued in the engine, it sends
-            # nothing): its client, not the first-byte timeout, decides when to give up.
+            # nothing): its client, not the first-byte timeout, decides when to give up (or
+            # the scheduler, finding the worker down).
             timeout = aiohttp.ClientTimeout(connect=timeout.connect, sock_connect=timeout.sock_connect)
-        try:
-            async with self.session.request(
-                request.method, url, data=raw or None, timeout=timeout,
-                headers=self._upstream_headers(request, rec.id, path),
-            ) as up:
+        with self.sched.down_watch.watching(owner.worker_id) as down:
+            try:
+                up = await _unless_down(self.session.request(
+                    request.method, url, data=raw or None, timeout=timeout,
+                    headers=self._upstream_headers(request, rec.id, path),
+                ), down)
+            except (OwnerDown, *UPSTREAM_ERRORS) as exc:
+                return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")
+            async with up:
                 if up.status == 200 and up.content_type == "text/event-stream":
-                    return await self._relay_replay(request, up, headers, owner)
+                    # Outside the try: once the replay began, a failure is its error event.
+                    return await self._relay_replay(request, up, headers, owner, down)
                 status = up.status
-                data = await (read_bounded(up) if status >= 400 else up.read())
                 ctype = up.headers.get("Content-Type", "application/json")
-        except UPSTREAM_ERRORS as exc:
-            return error_response(
-                502, f"worker {owner.worker_id!r}, which stores response {response_id!r}, failed: "
-                f"{exc!r}", "upstream_error", code="upstream_failed",
-            )
-        if status == 404 or (status == 200 and request.method == "DELETE"):
-            # Evicted there, the worker restarted, or deleted now: a follow-up is no longer
-            # pinned (and queued) to a worker that would only answer it 404.
-            self.owners.forget(response_id)
+                try:
+                    data = await _unless_down(read_bounded(up) if status >= 400 else up.read(), down)
+                except (OwnerDown, *UPSTREAM_ERRORS) as exc:
+                    return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")
+        if status == 404 and response_id.encode() in data:
+            # The worker is up and no longer holds it (it restarted, or dropped it): lost.
+            # (A 404 that does not name it, a path the worker lacks, says nothing of it.)
+            return self.owner_dropped(response_id, owner, "response_id", headers)
+        if status == 200 and request.method == "DELETE":
+            self.owners.forget(response_id)  # a follow-up now finds it nowhere, at once
         elif status == 200 and request.method == "GET":
             prompt, output = usage_of_body(data)
             if prompt is not None:  # finished: the conversation's length is known now
-                self.owners.learn(response_id, owner.worker_id, owner.url, prompt + (output or 0))
+                # (An answer to a call sent straight to it says nothing of the pool: a worker
+                # that left it but drains answers too.)
+                self.owners.learn(response_id, owner.worker_id, owner.url, prompt + (output or 0),
+                                  owner.in_pool_at)
         if status >= 400:
             data, ctype = relayed_error(status, data, ctype)
         return web.Response(status=status, body=data, headers={"Content-Type": ctype, **headers})
 
     @staticmethod
     async def _relay_replay(request: web.Request, up: aiohttp.ClientResponse, headers: dict[str, str],
-                            owner: Owner) -> web.StreamResponse:
+                            owner: Owner, down: asyncio.Future[None]) -> web.StreamResponse:
         """A background response's events, written on as the worker sends them. A worker that
-        fails mid-way is told in the stream's own terms: OpenAI's `error` event, numbered after
-        the last event relayed (a Responses client reads no chat-style `[DONE]`)."""
+        fails mid-way, or that the scheduler reports down meanwhile (it hangs), is told in the
+        stream's own terms: OpenAI's `error` event, numbered after the last event relayed (a
+        Responses client reads no chat-style `[DONE]`)."""
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
+
+        def cut(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled():  # down, not the end of the watch: the read below ends
+                up.close()
+
+        down.add_done_callback(cut)
         last = -1  # the last sequence number relayed
         tail = b""  # the end of the previous chunk: a number may be cut between two
+        failure = ""
         try:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
@@ -111,10 +239,37 @@ class StoredResponseCalls:
         except ConnectionResetError:
             return resp  # the client left; the response goes on in the worker
         except UPSTREAM_ERRORS as exc:
+            failure = f"failed mid-stream ({exc!r})"
+        finally:
+            down.remove_done_callback(cut)
+        if down.done() and not down.cancelled():
+            failure = "stopped answering mid-stream (the scheduler reports it down)"
+        if failure:
             await resp.write(responses_error_event(
-                f"worker {owner.worker_id!r} failed mid-stream ({exc!r})", "upstream_error", last + 1))
+                f"worker {owner.worker_id!r} {failure}", "upstream_error", last + 1))
         await resp.write_eof()
         return resp
+
+
+def _failure(exc: BaseException) -> str:
+    """The UNREACHABLE key of a call's failure."""
+    return "worker_down" if isinstance(exc, OwnerDown) else failure_kind(exc)
+
+
+def lost_answer(response_id: str, lost: Lost, param: str,
+                headers: Mapping[str, str] | None = None) -> web.Response:
+    """404: the response was lost with its worker (vLLM's not-found words, then why)."""
+    return error_response(404, lost_message(response_id, lost), param=param, code=LOST,
+                          headers=dict(headers) if headers else None)
+
+
+def unavailable_answer(response_id: str, owner: Owner, reason: str) -> web.Response:
+    """503: the worker that stores the response cannot be reached now; retryable."""
+    return error_response(
+        503, f"worker {owner.worker_id!r}, which stores response {response_id!r}, cannot be reached "
+        f"({UNREACHABLE.get(reason, reason)}); retry later: if it restarted, the response was lost "
+        "with it", "service_unavailable", code=UNAVAILABLE, headers={"Retry-After": "1"},
+    )
 
 
 _TAIL_BYTES = 48  # the end of a chunk kept: a sequence number may be cut between two

@@ -15,6 +15,13 @@ it is its owner. A follow-up is then placed by the scheduler on that worker only
 Concurrent calls on one unknown id share one round of probes, and an id nobody holds is not
 asked about again for a second: a client polling an id that does not exist (or many clients
 at once) costs the workers one GET each per second, not one per call.
+
+A response lives in its worker's memory only, so it is lost with it: the worker restarted
+(it answers 404 for an id it held), or it is unreachable and left the pool. Such an id is
+remembered as lost (bounded like the owners), so that every later call on it, whatever the
+path, says the response was lost and with which worker, instead of a bare "not found" once
+the owner is forgotten. An id never seen here whose worker was lost is only "not found": no
+worker holds it, and nothing tells the gateway it existed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import aiohttp
@@ -44,6 +51,12 @@ PROBE_TIMEOUT_S = 2.0
 # such ids are remembered.
 MISSING_TTL_S = 1.0
 MAX_MISSING = 10_000
+# How many lost responses are remembered: ids polled after their worker went (an entry is
+# ~150 bytes); past it, the oldest are only "not found".
+MAX_LOST = 100_000
+# Why a response was lost (Lost.cause), in the words of the error that says so.
+DROPPED = "which no longer holds it (the worker restarted, or dropped or deleted the response)"
+LEFT = "which left the pool"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +66,17 @@ class Owner:
     # The stored conversation's length (the response's input plus output tokens; 0: not known
     # yet): its next turn holds that much KV on the worker again without prefilling it.
     tokens: int = 0
+    # When the worker was last known in the pool with it (time.monotonic(): it answered a
+    # request placed there, or a probe of the workers listed): a worker list older than that
+    # may predate the worker's joining, and says nothing of its leaving.
+    in_pool_at: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A response that was lost with its worker: `cause` is DROPPED or LEFT."""
+    worker_id: str
+    cause: str
 
 
 def response_id_in(data: bytes) -> str | None:
@@ -70,27 +94,53 @@ def not_found_message(response_id: str) -> str:
     return f"Response with id '{response_id}' not found."
 
 
+def lost_message(response_id: str, lost: Lost) -> str:
+    """vLLM's words, then why: a client polling a background response learns that it will
+    never finish, and why."""
+    return (f"{not_found_message(response_id)[:-1]}: it was lost with worker {lost.worker_id!r}, "
+            f"{lost.cause}; a response lives in its worker's memory only.")
+
+
 class ResponseOwners:
     def __init__(self, max_size: int = DEFAULT_MAX_OWNERS) -> None:
         self.max_size = max_size
         self._owners: OrderedDict[str, Owner] = OrderedDict()
         self._missing: OrderedDict[str, float] = OrderedDict()  # id -> when to ask again
         self._probing: dict[str, asyncio.Task[Owner | None]] = {}
+        self._lost: OrderedDict[str, Lost] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._owners)
 
-    def learn(self, response_id: str | None, worker_id: str, url: str, tokens: int = 0) -> None:
+    def learn(self, response_id: str | None, worker_id: str, url: str, tokens: int = 0,
+              in_pool_at: float | None = None) -> Owner | None:
+        """Remember the response's worker (`in_pool_at`: see Owner; None: now)."""
         if response_id is None:
-            return
-        self._owners[response_id] = Owner(worker_id, url, tokens)
+            return None
+        in_pool_at = time.monotonic() if in_pool_at is None else in_pool_at
+        owner = self._owners[response_id] = Owner(worker_id, url, tokens, in_pool_at)
         self._owners.move_to_end(response_id)
         self._missing.pop(response_id, None)
+        self._lost.pop(response_id, None)
         if len(self._owners) > self.max_size:
             self._owners.popitem(last=False)
+        return owner
 
     def forget(self, response_id: str) -> None:
         self._owners.pop(response_id, None)
+
+    def mark_lost(self, response_id: str, worker_id: str, cause: str) -> Lost:
+        """The response is gone with its worker: forgotten as owned, remembered as lost."""
+        self._owners.pop(response_id, None)
+        self._missing.pop(response_id, None)
+        lost = self._lost[response_id] = Lost(worker_id, cause)
+        self._lost.move_to_end(response_id)
+        if len(self._lost) > MAX_LOST:
+            self._lost.popitem(last=False)
+        return lost
+
+    def lost(self, response_id: str) -> Lost | None:
+        return self._lost.get(response_id)
 
     def get(self, response_id: str) -> Owner | None:
         """The worker remembered as storing the response."""
@@ -129,8 +179,7 @@ class ResponseOwners:
             for next_done in asyncio.as_completed(probes):
                 found = await next_done
                 if found is not None:
-                    self.learn(response_id, found.worker_id, found.url, found.tokens)
-                    return found
+                    return self.learn(response_id, found.worker_id, found.url, found.tokens)
         finally:
             for probe in probes:
                 probe.cancel()

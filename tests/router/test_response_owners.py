@@ -89,3 +89,19 @@ async def test_a_caller_that_goes_away_does_not_stop_the_others_lookup(cluster):
     owner = await staying
     assert owner is not None and owner.worker_id == "w1"
     assert workers[1].gets[STORED] == 1
+
+
+def test_a_lost_response_is_remembered_as_lost_not_owned_and_the_oldest_go_first(monkeypatch):
+    """mark_lost: the owner is forgotten and the loss remembered (what every later call on the
+    id answers), at most MAX_LOST of them; a response learnt again is owned again."""
+    monkeypatch.setattr(stored_responses, "MAX_LOST", 2)
+    owners = ResponseOwners()
+    owners.learn("resp_a", "w1", "http://w1", 10)
+    lost = owners.mark_lost("resp_a", "w1", stored_responses.DROPPED)
+    assert owners.get("resp_a") is None and owners.lost("resp_a") == lost
+    assert "lost with worker 'w1'" in stored_responses.lost_message("resp_a", lost)
+    owners.mark_lost("resp_b", "w1", stored_responses.LEFT)
+    owners.mark_lost("resp_c", "w2", stored_responses.LEFT)
+    assert owners.lost("resp_a") is None and owners.lost("resp_c") is not None
+    owners.learn("resp_c", "w3", "http://w3")
+    assert owners.lost("resp_c") is None and owners.get("resp_c").worker_id == "w3"
