@@ -16,10 +16,39 @@ finishes what it holds. A dead process needs none of this: its connections fail 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+import aiohttp
 
 DOWN = "down"  # the scheduler's circuit state for a worker it took out (WorkerView.state)
+
+_T = TypeVar("_T")
+
+
+class WorkerDown(Exception):
+    """The scheduler reported the worker down while a call waited on it."""
+
+
+async def unless_down(call: Awaitable[_T], down: asyncio.Future[None]) -> _T:
+    """`call`'s result, or WorkerDown once `down` (DownWatch.watching) resolves first: a hung
+    worker (connections taken, nothing answered) would hold the call until its timeout (the
+    request timeout, 30 minutes by default; for ever, for a stored response's replay)."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left
+        task.cancel()
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, aiohttp.ClientResponse):  # opened just now: not left open
+                result.close()
+        raise
+    if not task.done():
+        task.cancel()
+        raise WorkerDown
+    return task.result()
 
 
 class DownWatch:

@@ -24,6 +24,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
+from router.down_watch import WorkerDown, unless_down
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
@@ -710,16 +711,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         """`fetch`, given up (and retried elsewhere) if the scheduler reports its worker down
         meanwhile (router/down_watch.py): a hung worker would hold it until the request
         timeout, 30 minutes by default."""
-        task = asyncio.ensure_future(fetch)
-        try:
-            with self.sched.down_watch.watching(worker_id) as down:
-                await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                raise RetryElsewhere("worker_down", "the scheduler reports the worker down")
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
+        with self.sched.down_watch.watching(worker_id) as down:
+            try:
+                return await unless_down(fetch, down)
+            except WorkerDown:
+                raise RetryElsewhere("worker_down", "the scheduler reports the worker down") from None
 
     def _whole_answer(self, route: Route, rec: RequestRecord, path: str, status: int, data: bytes,
                       ctype: str) -> tuple[bytes, str]:

@@ -28,13 +28,13 @@ it, `previous_response_id`):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
-from typing import TypeVar
+from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
+from router.down_watch import WorkerDown, unless_down
 from router.errors import SEQUENCE_NUMBER, error_response, responses_error_event
 from router.metrics import RouterMetrics
 from router.scheduling import Scheduling
@@ -62,32 +62,6 @@ UNREACHABLE = {
     "worker_down": "the scheduler reports it down",
     "unavailable": "the scheduler reports it unavailable",
 }
-
-_T = TypeVar("_T")
-
-
-class OwnerDown(Exception):
-    """The scheduler reported the worker down while a call waited on it."""
-
-
-async def _unless_down(call: Awaitable[_T], down: asyncio.Future[None]) -> _T:
-    """`call`'s result, or OwnerDown once `down` resolves first: a hung worker (connections
-    taken, nothing answered) would hold a GET for the first-byte timeout, a replay for ever."""
-    task = asyncio.ensure_future(call)
-    try:
-        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the client left
-        task.cancel()
-        if task.done() and not task.cancelled() and task.exception() is None:
-            result = task.result()
-            if isinstance(result, aiohttp.ClientResponse):  # opened just now: not left open
-                result.close()
-        raise
-    if not task.done():
-        task.cancel()
-        raise OwnerDown
-    return task.result()
-
 
 class StoredResponseCalls:
     session: aiohttp.ClientSession
@@ -177,11 +151,11 @@ class StoredResponseCalls:
             timeout = aiohttp.ClientTimeout(connect=timeout.connect, sock_connect=timeout.sock_connect)
         with self.sched.down_watch.watching(owner.worker_id) as down:
             try:
-                up = await _unless_down(self.session.request(
+                up = await unless_down(self.session.request(
                     request.method, url, data=raw or None, timeout=timeout,
                     headers=self._upstream_headers(request, rec.id, path),
                 ), down)
-            except (OwnerDown, *UPSTREAM_ERRORS) as exc:
+            except (WorkerDown, *UPSTREAM_ERRORS) as exc:
                 return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")
             async with up:
                 if up.status == 200 and up.content_type == "text/event-stream":
@@ -190,8 +164,8 @@ class StoredResponseCalls:
                 status = up.status
                 ctype = up.headers.get("Content-Type", "application/json")
                 try:
-                    data = await _unless_down(read_bounded(up) if status >= 400 else up.read(), down)
-                except (OwnerDown, *UPSTREAM_ERRORS) as exc:
+                    data = await unless_down(read_bounded(up) if status >= 400 else up.read(), down)
+                except (WorkerDown, *UPSTREAM_ERRORS) as exc:
                     return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")
         if status == 404 and response_id.encode() in data:
             # The worker is up and no longer holds it (it restarted, or dropped it): lost.
@@ -253,7 +227,7 @@ class StoredResponseCalls:
 
 def _failure(exc: BaseException) -> str:
     """The UNREACHABLE key of a call's failure."""
-    return "worker_down" if isinstance(exc, OwnerDown) else failure_kind(exc)
+    return "worker_down" if isinstance(exc, WorkerDown) else failure_kind(exc)
 
 
 def lost_answer(response_id: str, lost: Lost, param: str,
