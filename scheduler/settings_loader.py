@@ -85,8 +85,15 @@ _SECRET_FIELD = re.compile(r"(token|api_keys?|password|secret)$")
 def format_validation_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or "config"
-    shown = "(value hidden)" if _SECRET_FIELD.search(field) else f"(got {err.get('input')!r})"
-    return f"error: invalid value for {field.replace('_', '-')}: {err['msg']} {shown}"
+    if not err["loc"]:
+        # A check across fields: its input is every value given, secrets included (an API key,
+        # a token) and went to the logs whole. The message names the options.
+        shown = ""
+    elif _SECRET_FIELD.search(field):
+        shown = "(value hidden)"
+    else:
+        shown = f"(got {err.get('input')!r})"
+    return f"error: invalid value for {field.replace('_', '-')}: {err['msg']} {shown}".rstrip()
 
 
 def load_settings(model: type[SettingsT], argv: list[str] | None = None) -> SettingsT:

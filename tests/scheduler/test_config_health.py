@@ -220,6 +220,14 @@ def test_a_refused_registration_token_is_named_but_not_printed():
     assert "sekrit" not in proc.stderr
 
 
+def test_a_check_across_fields_does_not_print_every_value_given():
+    """Its error's input is every value given, which the line echoed, a token with it."""
+    with pytest.raises(SystemExit) as info:
+        load_scheduler_config(["--k8s-namespace", "ns", "--registration-token", "sekrit"])
+    assert "k8s_namespace and k8s_label_selector go together" in str(info.value)
+    assert "sekrit" not in str(info.value)
+
+
 def test_help_says_how_the_environment_sets_each_flag(monkeypatch):
     """--help listed the flags only: nothing said that SCHEDULER_* variables set them too."""
     proc = subprocess.run([sys.executable, "-m", "scheduler", "--help"], cwd=ROOT, capture_output=True,
