@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import logging
 import signal
+import ssl
 import sys
 
 from aiohttp import web
@@ -30,6 +31,7 @@ from inference_worker.server.app import HEADER_LIMITS, build_app
 from inference_worker.server.drain import Drain
 from inference_worker.server.http_errors import OpenAIErrorAppRunner
 from inference_worker.server.state import DRAIN
+from inference_worker.server.tls import TlsError, client_context, scheme, server_context
 
 log = logging.getLogger("inference_worker")
 
@@ -63,12 +65,13 @@ def attach_stat_loggers(engine, config: WorkerConfig, registry: CollectorRegistr
     return prometheus
 
 
-async def _start_registrar(config: WorkerConfig, max_running: int) -> Registrar | None:
+async def _start_registrar(config: WorkerConfig, max_running: int,
+                           ssl_context: ssl.SSLContext | None) -> Registrar | None:
     """Register with the scheduler (--register-with); start() returns at once and keeps
     retrying and heart-beating in the background."""
     if not config.register_with:
         return None
-    registrar = Registrar(config, max_running=max_running)
+    registrar = Registrar(config, max_running=max_running, ssl_context=ssl_context)
     await registrar.start()
     return registrar
 
@@ -83,6 +86,13 @@ async def run_worker(config: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
 
+    try:  # before the engine loads (up to minutes): a file that cannot be used stops start-up now
+        server_ssl = server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs,
+                                    config.ssl_cert_reqs)
+        scheduler_ssl = client_context(config.scheduler_ca_file, config.ssl_client_certfile,
+                                       config.ssl_client_keyfile)
+    except TlsError as exc:
+        raise SystemExit(f"error: {exc}") from None
     try:
         engine = await _build_engine(config)
     except (ValueError, OSError) as exc:  # bad --model / --sim-profile / sizes: one line, no traceback
@@ -98,19 +108,20 @@ async def run_worker(config: WorkerConfig) -> None:
     registrar = None
     site = None
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+        site = web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=server_ssl)
         try:
             await site.start()
         except OSError as exc:
             raise SystemExit(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
         log.info(
-            "serving model %s (backend %s) on http://%s:%d",
+            "serving model %s (backend %s) on %s://%s:%d",
             config.model_name,
             config.backend,
+            scheme(server_ssl),
             config.host,
             config.port,
         )
-        registrar = await _start_registrar(config, engine.max_num_seqs)
+        registrar = await _start_registrar(config, engine.max_num_seqs, scheduler_ssl)
         await stop.wait()
         drain = app[DRAIN]
         drain.begin()

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inference_worker.server.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from inference_worker.settings_loader import clean_secret, load_settings
 
 
@@ -63,6 +64,11 @@ class WorkerConfig(BaseSettings):
     # Server
     host: str = "127.0.0.1"
     port: int = Field(8001, ge=1, le=65535)
+    # TLS (server/tls.py), vLLM's flags
+    ssl_certfile: str | None = Field(None, description=SERVER_HELP["ssl_certfile"])
+    ssl_keyfile: str | None = Field(None, description=SERVER_HELP["ssl_keyfile"])
+    ssl_ca_certs: str | None = Field(None, description=SERVER_HELP["ssl_ca_certs"])
+    ssl_cert_reqs: int | None = Field(None, ge=0, le=2, description=SERVER_HELP["ssl_cert_reqs"])
     shutdown_timeout: float = Field(
         30.0,
         ge=0,
@@ -82,7 +88,15 @@ class WorkerConfig(BaseSettings):
     # Registration with a scheduler (see scheduler issue)
     register_with: str | None = Field(None, description="scheduler URL to self-register with")
     registration_token: str | None = None
-    advertise_url: str | None = Field(None, description="URL the scheduler should use (default http://host:port)")
+    advertise_url: str | None = Field(
+        None, description="URL the scheduler should use (default http://host:port, https:// with "
+        "--ssl-certfile)")
+    scheduler_ca_file: str | None = Field(
+        None, description="PEM bundle of the CAs that an https:// --register-with scheduler's "
+        "certificate is checked against, instead of the system's: a private CA. The check is never off")
+    ssl_client_certfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_certfile"]
+                                            + " (the scheduler registered with)")
+    ssl_client_keyfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_keyfile"])
 
     # Sim backend
     sim_profile: str = Field("tiny", description="profile name or path to a profile YAML")
@@ -95,6 +109,11 @@ class WorkerConfig(BaseSettings):
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)
+
+    @field_validator("ssl_cert_reqs", mode="before")
+    @classmethod
+    def _cert_reqs(cls, v: object) -> object:
+        return cert_reqs_value(v)
 
     @field_validator("register_with", "advertise_url")
     @classmethod
@@ -131,6 +150,9 @@ class WorkerConfig(BaseSettings):
             # scheduler refuses it), so every heartbeat would be refused for the worker's life.
             raise ValueError(f"--host {self.host} listens on every interface: give --advertise-url, "
                              "the URL the scheduler reaches this worker at, to register with it")
+        problem = options_problem(self)  # e.g. a key without its certificate: not plain HTTP instead
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import ssl
 
 import aiohttp
 
@@ -36,7 +37,7 @@ def heartbeat_interval(value: object) -> float:
 
 class Registrar:
     def __init__(self, config: WorkerConfig, *, heartbeat_s: float | None = None,
-                 max_running: int | None = None) -> None:
+                 max_running: int | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.config = config
         # The engine's running-request cap (max_num_seqs), so the scheduler knows it before
         # requests queue here.
@@ -44,7 +45,10 @@ class Registrar:
         self.scheduler = (config.register_with or "").rstrip("/")
         # An IPv6 literal goes in brackets: http://::1:8001 has no host (the scheduler refused it).
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
-        self.url = (config.advertise_url or f"http://{host}:{config.port}").rstrip("/")
+        scheme = "https" if config.ssl_certfile else "http"  # as this worker serves
+        self.url = (config.advertise_url or f"{scheme}://{host}:{config.port}").rstrip("/")
+        # An https:// scheduler: checked against --scheduler-ca-file, else the system's CAs.
+        self._ssl = ssl_context if ssl_context is not None else True
         self.heartbeat_s = heartbeat_s  # None: what the scheduler asks for
         self.worker_id: str | None = None
         self.registered = asyncio.Event()
@@ -67,7 +71,8 @@ class Registrar:
         until the scheduler answers) and keeps heart-beating."""
         if not self.scheduler:
             return
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0),
+                                              connector=aiohttp.TCPConnector(ssl=self._ssl))
         self._task = asyncio.create_task(self._loop(), name="registrar")
 
     async def _register_once(self) -> float | None:

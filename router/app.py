@@ -27,6 +27,7 @@ from router.scheduling import Scheduling
 from router.ws_proxy import handle_ws
 from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
+from scheduler.tls import TlsError, client_context, scheme, server_context
 
 log = logging.getLogger("router")
 
@@ -61,6 +62,11 @@ class Gateway:
         self.metrics.queued.set_function(lambda: self.queue.size)
         self.metrics.queued_flows.set_function(lambda: self.queue.waiting_flows)
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
+        # https:// upstreams are checked against the CA bundles given (else the system's CAs),
+        # and shown the client certificate, if any. Raises TlsError for files that do not load.
+        self.worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
+        self.scheduler_ssl = client_context(cfg.scheduler_ca_file, cfg.ssl_client_certfile,
+                                            cfg.ssl_client_keyfile, ca_option="--scheduler-ca-file")
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None
         self.sched: Scheduling | None = None
@@ -72,7 +78,8 @@ class Gateway:
     async def start(self, _app: web.Application | None = None) -> None:
         cfg = self.cfg
         connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=30, socket_factory=_nodelay_socket_factory
+            limit=0, keepalive_timeout=30, socket_factory=_nodelay_socket_factory,
+            ssl=self.worker_ssl if self.worker_ssl is not None else True,
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -81,7 +88,7 @@ class Gateway:
         )
         if cfg.scheduler:
             self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000,
-                                          token=cfg.scheduler_token)
+                                          token=cfg.scheduler_token, ssl_context=self.scheduler_ssl)
         self.sched = Scheduling(
             self.client,
             self.fallback,
@@ -95,10 +102,10 @@ class Gateway:
             workers_refresh_s=cfg.workers_refresh_ms / 1000,
             lease_renew_s=cfg.lease_renew_ms / 1000,
         )
-        if self.client is not None and cfg.scheduler_pipelining and cfg.scheduler.startswith("http://"):
+        if self.client is not None and cfg.scheduler_pipelining:
             self.sched.pipe = SchedulerPipe(
                 cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel,
-                token=cfg.scheduler_token,
+                token=cfg.scheduler_token, ssl_context=self.scheduler_ssl,
             )
         self.sched.start(self.session)
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
@@ -258,7 +265,11 @@ def _loopback(host: str) -> bool:
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
-    gw = Gateway(cfg)
+    try:  # first: a certificate, key or CA file that does not load stops start-up at once
+        server_ssl = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+        gw = Gateway(cfg)
+    except TlsError as exc:
+        raise SystemExit(f"error: {exc}") from None
     app = build_app(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
@@ -267,14 +278,15 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     port = cfg.port
     try:
         await runner.setup()  # gw.start: a --tokenizer that does not load ends start-up here
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048, ssl_context=server_ssl)
         await site.start()
         if cfg.allow_metrics and cfg.metrics_port is not None:
             port = cfg.metrics_port
             mrunner = web.AppRunner(build_metrics_app(gw), access_log=None)
             runners.append(mrunner)
             await mrunner.setup()
-            await web.TCPSite(mrunner, cfg.host, cfg.metrics_port).start()
+            # In TLS as well: a scraper's --admin-token must not cross the network in clear.
+            await web.TCPSite(mrunner, cfg.host, cfg.metrics_port, ssl_context=server_ssl).start()
     except (OSError, SystemExit) as exc:
         # One line and out: a port in use or a host that does not resolve was a traceback, and
         # the sessions gw.start opened were logged as unclosed after the message.
@@ -285,7 +297,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
             raise
         raise SystemExit(f"error: cannot listen on {cfg.host}:{port}: {exc.strerror or exc}") from None
     log.info(
-        "gateway listening on http://%s:%d%s (scheduler %s, %d static workers)",
+        "gateway listening on %s://%s:%d%s (scheduler %s, %d static workers)",
+        scheme(server_ssl),
         cfg.host,
         cfg.port,
         cfg.base_path,

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
 from scheduler.settings_loader import clean_secret, known_log_level
+from scheduler.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
 
 
@@ -39,10 +40,26 @@ class RouterConfig(BaseSettings):
     base_path: str = Field(
         "", description="extra URL prefix also served, e.g. /api/predict/{group}.{service}_llm_gateway"
     )
+    # TLS (scheduler/tls.py): the gateway terminates it itself, as vLLM does, so clients' API
+    # keys and prompts do not cross the network in clear.
+    ssl_certfile: str | None = Field(
+        None, description=SERVER_HELP["ssl_certfile"] + "; --metrics-port is served with the same "
+        "certificate and client-certificate rule")
+    ssl_keyfile: str | None = Field(None, description=SERVER_HELP["ssl_keyfile"])
+    ssl_ca_certs: str | None = Field(None, description=SERVER_HELP["ssl_ca_certs"])
+    ssl_cert_reqs: int | None = Field(None, ge=0, le=2, description=SERVER_HELP["ssl_cert_reqs"])
 
     # Scheduler and workers
     scheduler: str | None = Field(None, description="scheduler base URL, e.g. http://127.0.0.1:8090")
     workers: str = Field("", description="comma-separated worker URLs always usable in fallback mode")
+    worker_ca_file: str | None = Field(
+        None, description="PEM bundle of the CAs that https:// workers' certificates are checked "
+        "against, instead of the system's: a private CA. The check is never off")
+    scheduler_ca_file: str | None = Field(
+        None, description="the same for an https:// --scheduler")
+    ssl_client_certfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_certfile"]
+                                            + " (workers, the scheduler)")
+    ssl_client_keyfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_keyfile"])
     scheduler_timeout_ms: int = Field(2000, ge=10, description="timeout of one scheduler call")
     scheduler_token: str | None = Field(
         None, description="Bearer token sent on every call to the scheduler (its --gateway-token); "
@@ -186,7 +203,9 @@ class RouterConfig(BaseSettings):
     # Observability
     debug_headers: bool = Field(False, description="add the scheduling decision to response headers")
     allow_metrics: bool = Field(True, description="serve Prometheus /metrics")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics on its own port")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve /metrics on its own port (in HTTPS, as the API port, "
+        "with --ssl-certfile)")
     access_log: bool = True
     # Finite: inf was taken, and the stats line never came.
     log_stats_interval: float = Field(5.0, gt=0, allow_inf_nan=False,
@@ -197,6 +216,11 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
+
+    @field_validator("ssl_cert_reqs", mode="before")
+    @classmethod
+    def _cert_reqs(cls, v: object) -> object:
+        return cert_reqs_value(v)
 
     @field_validator("admin_token", "upstream_api_key", "scheduler_token")
     @classmethod
@@ -257,6 +281,9 @@ class RouterConfig(BaseSettings):
     def _check(self) -> RouterConfig:
         if not self.scheduler and not self.worker_urls:
             raise ValueError("give --scheduler or --workers (or both)")
+        problem = options_problem(self)  # e.g. a key without its certificate: not plain HTTP instead
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -37,6 +37,7 @@ import base64
 import json
 import logging
 import os
+import ssl
 import time
 from collections import deque
 from typing import Any
@@ -82,14 +83,19 @@ def orphan_release(lease_id: str) -> dict:
 
 class SchedulerPipe:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto",
-                 token: str | None = None) -> None:
+                 token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"the pipelined channel needs an http:// scheduler URL, got {base_url!r}")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"the pipelined channel needs an http(s):// scheduler URL, got {base_url!r}")
         if channel not in CHANNELS:
             raise ValueError(f"scheduler channel must be one of {CHANNELS}, got {channel!r}")
         self.channel = channel
-        self.host, self.port = u.hostname, u.port or 80
+        self.host, self.port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+        # https://: the same connection in TLS, the certificate checked as SchedulerClient checks
+        # it (the gateway's --scheduler-ca-file, else the system's CAs) and for this host name.
+        self._ssl: ssl.SSLContext | None = None
+        if u.scheme == "https":
+            self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
         prefix = u.path.rstrip("/").encode()
         self.timeout_s = timeout_s
         host_hdr = f"{self.host}:{self.port}".encode()
@@ -151,7 +157,7 @@ class SchedulerPipe:
             async with asyncio.timeout(self.timeout_s):
                 if self.channel != "http":
                     _, ws = await self.loop.create_connection(
-                        lambda: _WsPipe(self, self._upgrade), self.host, self.port
+                        lambda: _WsPipe(self, self._upgrade), self.host, self.port, ssl=self._ssl
                     )
                     try:
                         await ws.handshake
@@ -165,7 +171,8 @@ class SchedulerPipe:
                         ws.abort(SchedulerUnavailableError("channel handshake interrupted"))
                         raise
                 if pipe is None:
-                    _, pipe = await self.loop.create_connection(lambda: _Pipe(self), self.host, self.port)
+                    _, pipe = await self.loop.create_connection(lambda: _Pipe(self), self.host, self.port,
+                                                                ssl=self._ssl)
         except (OSError, TimeoutError) as exc:
             raise SchedulerUnavailableError(f"scheduler {self.host}:{self.port}: {exc!r}") from exc
         self._pipe = pipe

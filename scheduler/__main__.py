@@ -14,14 +14,20 @@ from scheduler.config import SchedulerConfig, load_scheduler_config
 from scheduler.discovery.static import add_static_workers
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
+from scheduler.tls import TlsError, client_context, scheme, server_context
 
 log = logging.getLogger("scheduler")
 
 
 async def serve(cfg: SchedulerConfig) -> None:
+    try:  # first: a certificate that cannot be used stops start-up before anything runs
+        server_ssl = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+        worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
+    except TlsError as exc:
+        raise SystemExit(f"error: {exc}") from None
     service = SchedulerService(cfg)
     add_static_workers(service, cfg.worker_urls)
-    scraper = Scraper(service)
+    scraper = Scraper(service, ssl_context=worker_ssl)
     await scraper.start()
     tasks = [asyncio.create_task(scraper.run(), name="scraper")]
     if cfg.k8s_namespace:
@@ -31,7 +37,7 @@ async def serve(cfg: SchedulerConfig) -> None:
     # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
     runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=server_ssl)
     try:
         await site.start()
     except OSError as exc:  # a port in use, a host that does not resolve or is not this machine's
@@ -42,9 +48,9 @@ async def serve(cfg: SchedulerConfig) -> None:
         await runner.cleanup()
         raise SystemExit(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from None
     port = site._server.sockets[0].getsockname()[1] if site._server else cfg.port
-    log.info("scheduler listening on http://%s:%d policy=%s workers=%d", cfg.host, port, cfg.policy,
-             len(cfg.worker_urls))
-    print(f"scheduler ready on http://{cfg.host}:{port}", flush=True)
+    log.info("scheduler listening on %s://%s:%d policy=%s workers=%d", scheme(server_ssl), cfg.host, port,
+             cfg.policy, len(cfg.worker_urls))
+    print(f"scheduler ready on {scheme(server_ssl)}://{cfg.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 from typing import Any
 
 import aiohttp
@@ -112,8 +113,12 @@ class SchedulerClient:
         timeout_s: float = 2.0,
         session: aiohttp.ClientSession | None = None,
         token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # An https:// scheduler: checked against this (the gateway's --scheduler-ca-file), else
+        # the system's CAs.
+        self._ssl = ssl_context if ssl_context is not None else True
         # Built once: every call sends the same headers (token: the scheduler's --gateway-token).
         self._get_headers = auth_headers(token)
         self._post_headers = {**_JSON_HEADERS, **self._get_headers}
@@ -132,7 +137,7 @@ class SchedulerClient:
             # The connector applies TCP_NODELAY to every connection it opens; keep-alive is
             # aiohttp's default. No limit per host: the gateway may have many calls in flight.
             connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=60, socket_factory=_nodelay_socket_factory
+                limit=0, keepalive_timeout=60, socket_factory=_nodelay_socket_factory, ssl=self._ssl
             )
             self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
             self._owns_session = True

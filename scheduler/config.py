@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.running_cap import is_positive_int
 from scheduler.settings_loader import clean_secret, known_log_level, load_settings
+from scheduler.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
 
 
@@ -30,6 +31,18 @@ class SchedulerConfig(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8090, ge=0, le=65535)
     log_level: str = "info"
+
+    # TLS (scheduler/tls.py): serving HTTPS, and calling https:// workers
+    ssl_certfile: str | None = Field(None, description=SERVER_HELP["ssl_certfile"])
+    ssl_keyfile: str | None = Field(None, description=SERVER_HELP["ssl_keyfile"])
+    ssl_ca_certs: str | None = Field(None, description=SERVER_HELP["ssl_ca_certs"])
+    ssl_cert_reqs: int | None = Field(None, ge=0, le=2, description=SERVER_HELP["ssl_cert_reqs"])
+    worker_ca_file: str | None = Field(
+        None, description="PEM bundle of the CAs that https:// workers' certificates are checked "
+        "against (scrapes, health checks), instead of the system's: a private CA. The check is "
+        "never off")
+    ssl_client_certfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_certfile"])
+    ssl_client_keyfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_keyfile"])
 
     # Discovery
     workers: str = Field("", description="static worker URLs, comma-separated")
@@ -173,6 +186,11 @@ class SchedulerConfig(BaseSettings):
     def _known_level(cls, v: str) -> str:
         return known_log_level(v)
 
+    @field_validator("ssl_cert_reqs", mode="before")
+    @classmethod
+    def _cert_reqs(cls, v: Any) -> Any:
+        return cert_reqs_value(v)
+
     @field_validator("registration_token", "gateway_token")
     @classmethod
     def _token(cls, v: str | None) -> str | None:
@@ -271,6 +289,9 @@ class SchedulerConfig(BaseSettings):
     def _check(self) -> SchedulerConfig:
         if bool(self.k8s_namespace) != bool(self.k8s_label_selector):
             raise ValueError("k8s_namespace and k8s_label_selector go together")
+        problem = options_problem(self)  # e.g. a key without its certificate: not plain HTTP instead
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

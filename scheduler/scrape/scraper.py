@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import math
+import ssl
 import time
 import weakref
 
@@ -31,6 +32,7 @@ from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import build_snapshot
 from scheduler.scrape.sglang_info import SERVER_INFO_PATHS, RankLayout, ServerInfoState, parse_server_info
 from scheduler.service import SchedulerService
+from scheduler.tls import tls_failure
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +79,11 @@ IGNORED_FILTER_SHARE = 0.5
 
 
 class Scraper:
-    def __init__(self, service: SchedulerService) -> None:
+    def __init__(self, service: SchedulerService, *, ssl_context: ssl.SSLContext | None = None) -> None:
         self.service = service
+        # https:// workers: checked against --worker-ca-file (else the system's CAs), with
+        # --ssl-client-certfile for workers that ask for one. Plain http:// ones ignore it.
+        self.ssl_context = ssl_context
         cfg = service.cfg
         self.interval_s = cfg.scrape_interval_ms / 1000.0
         self.timeout = aiohttp.ClientTimeout(total=cfg.scrape_timeout_ms / 1000.0)
@@ -92,7 +97,8 @@ class Scraper:
             weakref.WeakKeyDictionary())
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30,
+                                         ssl=self.ssl_context if self.ssl_context is not None else True)
         # identity: prometheus_client's exposition (vLLM's and SGLang's filtered /metrics/) gzips
         # for a client that accepts it, on the API server's CPU, ten times a second, to save
         # bytes on a local network: 0.45 of the 2.3 ms a filtered scrape costs a real vLLM
@@ -256,7 +262,7 @@ class Scraper:
             await self._probe_after_timeout(w)
         elif isinstance(exc, CONNECTION_ERRORS):
             m.scrape_failures.labels(w.worker_id, "connection").inc()
-            self._failure(w, f"{type(exc).__name__}", connection_level=True)
+            self._failure(w, tls_failure(exc) or type(exc).__name__, connection_level=True)
         else:
             m.scrape_failures.labels(w.worker_id, "http").inc()
             self._failure(w, f"{type(exc).__name__}", connection_level=False)
@@ -275,7 +281,7 @@ class Scraper:
                 await read_capped(resp)
             self._failure(w, "metrics timeout (health ok)", connection_level=False)
         except CONNECTION_ERRORS as exc:
-            self._failure(w, f"health probe: {type(exc).__name__}", connection_level=True)
+            self._failure(w, f"health probe: {tls_failure(exc) or type(exc).__name__}", connection_level=True)
         except (TimeoutError, aiohttp.ClientError):
             self._failure(w, "metrics and health timeout", connection_level=False)
 

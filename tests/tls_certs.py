@@ -1,0 +1,61 @@
+"""A throwaway PKI for the TLS tests, made with the openssl CLI (the venv has no `cryptography`):
+a CA, a server certificate for 127.0.0.1 and localhost, a client certificate, and a second CA
+that signed nothing the servers trust."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path  # the CA certificate that signed server and client
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path  # a CA nobody's certificate comes from
+    other_cert: Path  # a client certificate from other_ca
+    other_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-addext", "subjectKeyIdentifier=hash", cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
+    (d / f"{name}.ext").write_text(
+        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid:always\n" + ext)
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+
+
+def make_pki(d: Path) -> Pki:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI makes the test certificates")
+    d.mkdir(parents=True, exist_ok=True)
+    _ca(d, "ca")
+    _ca(d, "other-ca")
+    _leaf(d, "server", "ca", "extendedKeyUsage=serverAuth,clientAuth\n"
+          "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
+    _leaf(d, "other", "other-ca", "extendedKeyUsage=clientAuth\n")
+    return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
+               client_cert=d / "client.pem", client_key=d / "client.key", other_ca=d / "other-ca.pem",
+               other_cert=d / "other.pem", other_key=d / "other.key")
