@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import signal
 import socket
 import time
 
@@ -13,12 +14,13 @@ import aiohttp
 from aiohttp import web
 
 from router.access_log import AccessLog, Stats, stats_loop
-from router.auth import KeyChecker, key_bytes, load_api_keys
+from router.auth import KeyChecker, inline_keys, key_bytes, load_api_keys
 from router.config import RouterConfig
 from router.cors import CorsPolicy
 from router.errors import error_response, no_route
 from router.fallback import FallbackRouter
 from router.http_errors import OpenAIErrorAppRunner
+from router.key_reload import KeyFileWatcher
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
 from router.queue import AdmissionQueue
@@ -53,7 +55,13 @@ class Gateway:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.stats = Stats()
-        self.keys = KeyChecker(load_api_keys(cfg.api_key_file, cfg.api_keys))
+        inline = inline_keys(cfg.api_keys)
+        from_file = load_api_keys(cfg.api_key_file) if cfg.api_key_file else []
+        self.keys = KeyChecker(inline + from_file)
+        # The key file is re-read while the gateway runs (router/key_reload.py).
+        self.key_watcher = (KeyFileWatcher(cfg.api_key_file, inline, from_file, self.keys,
+                                           self.metrics.registry)
+                            if cfg.api_key_file else None)
         # As the API keys: a byte of ROUTER_ADMIN_TOKEN that is not UTF-8 was a traceback here.
         self.admin_token = key_bytes(cfg.admin_token) if cfg.admin_token else None
         self.queue = AdmissionQueue(cfg.max_queue_size, cfg.queue_ms_per_prompt_token, cfg.queue_askers,
@@ -108,6 +116,11 @@ class Gateway:
                 token=cfg.scheduler_token, ssl_context=self.scheduler_ssl,
             )
         self.sched.start(self.session)
+        if self.key_watcher is not None:
+            await self.key_watcher.start()
+            if cfg.api_key_reload_s > 0:
+                self._tasks.append(asyncio.get_running_loop().create_task(
+                    self.key_watcher.poll(cfg.api_key_reload_s)))
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
         if cfg.access_log:
             self.proxy.access_log = AccessLog()
@@ -263,6 +276,18 @@ def _loopback(host: str) -> bool:
         return False  # a name: it may resolve to any interface
 
 
+def _reload_keys_on_sighup(gw: Gateway) -> bool:
+    """SIGHUP re-reads the key file at once (an operator's `kill -HUP`, a config reloader's
+    signal). Only the main thread takes signals: a gateway served from another one does not."""
+    if gw.key_watcher is None:
+        return False  # SIGHUP as before: it ends the process
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gw.key_watcher.on_sighup)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     try:  # first: a certificate, key or CA file that does not load stops start-up at once
@@ -271,6 +296,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     app = build_app(gw)
+    # Before the port opens: a SIGHUP sent once /health answers must not end the process.
+    sighup = _reload_keys_on_sighup(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
                                   shutdown_timeout=CUT_AFTER_DEADLINE_S, **HEADER_LIMITS)
@@ -292,6 +319,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         # the sessions gw.start opened were logged as unclosed after the message.
         for r in runners:
             await r.cleanup()
+        if sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if isinstance(exc, SystemExit):
             await gw.stop()  # a startup that failed has no cleanup of its own
             raise
@@ -340,3 +369,5 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
                         ws_left, requests_left, cfg.shutdown_timeout)
         for r in reversed(runners):
             await r.cleanup()
+        if sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)

@@ -181,7 +181,14 @@ class RouterConfig(BaseSettings):
     )
 
     # Security
-    api_key_file: str | None = Field(None, description="file with one accepted API key per line")
+    api_key_file: str | None = Field(
+        None, description="file with the accepted API keys, one per line or comma-separated, '#' "
+        "lines comments; re-read when it changes (--api-key-reload-s) and on SIGHUP")
+    api_key_reload_s: float = Field(
+        5.0, ge=0, allow_inf_nan=False,
+        description="seconds between looks at --api-key-file (its stat, following symlinks: a "
+        "Kubernetes Secret volume's swap is seen); a changed file's keys take effect for new "
+        "requests, one unreadable or with no key keeps the keys in force; 0: only on SIGHUP")
     api_keys: str = Field("", description="accepted API keys, comma-separated or one per line "
                           "(prefer --api-key-file, or ROUTER_API_KEYS from a secret)")
     forward_api_key: bool = Field(False, description="pass the client's Authorization header upstream")

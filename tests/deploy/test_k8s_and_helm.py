@@ -224,9 +224,9 @@ def check_monitors(objs: list[dict], token_sent: bool) -> None:
     assert {name: len(found) for name, found in by.items()} == dict.fromkeys(by, 1)
     [gateway] = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-gateway")]
     [container] = gateway["spec"]["template"]["spec"]["containers"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])}
-    for name in refs:  # variables the gateway's config really reads
-        assert name.removeprefix("ROUTER_").lower() in RouterConfig.model_fields, name
+    refs = _secret_refs(container)
+    for env in container.get("env", []):  # variables the gateway's config really reads
+        assert env["name"].removeprefix("ROUTER_").lower() in RouterConfig.model_fields, env["name"]
     for name, [monitor] in by.items():
         for endpoint in monitor["spec"]["endpoints"]:
             if name.endswith("-gateway") and token_sent:
@@ -250,6 +250,19 @@ def test_raw_gateway_monitor_sends_the_admin_token_the_gateway_reads():
 def _secret_refs(container: dict) -> dict[str, dict]:
     return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
             if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def _key_file(pod: dict, container: dict) -> dict:
+    """The Secret and key that the file ROUTER_API_KEY_FILE names comes from. The mount is the
+    volume's directory: a subPath mount is never updated, and a rotated key would not reach
+    the gateway."""
+    [path] = [e["value"] for e in container["env"] if e["name"] == "ROUTER_API_KEY_FILE"]
+    [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert "subPath" not in mount and mount.get("readOnly") is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    [item] = [i for i in volume["secret"]["items"]
+              if i["path"] == path.removeprefix(mount["mountPath"].rstrip("/") + "/")]
+    return {"secretName": volume["secret"]["secretName"], "key": item["key"]}
 
 
 def test_raw_scheduler_and_gateways_read_one_gateway_token():
@@ -395,23 +408,25 @@ def test_a_change_to_any_rendered_config_restarts_its_pods():
 
 def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admin_token(monkeypatch):
     """gateway.auth: client keys and the admin token reach the gateway from a Secret (never the
-    ConfigMap), as variables its config reads; with the admin token, /metrics wants it, and the
-    ServiceMonitor sends it (without, the gateway's own scrape failed with 401 and its
-    LLMGatewayDown alert fired)."""
+    ConfigMap): the keys as a file of the Secret's volume, which the kubelet updates when the
+    Secret changes and the gateway re-reads (a variable changes only with a restart), the token
+    as a variable; with the admin token, /metrics wants it, and the ServiceMonitor sends it
+    (without, the gateway's own scrape failed with 401 and its LLMGatewayDown alert fired)."""
     values = {"gateway": {"auth": {"secret": "llm-gateway-auth", "apiKeys": True, "adminToken": True}},
               "metrics": {"serviceMonitor": {"enabled": True}}}
     objs = render(values)
     check_cluster(objs, "prod", "llm")
-    [gateway] = find(objs, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"]}
-    assert refs == {"ROUTER_API_KEYS": {"name": "llm-gateway-auth", "key": "api-keys"},
-                    "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"}}
-    # Variables the gateway's config really reads, as Secrets made from files hold them: a key
-    # file's lines, a token with its file's last newline.
-    monkeypatch.setenv("ROUTER_API_KEYS", "sk-1\nsk-2\n")
+    pod = find(objs, "Deployment", "prod-gateway")["spec"]["template"]["spec"]
+    [gateway] = pod["containers"]
+    assert _secret_refs(gateway) == {
+        "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"}}
+    key_file = _key_file(pod, gateway)
+    assert key_file == {"secretName": "llm-gateway-auth", "key": "api-keys"}
+    # Variables the gateway's config really reads, as Secrets made from files hold them: a token
+    # with its file's last newline.
     monkeypatch.setenv("ROUTER_ADMIN_TOKEN", "admin-1\n")
     cfg = RouterConfig(workers="http://w:1")
-    assert cfg.admin_token == "admin-1" and cfg.api_keys
+    assert cfg.admin_token == "admin-1"
     assert "admin_token" not in config_of(objs, "prod", "gateway")
     [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router-gateway")["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer",
@@ -421,8 +436,10 @@ def test_gateway_auth_comes_from_a_secret_and_the_service_monitor_sends_the_admi
 
     keys_only = render({"gateway": {"auth": {"secret": "llm-gateway-auth"}},
                         "metrics": {"serviceMonitor": {"enabled": True}}})
-    [gateway] = find(keys_only, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
-    assert [e["name"] for e in gateway["env"]] == ["ROUTER_API_KEYS"]
+    pod = find(keys_only, "Deployment", "prod-gateway")["spec"]["template"]["spec"]
+    [gateway] = pod["containers"]
+    assert [e["name"] for e in gateway["env"]] == ["ROUTER_API_KEY_FILE"]
+    assert _key_file(pod, gateway) == {"secretName": "llm-gateway-auth", "key": "api-keys"}
     check_monitors(keys_only, token_sent=False)
     [gateway] = find(render(None), "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
     assert "env" not in gateway  # no Secret named: no auth, and no reference to a missing Secret
@@ -439,7 +456,6 @@ def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monk
     ref = {"name": "sched-auth", "key": "gateway-token"}
     assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
     assert _secret_refs(gateway) == {
-        "ROUTER_API_KEYS": {"name": "llm-gateway-auth", "key": "api-keys"},
         "ROUTER_ADMIN_TOKEN": {"name": "llm-gateway-auth", "key": "admin-token"},
         "ROUTER_SCHEDULER_TOKEN": ref}
     assert "gateway_token" not in config_of(objs, "prod", "scheduler")  # never in the ConfigMap

@@ -1,0 +1,152 @@
+"""Re-reading --api-key-file while the gateway runs: a rotated key takes effect without a restart.
+
+The file is polled every --api-key-reload-s (a stat, off the event loop) and re-read at once on
+SIGHUP. The stat follows symlinks: a Kubernetes Secret volume changes by swapping its `..data`
+symlink to a new directory, which leaves the mounted path's own entry as it was but leads it to
+a file with another inode. When the stat changed the file is read, and keys the same as those
+in force change nothing (a kubelet resync, a `touch`).
+
+Fail safe: a file that cannot be read, or holds no key, keeps the keys in force and logs one
+ERROR (until the file changes again): a file rewritten in place, a wrong mount or a Secret
+emptied by mistake must neither open the gateway to everyone nor lock everyone out. A file that
+changed while it was read is read again at the next poll. The new set is checked by requests
+that arrive from then on; those accepted before (streams, WebSocket sessions) go on. Keys given
+inline (--api-keys, ROUTER_API_KEYS) stay accepted beside the file's. Keys are never logged: a
+reload says how many there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from router.auth import KeyChecker, KeyFileError, read_key_file
+from router.fast_metrics import FastCounter, FastGauge
+
+log = logging.getLogger("router.keys")
+
+RESULTS = ("reloaded", "unchanged", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class _Look:
+    """What one look at the file found."""
+
+    signature: tuple  # the stat's identity, or the error that stopped the stat
+    keys: list[bytes] | None = None  # None: not read (the stat had not changed), or `error`
+    error: KeyFileError | None = None
+    settled: bool = True  # False: the file changed while it was read
+
+
+def _signature(st: os.stat_result) -> tuple:
+    # Inode and device: a rename over the file, a swapped symlink; size and times: a rewrite in
+    # place; the ctime also moves on a chmod that makes an unreadable file readable.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _look(path: str, seen: tuple | None, force: bool) -> _Look:
+    """Runs in a thread: the stat, and the read when the stat changed (or `force`)."""
+    try:
+        before = _signature(os.stat(path))
+    except OSError as exc:
+        return _Look(("error", exc.errno),
+                     error=KeyFileError(f"cannot read api-key-file {path}: {exc.strerror or exc}"))
+    if before == seen and not force:
+        return _Look(before)
+    try:
+        keys = read_key_file(path)
+    except KeyFileError as exc:
+        return _Look(before, error=exc)
+    try:
+        after: tuple | None = _signature(os.stat(path))
+    except OSError:
+        after = None
+    return _Look(before, keys, settled=after == before)
+
+
+def _digest(keys: list[bytes]) -> bytes:
+    # What is kept to tell a changed key set: a digest, not a second copy of the keys.
+    return hashlib.sha256(b"\n".join(keys)).digest()
+
+
+class KeyFileWatcher:
+    """Keeps `checker` on the inline keys plus the key file's latest good keys."""
+
+    def __init__(self, path: str, inline: list[bytes], file_keys: list[bytes], checker: KeyChecker,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.path = path
+        self.inline = list(inline)
+        self.checker = checker
+        self._digest = _digest(file_keys)  # the file's keys in force
+        self._seen: tuple | None = None  # the stat last handled (None: read at the next look)
+        self._lock = asyncio.Lock()  # a SIGHUP and a poll do not apply two reads crosswise
+        self._sighup_tasks: set[asyncio.Task] = set()
+        self.reloads = FastCounter(
+            "router_api_key_reloads_total",
+            "Re-reads of --api-key-file (its stat changed, or SIGHUP) by result: reloaded (a new "
+            "key set in force), unchanged, failed (unreadable or no key: the keys in force kept)",
+            ["result"], registry=registry)
+        for result in RESULTS:  # at 0 from the start, for increase()
+            self.reloads.labels(result)
+        self.loaded = FastGauge(
+            "router_api_keys_loaded",
+            "API keys accepted now: the key file's last good read and those given inline",
+            registry=registry)
+        self.loaded.set_function(lambda: len(self.checker.keys))
+
+    async def start(self) -> None:
+        """Takes the file as it is now as handled, when it still holds the keys start-up read
+        (else the first poll reads it: it changed in between)."""
+        look = await asyncio.to_thread(_look, self.path, None, True)
+        if look.keys is not None and look.settled and _digest(look.keys) == self._digest:
+            self._seen = look.signature
+
+    async def poll(self, period_s: float) -> None:
+        """Until cancelled: a look every `period_s`."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self.check(force=False, why="file changed")
+            except Exception:  # a bug here must not end the polling for good
+                log.exception("api-key-file check failed")
+
+    def on_sighup(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.check(force=True, why="SIGHUP"))
+        # Held until done: the loop keeps only a weak reference to a task.
+        self._sighup_tasks.add(task)
+        task.add_done_callback(self._sighup_tasks.discard)
+
+    async def check(self, force: bool, why: str) -> None:
+        async with self._lock:
+            look = await asyncio.to_thread(_look, self.path, self._seen, force)
+            if look.signature == self._seen and not force:
+                return
+            if look.keys is not None and not look.settled:
+                # Being written: left as not seen, so the next poll reads it again.
+                log.log(logging.INFO if force else logging.DEBUG,
+                        "api-key-file %s changed while it was read (%s): read again at the next "
+                        "poll", self.path, why)
+                return
+            self._seen = look.signature
+            if look.keys is None:
+                self.reloads.labels("failed").inc()
+                log.error("api-key-file re-read (%s) failed, the %d key(s) in force are kept: %s",
+                          why, len(self.checker.keys), look.error)
+                return
+            digest = _digest(look.keys)
+            if digest == self._digest:
+                self.reloads.labels("unchanged").inc()
+                log.log(logging.INFO if force else logging.DEBUG,
+                        "api-key-file re-read (%s): unchanged, %d key(s) in force", why,
+                        len(self.checker.keys))
+                return
+            self.checker.replace(self.inline + look.keys)
+            self._digest = digest
+            self.reloads.labels("reloaded").inc()
+            log.info("api-key-file reloaded (%s): %d key(s) from %s, %d in force in all", why,
+                     len(look.keys), self.path, len(self.checker.keys))
