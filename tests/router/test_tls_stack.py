@@ -146,6 +146,24 @@ def test_chat_completions_over_https_through_the_stack(stack, pki):
     assert "Traceback" not in gateway_log and "unavailable" not in gateway_log.lower(), gateway_log[-3000:]
 
 
+async def test_a_websocket_session_over_tls_end_to_end(stack, pki):
+    """/v1/ws: wss:// from the client, and the gateway's own WebSocket to the worker in TLS with
+    its client certificate."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(ssl=_client_ctx(pki))
+    async with aiohttp.ClientSession(connector=connector) as s, s.ws_connect(
+            stack["gateway"].replace("https://", "wss://") + "/v1/ws",
+            headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}))
+        while True:
+            msg = await ws.receive(timeout=30)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            if json.loads(msg.data).get("type") == "done":
+                break
+            assert "error" not in json.loads(msg.data), msg.data
+
+
 def test_plain_http_and_untrusted_certificates_are_refused(stack, pki):
     gateway = stack["gateway"]
     # Plain HTTP on the TLS port: no answer.
