@@ -474,6 +474,45 @@ def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monk
     assert "env" not in scheduler
 
 
+def test_helm_gateway_tls_serves_https_from_a_secret():
+    """gateway.tls.secret: the gateway serves HTTPS with the Secret's certificate (its config
+    names the files of the Secret's volume), the kubelet probes it in HTTPS, and the
+    ServiceMonitor scrapes it in HTTPS, checking the certificate against the Secret's CA for
+    the Service's name; the workers' and the scheduler's monitor is unchanged."""
+    monitored = {"serviceMonitor": {"enabled": True}}
+    objs = render({"gateway": {"tls": {"secret": "gw-tls"}}, "metrics": monitored})
+    check_cluster(objs, "prod", "llm")
+    cfg = config_of(objs, "prod", "gateway")
+    pod = find(objs, "Deployment", "prod-gateway")["spec"]["template"]["spec"]
+    [gateway] = pod["containers"]
+    for field, key in (("ssl_certfile", "tls.crt"), ("ssl_keyfile", "tls.key")):
+        directory, name = cfg[field].rsplit("/", 1)
+        [mount] = [m for m in gateway["volumeMounts"] if m["mountPath"].rstrip("/") == directory]
+        assert mount.get("readOnly") is True
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "gw-tls"
+        assert {"key": key, "path": name} in volume["secret"]["items"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert gateway[probe]["httpGet"]["scheme"] == "HTTPS"
+    [endpoint] = find(objs, "ServiceMonitor", "prod-llm-router-gateway")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"ca": {"secret": {"name": "gw-tls", "key": "ca.crt"}},
+                                     "serverName": "prod-gateway.llm.svc"}
+    [others] = find(objs, "ServiceMonitor", "prod-llm-router")["spec"]["endpoints"]
+    assert "scheme" not in others and "tlsConfig" not in others
+    assert validate_against_kubernetes_schemas(objs) == len([o for o in objs if o["kind"] not in CRD_KINDS])
+
+    named = render({"gateway": {"tls": {"secret": "gw-tls", "serverName": "llm.example.com"}},
+                    "metrics": monitored})
+    [endpoint] = find(named, "ServiceMonitor", "prod-llm-router-gateway")["spec"]["endpoints"]
+    assert endpoint["tlsConfig"]["serverName"] == "llm.example.com"
+    # Without it (the default): plain HTTP, as before.
+    plain = render(None)
+    assert not {"ssl_certfile", "ssl_keyfile"} & config_of(plain, "prod", "gateway").keys()
+    [gateway] = find(plain, "Deployment", "prod-gateway")["spec"]["template"]["spec"]["containers"]
+    assert "scheme" not in gateway["readinessProbe"]["httpGet"]
+
+
 # ---------------------------------------------------------------- official Kubernetes schemas
 
 KUBE_VERSION = "1.30.0"

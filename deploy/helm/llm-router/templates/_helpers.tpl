@@ -27,5 +27,8 @@ app.kubernetes.io/component: {{ .component }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
+{{- with .scheme }}
+prometheus.io/scheme: {{ . }}
+{{- end }}
 {{- end }}
 {{- end -}}
