@@ -98,7 +98,9 @@ class SchedulerPipe:
             self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
         prefix = u.path.rstrip("/").encode()
         self.timeout_s = timeout_s
-        host_hdr = f"{self.host}:{self.port}".encode()
+        # An IPv6 literal goes in brackets in Host, as in the URL (RFC 9110).
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        host_hdr = f"{host}:{self.port}".encode()
         # UTF-8, as the scheduler reads it (aiohttp decodes header bytes as UTF-8).
         auth = b"\r\nAuthorization: Bearer " + token.encode() if token else b""
 
