@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,7 +90,9 @@ class SchedulerConfig(BaseSettings):
     k8s_namespace: str | None = Field(None, description="watch EndpointSlices in this namespace")
     k8s_label_selector: str | None = Field(None, description="label selector of the EndpointSlices")
     k8s_port: str | None = Field(None, description="port name or number on the endpoints (default first)")
-    k8s_scheme: str = "http"
+    k8s_scheme: Literal["http", "https"] = Field(
+        "http", description="scheme of the workers discovered in Kubernetes (https: their "
+        "certificates must name their pod IPs; see --worker-ca-file)")
     k8s_api_server: str | None = Field(None, description="override the API server URL (tests)")
     k8s_watch_timeout_s: int = Field(
         300, ge=1, le=3600,
