@@ -28,6 +28,7 @@ it, `previous_response_id`):
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 
 import aiohttp
@@ -50,6 +51,8 @@ from router.stored_responses import (
 )
 from router.streaming import UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
+
+log = logging.getLogger("router.proxy")
 
 LOST = "response_lost"
 UNAVAILABLE = "worker_unavailable"
@@ -213,7 +216,11 @@ class StoredResponseCalls:
         except ConnectionResetError:
             return resp  # the client left; the response goes on in the worker
         except UPSTREAM_ERRORS as exc:
-            failure = f"failed mid-stream ({exc!r})"
+            # The client reads what went wrong in words (as a POST stream cut mid-way says it);
+            # the exception, which names the HTTP library's internals, goes to the log.
+            failure = f"failed mid-stream ({UNREACHABLE[failure_kind(exc)]})"
+            log.warning("replay GET %s from worker %s failed mid-stream: %r", request.path,
+                        owner.worker_id, exc)
         finally:
             down.remove_done_callback(cut)
         if down.done() and not down.cancelled():

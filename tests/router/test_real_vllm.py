@@ -337,6 +337,20 @@ def test_a_stored_conversation_through_the_gateway_continues_as_on_our_worker(st
     assert theirs["previous_response_id"] == firsts[0]["id"]
     r = httpx.get(f"{stack['gateway']}/v1/responses/{theirs['id']}", timeout=30)
     assert r.status_code == 200 and r.json()["output"] == theirs["output"]
+    # Only a background response can be streamed again. Our worker refuses with a 400; vLLM
+    # 0.32 answers 200 and cuts the stream (its replay generator raises on an id it ran in the
+    # foreground). Either way the client gets OpenAI's shape: the error, or an `error` event
+    # naming the worker, in words (no exception repr).
+    with httpx.stream("GET", f"{stack['gateway']}/v1/responses/{theirs['id']}",
+                      params={"stream": "true"}, timeout=30) as r:
+        if r.status_code == 200:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            event = json.loads(data[-1])
+            assert event["type"] == "error" and event["code"] == "upstream_error", event
+            assert "mid-stream" in event["message"] and "Error(" not in event["message"], event
+        else:
+            r.read()
+            assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text
     gateway, other = start_gateway("--scheduler", stack["scheduler"])
     try:
         r = httpx.get(f"{other}/v1/responses/{firsts[0]['id']}", timeout=30)
