@@ -47,7 +47,8 @@ def _authorization(request: web.Request, offered: list[str]) -> str | None:
 
 async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) -> web.StreamResponse:
     offered = _offered_protocols(request)
-    if not proxy.keys.allows(_authorization(request, offered)):
+    authorization = _authorization(request, offered)
+    if not proxy.keys.allows(authorization):
         return error_response(
             401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
         )
@@ -69,7 +70,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     rec.trace = trace_id_of(request.headers.get("traceparent"))
     rec.flow = proxy.flow_of(request)
     proxy.metrics.in_flight.inc()
-    session = WsSession(client)
+    session = WsSession(client, authorization)
     sessions.add(session)
     relay: WsRelay | None = None
     try:

@@ -75,6 +75,8 @@ _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
 _MAX_OWED = 64
 _BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
 _TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
+_KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
+                        "invalid_api_key", "authentication_error")
 
 
 class WsRelay:
@@ -268,6 +270,10 @@ class WsRelay:
                     await self.client.send_str(SHUTTING_DOWN)
                 elif len(self.session.pending) >= _MAX_OWED:
                     await self.client.send_str(_TOO_MANY)
+                elif not self.proxy.keys.allows(self.session.authorization):
+                    # Revoked since the socket opened: its answers owed still come, as an HTTP
+                    # stream accepted under it goes on; a new request is refused as over HTTP.
+                    await self.client.send_str(_KEY_REVOKED)
                 else:
                     turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data)
                     self.rec.prompt_tokens += prompt

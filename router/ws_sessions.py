@@ -23,10 +23,8 @@ from router.ws_leases import WsTurn
 GOING_AWAY_MESSAGE = b"the gateway is shutting down"
 
 
-def ws_error(message: str, code: int | str) -> str:
-    return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    )
+def ws_error(message: str, code: int | str, type_: str = "invalid_request_error") -> str:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
 
 
 SHUTTING_DOWN = ws_error("the gateway is shutting down: reconnect", "shutting_down")
@@ -35,11 +33,15 @@ SHUTTING_DOWN = ws_error("the gateway is shutting down: reconnect", "shutting_do
 class WsSession:
     """One client socket: the requests it sent, in order, that have no answer's end yet."""
 
-    __slots__ = ("client", "pending")
+    __slots__ = ("authorization", "client", "pending")
 
-    def __init__(self, client: web.WebSocketResponse) -> None:
+    def __init__(self, client: web.WebSocketResponse, authorization: str | None = None) -> None:
         self.client = client
         self.pending: deque[WsTurn] = deque()
+        # What the socket was opened with (the Authorization header or the key subprotocol):
+        # each request on it is checked against the keys in force then (a key revoked while the
+        # socket is open, router/key_reload.py, stops its new requests).
+        self.authorization = authorization
 
     async def going_away_if_idle(self) -> bool:
         if self.pending or self.client.closed:

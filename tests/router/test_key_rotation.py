@@ -5,6 +5,7 @@ the keys in force, and a stream accepted under a key removed meanwhile finishes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
@@ -225,3 +227,32 @@ def test_a_stream_in_flight_under_a_removed_key_finishes(worker, gateways, tmp_p
                 texts.append(json.loads(line[6:])["choices"][0]["text"])
     assert done and len(texts) == 50, texts
     assert status(url, "sk-other-2") == 200
+
+
+async def test_a_websocket_opened_under_a_removed_key_takes_no_new_request(worker, gateways, tmp_path):
+    """A socket outlives a rotation: the answer it is owed still comes, and each request it
+    sends after the key was revoked is refused, as the same request over HTTP is."""
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("sk-old-1\nsk-other-2\n")
+    url = gateway(gateways, worker, key_file, "--api-key-reload-s", str(POLL_S))
+    request = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 50})
+    async with aiohttp.ClientSession() as session, session.ws_connect(
+            url + "/v1/ws", headers={"Authorization": "Bearer sk-old-1"}) as ws:
+        await ws.send_str(request)
+        first = json.loads((await ws.receive(timeout=10)).data)
+        assert first["choices"][0]["text"]
+        replace_file(key_file, "sk-other-2\n")  # sk-old-1 revoked mid-answer
+        await asyncio.to_thread(until, lambda: status(url, "sk-old-1") == 401)
+        chunks = 1
+        while json.loads((await ws.receive(timeout=10)).data).get("type") != "done":
+            chunks += 1
+        assert chunks == 50  # the answer owed came whole
+        await ws.send_str(request)
+        refused = json.loads((await ws.receive(timeout=10)).data)
+        assert refused["error"]["code"] == "invalid_api_key"
+        assert refused["error"]["type"] == "authentication_error"
+    # A socket opened under a key in force is served.
+    async with aiohttp.ClientSession() as session, session.ws_connect(
+            url + "/v1/ws", headers={"Authorization": "Bearer sk-other-2"}) as ws:
+        await ws.send_str(request)
+        assert "choices" in json.loads((await ws.receive(timeout=10)).data)
