@@ -3,7 +3,9 @@
 The worker list is the last healthy set the scheduler reported (refreshed while
 it is up) plus the static --workers. A worker that fails a request rests for a
 cooldown and then gets traffic again (the next failure sends it back to rest).
-Static workers whose models are unknown are assumed to serve any model.
+Static workers whose models are unknown are assumed to serve any model. A worker
+the scheduler last listed as cordoned (an operator's maintenance) is kept in the
+list, since stored responses are looked up there, but is not picked.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class KnownWorker:
     models: frozenset[str] | None  # None: unknown, assume any
     down_until: float = 0.0
     failures: int = field(default=0)
+    cordoned: bool = False  # the scheduler's last word: no new requests for it
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -45,13 +48,15 @@ class FallbackRouter:
     def workers(self) -> list[KnownWorker]:
         return self._all
 
-    def update_from_scheduler(self, views: list[tuple[str, str, list[str]]]) -> None:
-        """views: (worker_id, url, models) of the workers the scheduler calls healthy."""
+    def update_from_scheduler(self, views: list[tuple[str, str, list[str]]],
+                              cordoned: frozenset[str] = frozenset()) -> None:
+        """views: (worker_id, url, models) of the workers the scheduler calls healthy;
+        cordoned: the ids of those an operator cordoned."""
         fresh: list[KnownWorker] = []
         for worker_id, url, models in views:
             url = url.rstrip("/")
             old = self._by_url.get(url)
-            w = KnownWorker(worker_id, url, frozenset(models))
+            w = KnownWorker(worker_id, url, frozenset(models), cordoned=worker_id in cordoned)
             if old is not None:
                 w.down_until, w.failures = old.down_until, old.failures
             fresh.append(w)
@@ -86,12 +91,15 @@ class FallbackRouter:
         n = len(ws)
         now = time.monotonic()
         resting: KnownWorker | None = None
-        serving = 0
+        serving = cordoned = 0
         for i in range(n):
             w = ws[(self._next + i) % n]
             if not w.serves(model):
                 continue
             serving += 1
+            if w.cordoned:
+                cordoned += 1
+                continue
             if w.worker_id in exclude or w.url in exclude:
                 continue
             if w.down_until > now:
@@ -104,6 +112,8 @@ class FallbackRouter:
             return resting
         if serving == 0:
             raise NoWorkerError(f"no known worker serves model {model!r}", unknown_model=True)
+        if cordoned == serving:
+            raise NoWorkerError(f"every worker serving model {model!r} is cordoned")
         raise NoWorkerError(f"every worker serving model {model!r} failed this request")
 
     def mark_failed(self, url: str) -> None:

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
+from scheduler.admin_auth import require_admin
 from scheduler.channel import (
     LEASE_OPS,
     OPEN_CHANNELS,
@@ -23,6 +24,7 @@ from scheduler.channel import (
     run_batch_bytes,
     serve_channel,
 )
+from scheduler.cordons import clean_reason
 from scheduler.discovery.registration import (
     RegistrationError,
     check_token,
@@ -174,7 +176,9 @@ async def list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     # The parameters in force (defaults filled in), so an operator can see what the policy runs.
     body = {"policy": svc.policy.name, "policy_params": dataclasses.asdict(svc.policy.p),
-            "workers": svc.workers_view(), "fair_share": svc.fair_state()}
+            "workers": svc.workers_view(), "fair_share": svc.fair_state(),
+            # Every cordon, those of ids no worker has now included (each worker shows its own).
+            "cordons": svc.cordons.views()}
     return web.Response(body=_dumps(body), content_type="application/json")
 
 
@@ -204,6 +208,51 @@ async def delete_worker(request: web.Request) -> web.Response:
     if not deregister(svc, request.match_info["worker_id"]):
         return error_response(404, "no such registered worker", "worker_id", "worker_not_found")
     return web.Response(status=204)
+
+
+def _cordon_answer(svc: SchedulerService, worker_id: str, changed: bool) -> web.Response:
+    w = svc.registry.workers.get(worker_id)
+    body = {"worker_id": worker_id, **svc.cordons.view(worker_id), "changed": changed,
+            # Absent: a cordon kept for an id that left the pool (it applies if the id returns).
+            "known": w is not None,
+            # What still runs there: the worker is drained once this and its running are 0.
+            "in_flight_leases": w.in_flight if w is not None else 0}
+    return web.Response(body=_dumps(body), content_type="application/json")
+
+
+async def cordon_worker(request: web.Request) -> web.Response:
+    """POST /v1/workers/{worker_id}/cordon, optional body {"reason": "..."}: no new requests
+    for the worker (scheduler/cordons.py). Idempotent: a repeat keeps the first cordon."""
+    svc = request.app[SERVICE_KEY]
+    worker_id = request.match_info["worker_id"]
+    raw = await read_body(request)
+    reason = None
+    if raw.strip():
+        try:
+            body = _json(raw)
+        except BadRequest as exc:
+            return error_response(400, str(exc))
+        given = body.get("reason")
+        if given is not None and not isinstance(given, str):
+            return error_response(400, "reason must be a string", "reason")
+        reason = clean_reason(given)
+    # A known worker, or an id cordoned already (its worker left): a typo must not pass silently.
+    if worker_id not in svc.registry.workers and worker_id not in svc.cordons:
+        return error_response(404, f"no worker {worker_id!r} (GET /v1/workers lists them)",
+                              "worker_id", "worker_not_found")
+    changed = svc.cordon(worker_id, reason, by=request.remote) is not None
+    return _cordon_answer(svc, worker_id, changed)
+
+
+async def uncordon_worker(request: web.Request) -> web.Response:
+    """POST /v1/workers/{worker_id}/uncordon: back in rotation. Idempotent."""
+    svc = request.app[SERVICE_KEY]
+    worker_id = request.match_info["worker_id"]
+    if worker_id not in svc.registry.workers and worker_id not in svc.cordons:
+        return error_response(404, f"no worker {worker_id!r} and no cordon for it",
+                              "worker_id", "worker_not_found")
+    changed = svc.uncordon(worker_id, by=request.remote) is not None
+    return _cordon_answer(svc, worker_id, changed)
 
 
 async def worker_failure(request: web.Request) -> web.Response:
@@ -265,8 +314,16 @@ def build_app(service: SchedulerService) -> web.Application:
     token = service.cfg.gateway_token
     if token:
         decisions = [(method, path, require_token(handler, token)) for method, path, handler in decisions]
+    # Operators' calls: only with --admin-token, and refused (403) while none is set.
+    admin = [
+        ("POST", "/v1/workers/{worker_id}/cordon", cordon_worker),
+        ("POST", "/v1/workers/{worker_id}/uncordon", uncordon_worker),
+    ]
+    admin_token = service.cfg.admin_token
+    admin = [(method, path, require_admin(handler, admin_token)) for method, path, handler in admin]
     routes = [
         *decisions,
+        *admin,
         # Read-only (GET /v1/workers, /health, /metrics: Prometheus) or with a token of their own.
         ("GET", "/v1/workers", list_workers),
         ("POST", "/v1/workers", register_worker),

@@ -53,6 +53,11 @@ class SchedulerConfig(BaseSettings):
         None, description="shared token the gateways must send (Authorization: Bearer) on the "
         "decision API: schedule, release, prefilled, renew, /v1/batch, /v1/channel and failure "
         "reports (else 401); unset: no check. GET /v1/workers, /health and /metrics stay open")
+    # Why a token of its own: cordoning takes workers out of rotation, an operator's act, not
+    # a gateway's; fail closed (403) while unset, as an open one would let anyone drain the pool.
+    admin_token: str | None = Field(
+        None, description="token operators send (Authorization: Bearer) to cordon and uncordon "
+        "workers (POST /v1/workers/{id}/cordon, .../uncordon); unset: those calls are refused (403)")
     # Finite: an infinite TTL went out as the registration answer's heartbeat_interval_s,
     # `Infinity`, which is no JSON.
     registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
@@ -193,7 +198,7 @@ class SchedulerConfig(BaseSettings):
     def _cert_reqs(cls, v: Any) -> Any:
         return cert_reqs_value(v)
 
-    @field_validator("registration_token", "gateway_token")
+    @field_validator("registration_token", "gateway_token", "admin_token")
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)

@@ -62,6 +62,20 @@ class _WorkerCollector:
         yield from (healthy, age, leases, backlog, reserved, running, waiting, kv, cap)
         yield from self._reservations()
         yield from self._kept_rooms()
+        yield self._cordons()
+
+    def _cordons(self) -> GaugeMetricFamily:
+        service = self.service
+        cordoned = GaugeMetricFamily("scheduler_worker_cordoned", "1 while an operator has the worker "
+                                     "cordoned (POST /v1/workers/{id}/cordon): no new requests, pinned "
+                                     "ones still; also for a cordoned id no worker has now",
+                                     labels=["worker"])
+        cordons = service.cordons.by_id
+        for wid in list(service.registry.workers):
+            cordoned.add_metric([wid], 1.0 if wid in cordons else 0.0)
+        for wid in [wid for wid in cordons if wid not in service.registry.workers]:
+            cordoned.add_metric([wid], 1.0)
+        return cordoned
 
     def _kept_rooms(self):
         keeper = self.service.kept

@@ -156,3 +156,6 @@ class WorkerView(BaseModel):
     state: str | None = None
     saturated: str | None = None
     unseen_leases: int = 0
+    # An operator cordoned it (scheduler/cordons.py): healthy, yet no new request goes there,
+    # not even by the gateway's round robin while the scheduler is away.
+    cordoned: bool = False

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 from scheduler.config import SchedulerConfig
+from scheduler.cordons import Cordon, Cordons
 from scheduler.fair_share import FlowLedger
 from scheduler.health import HALF_OPEN
 from scheduler.held_calls import ASKED_AGAIN_WITHIN_S, HeldCalls
@@ -70,6 +71,8 @@ class SchedulerService:
         self._open_flows: Counter[tuple[FlowLedger, str]] = Counter()
         # Workers on probation: each gets one trial request before any policy choice.
         self.half_open: set[str] = set()
+        # Workers an operator took out of rotation (scheduler/cordons.py), by id.
+        self.cordons = Cordons()
         # model -> routable workers serving it; rebuilt lazily after any health or membership
         # change, so a decision does not test every worker's health.
         self._routable: dict[str, list[WorkerState]] = {}
@@ -209,12 +212,14 @@ class SchedulerService:
                     # tell them the model does not exist.
                     return Wait(self._retry_after_ms, "no_routable_worker")
                 return UNKNOWN_MODEL
-            cands = self._routable[key] = [w for w in pool if w.routable]
+            cands = self._routable[key] = self._placeable(pool)
         excl = req.exclude
         if excl:
             cands = [w for w in cands if w.worker_id not in excl]
         if req.pin is not None:
             cands = [w for w in cands if w.worker_id == req.pin]
+            if not cands and req.pin in self.cordons.by_id:
+                cands = self._cordoned_pin(req, key)
             if not cands:
                 gone = req.pin not in self.registry.workers  # and its state with it
                 return Wait(self._retry_after_ms,
@@ -249,6 +254,25 @@ class SchedulerService:
                 self.kept.end(keep, "placed")
                 self.capacity_changed()  # what it left there is everyone's again
         return out
+
+    def _placeable(self, pool: list[WorkerState]) -> list[WorkerState]:
+        """The pool's candidates for a new request: routable and not cordoned. Built only when
+        the cached candidates were cleared (a health, membership or cordon change)."""
+        cordoned = self.cordons.by_id
+        if not cordoned:
+            return [w for w in pool if w.routable]
+        return [w for w in pool if w.routable and w.worker_id not in cordoned]
+
+    def _cordoned_pin(self, req: Request, key: str) -> list[WorkerState]:
+        """A request pinned to a cordoned worker still goes there, as it would were the worker
+        not cordoned (routable, serving the model, not excluded): what it continues is stored
+        there only (a Responses API follow-up), so no other worker can serve it."""
+        w = self.registry.workers.get(req.pin)
+        if w is None or not w.routable or w not in self.registry.by_model.get(key, ()):
+            return []
+        if req.exclude and w.worker_id in req.exclude:
+            return []
+        return [w]
 
     def _attach(self, req: Request, pool: list[WorkerState] | None, now: float):
         """A lease on the worker a request is already bound for (ScheduleRequest.attach): no
@@ -442,9 +466,11 @@ class SchedulerService:
             w.health.on_request_ok()
         if lease.trial:
             self._routable.clear()
-        if ok and not error and not handed_off and lease.prefix_key is not None and not lease.unseen:
+        if (ok and not error and not handed_off and lease.prefix_key is not None and not lease.unseen
+                and w.worker_id not in self.cordons.by_id):
             # Only KV the last scrape counted is reserved: an unseen lease's tokens leave
-            # unseen_tokens on close, and were never in the scrape's usage.
+            # unseen_tokens on close, and were never in the scrape's usage. None on a cordoned
+            # worker: the conversation's next turn is placed elsewhere.
             self.reservations.hold(lease.prefix_key, w, used_tokens)
         # A trial whose client left is no verdict: the worker stays half open, and (its
         # candidates cleared above) the next request is its trial.
@@ -528,6 +554,44 @@ class SchedulerService:
             self.capacity_changed()
         return len(expired)
 
+    # ---- cordons (operators' maintenance) ------------------------------------------------
+
+    def cordon(self, worker_id: str, reason: str | None = None, by: str | None = None) -> Cordon | None:
+        """Take the worker out of rotation for new requests: it stays scraped and health-tracked,
+        its requests in flight finish, and pinned requests still go there (scheduler/cordons.py).
+        The new cordon, or None when it was cordoned already."""
+        cordon = self.cordons.cordon(worker_id, reason, time.time())
+        if cordon is None:
+            return None
+        self._routable.clear()
+        w = self.registry.workers.get(worker_id)
+        in_flight = 0
+        if w is not None:
+            in_flight = w.in_flight
+            # Room held there for a conversation's next turn: that turn is placed elsewhere now.
+            self.reservations.forget_worker(w)
+            self.policy.refresh(w)
+            keep = self.kept.by_worker.get(w)
+            if keep is not None:
+                self.kept.end(keep, "cordoned")
+                self.capacity_changed()  # its held request may fit on another worker
+        log.info("worker %s cordoned%s%s: no new requests go there (pinned ones still do); "
+                 "%d request(s) in flight finish there", worker_id,
+                 f" by {by}" if by else "", f" ({reason})" if reason else "", in_flight)
+        return cordon
+
+    def uncordon(self, worker_id: str, by: str | None = None) -> Cordon | None:
+        """Put the worker back in rotation. The cordon lifted, or None when there was none."""
+        cordon = self.cordons.uncordon(worker_id)
+        if cordon is None:
+            return None
+        self._routable.clear()
+        log.info("worker %s uncordoned%s after %.0f s: back in rotation", worker_id,
+                 f" by {by}" if by else "", max(0.0, time.time() - cordon.since))
+        self.capacity_changed()  # calls held for room may go there now
+        return cordon
+
     def workers_view(self) -> list[dict]:
         now = time.monotonic()
-        return [w.view(now) for w in self.registry.workers.values()]
+        cordons = self.cordons
+        return [{**w.view(now), **cordons.view(w.worker_id)} for w in self.registry.workers.values()]

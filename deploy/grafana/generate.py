@@ -207,8 +207,12 @@ def router_dashboard() -> dict:
             (f"sum by (policy, outcome) (rate(scheduler_decisions_total[{RATE}]))",
              "{{policy}} {{outcome}}"),
             (f"sum(rate(scheduler_waits_total[{RATE}]))", "held (all saturated)")], "reqps", width=8),
-        panel(ts, "Worker health (scheduler view)", [("scheduler_worker_healthy", "{{worker}}")], width=8,
-              description="1 = in rotation, 0 = out (failed probes/scrapes or reported by a gateway)"),
+        panel(ts, "Worker health (scheduler view)", [
+            ("scheduler_worker_healthy", "{{worker}}"),
+            ("scheduler_worker_cordoned == 1", "cordoned {{worker}}")], width=8,
+              description="1 = in rotation, 0 = out (failed probes/scrapes or reported by a gateway). "
+              "Cordoned: an operator took it out for maintenance (scheduler POST "
+              "/v1/workers/{id}/cordon): healthy, but only requests pinned to it go there"),
         panel(ts, "Worker load data age", [("scheduler_worker_data_age_seconds", "{{worker}}")], "s", width=8,
               description="Age of the newest metrics snapshot; stale data is treated as saturated"),
         panel(ts, "Open leases by worker", [("scheduler_worker_in_flight_leases", "{{worker}}")], width=8,

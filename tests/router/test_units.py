@@ -544,6 +544,21 @@ def test_fallback_round_robin_passive_health_and_models():
     assert not e.value.unknown_model
 
 
+def test_fallback_round_robin_skips_workers_the_scheduler_listed_cordoned():
+    """An operator's cordon holds while the scheduler is away; the worker stays known (stored
+    responses are looked up there) and still counts as serving its model (a 503, not a 404)."""
+    fb = FallbackRouter([], cooldown_s=60)
+    fb.update_from_scheduler([("w1", "http://a", ["m"]), ("w2", "http://b", ["m"])], frozenset({"w1"}))
+    assert {fb.pick("m", []).worker_id for _ in range(4)} == {"w2"}
+    assert [w.worker_id for w in fb.workers] == ["w1", "w2"] and fb.models() == {"m"}
+    fb.update_from_scheduler([("w1", "http://a", ["m"]), ("w2", "http://b", ["m"])], frozenset({"w1", "w2"}))
+    with pytest.raises(NoWorkerError) as e:
+        fb.pick("m", [])
+    assert not e.value.unknown_model and "cordoned" in str(e.value)
+    fb.update_from_scheduler([("w1", "http://a", ["m"]), ("w2", "http://b", ["m"])])
+    assert {fb.pick("m", []).worker_id for _ in range(4)} == {"w1", "w2"}
+
+
 def test_api_keys():
     kc = KeyChecker([b"k1", b"k2"])
     assert kc.allows("Bearer k2") and kc.allows("bearer k1")
