@@ -98,6 +98,15 @@ class KeyFileWatcher:
             "API keys accepted now: the key file's last good read and those given inline",
             registry=registry)
         self.loaded.set_function(lambda: len(self.checker.keys))
+        # A failed read is counted once (until the file changes again), so a rate cannot tell
+        # that the file is still bad; this can (the alert LLMGatewayApiKeyFileUnreadable).
+        self.file_ok = True
+        self.last_ok = FastGauge(
+            "router_api_key_file_last_read_ok",
+            "1 if the last read of --api-key-file gave keys, 0 if it failed (the keys of the "
+            "last good read stay in force: a rotation since has not taken effect)",
+            registry=registry)
+        self.last_ok.set_function(lambda: 1.0 if self.file_ok else 0.0)
 
     async def start(self) -> None:
         """Takes the file as it is now as handled, when it still holds the keys start-up read
@@ -134,10 +143,12 @@ class KeyFileWatcher:
                 return
             self._seen = look.signature
             if look.keys is None:
+                self.file_ok = False
                 self.reloads.labels("failed").inc()
                 log.error("api-key-file re-read (%s) failed, the %d key(s) in force are kept: %s",
                           why, len(self.checker.keys), look.error)
                 return
+            self.file_ok = True
             digest = _digest(look.keys)
             if digest == self._digest:
                 self.reloads.labels("unchanged").inc()

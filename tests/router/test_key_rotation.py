@@ -177,7 +177,9 @@ def test_a_file_unreadable_or_without_a_key_keeps_the_keys_in_force(worker, gate
         assert status(url, "sk-old-1") == 200  # not locked out
         assert status(url, None) == 401 and status(url, "anything") == 401  # not opened
         assert series_value(url, "router_api_keys_loaded") == 1
+        assert series_value(url, "router_api_key_file_last_read_ok") == 0  # what alerts read
 
+    assert series_value(url, "router_api_key_file_last_read_ok") == 1
     replace_file(key_file, "")  # empty
     still_the_old_keys()
     replace_file(key_file, "# keys go here\n\n")  # comments only
@@ -200,6 +202,7 @@ def test_a_file_unreadable_or_without_a_key_keeps_the_keys_in_force(worker, gate
     replace_file(key_file, "sk-new-2\n")
     until(lambda: status(url, "sk-new-2") == 200)
     assert status(url, "sk-old-1") == 401
+    assert series_value(url, "router_api_key_file_last_read_ok") == 1
 
 
 def test_a_stream_in_flight_under_a_removed_key_finishes(worker, gateways, tmp_path):
