@@ -272,10 +272,12 @@ def test_raw_scheduler_and_gateways_read_one_gateway_token():
     [scheduler] = find(objs, "Deployment", "llm-scheduler")["spec"]["template"]["spec"]["containers"]
     [gateway] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
     ref = {"name": "llm-scheduler-auth", "key": "gateway-token", "optional": True}
-    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
+    assert _secret_refs(scheduler) == {
+        "SCHEDULER_GATEWAY_TOKEN": ref,
+        "SCHEDULER_ADMIN_TOKEN": {"name": "llm-scheduler-auth", "key": "admin-token", "optional": True}}
     assert _secret_refs(gateway)["ROUTER_SCHEDULER_TOKEN"] == ref
     # Variables each service's config really reads (a Secret from a file: its last newline).
-    assert "gateway_token" in SchedulerConfig.model_fields
+    assert "gateway_token" in SchedulerConfig.model_fields and "admin_token" in SchedulerConfig.model_fields
     assert "scheduler_token" in RouterConfig.model_fields
 
 
@@ -464,6 +466,15 @@ def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monk
     monkeypatch.setenv("ROUTER_SCHEDULER_TOKEN", "tok-1\n")
     assert SchedulerConfig().gateway_token == RouterConfig(workers="http://w:1").scheduler_token == "tok-1"
     assert validate_against_kubernetes_schemas(objs) > 0
+
+    # And the cordon token, from the same Secret, when asked for.
+    with_admin = render({"scheduler": {"auth": {"secret": "sched-auth", "adminToken": True}}})
+    [scheduler] = find(with_admin, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]["containers"]
+    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref,
+                                       "SCHEDULER_ADMIN_TOKEN": {"name": "sched-auth", "key": "admin-token"}}
+    monkeypatch.setenv("SCHEDULER_ADMIN_TOKEN", "adm-2\n")
+    assert SchedulerConfig().admin_token == "adm-2"
+    assert validate_against_kubernetes_schemas(with_admin) > 0
 
     # The scheduler's token alone: the gateway reads only that.
     alone = render({"scheduler": {"auth": {"secret": "sched-auth"}}})
