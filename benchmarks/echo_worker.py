@@ -4,7 +4,9 @@ Used by the gateway overhead benchmark (so that every millisecond measured is th
 gateway's, not a model's) and by the gateway's unit-level tests. It speaks:
 POST /v1/completions and /v1/chat/completions (stream and not, stream_options.include_usage),
 POST /v1/embeddings (each input's embedding is [its length in characters], so a test can see
-what arrived), GET /v1/models, /health, /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
+what arrived), vLLM's pooling endpoints (POST /pooling, /classify, /score, /rerank, /v1/score,
+/v1/rerank, /v2/rerank: an answer that names the path it came on), GET /v1/models, /health,
+/metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
 spaces them out. With `--max-running N` a completion arriving while N are answered is refused
 as TGI refuses past its --max-concurrent-requests (429, "Model is overloaded").
@@ -198,6 +200,15 @@ class EchoWorker:
              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         )
 
+    async def pooling(self, request: web.Request) -> web.Response:
+        """Any of vLLM's pooling endpoints: the path it arrived on, so a test sees where the
+        gateway sent it."""
+        body = await self._parse(request)
+        if isinstance(body, web.Response):
+            return body
+        return web.json_response({"object": "list", "path": request.path, "model": self.model, "data": [],
+                                  "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
@@ -231,6 +242,8 @@ def build_app(
     app.router.add_post("/v1/completions", w.completions)
     app.router.add_post("/v1/chat/completions", w.chat)
     app.router.add_post("/v1/embeddings", w.embeddings)
+    for path in ("/pooling", "/classify", "/score", "/rerank", "/v1/score", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, w.pooling)
     app.router.add_get("/v1/models", w.models)
     app.router.add_get("/v1/ws", w.ws)
     app.router.add_get("/health", w.health)

@@ -22,7 +22,7 @@ from router.fallback import FallbackRouter
 from router.http_errors import OpenAIErrorAppRunner
 from router.key_reload import KeyFileWatcher
 from router.metrics import RouterMetrics
-from router.proxy import Proxy
+from router.proxy import ROOT_PATHS, Proxy
 from router.queue import AdmissionQueue
 from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
@@ -238,6 +238,11 @@ class Gateway:
 CUT_AFTER_DEADLINE_S = 0.5
 
 
+# vLLM's endpoints outside /v1 (pooling, tokenizer): any method, so that another than POST gets
+# the proxy's 405 in the OpenAI shape, as on /v1/embeddings.
+_ROOT_ROUTE = "/{root:" + "|".join(sorted(p.lstrip("/") for p in ROOT_PATHS)) + "}"
+
+
 def build_app(gw: Gateway) -> web.Application:
     cfg = gw.cfg
     app = web.Application(client_max_size=cfg.max_body_bytes + 1)
@@ -251,6 +256,7 @@ def build_app(gw: Gateway) -> web.Application:
         app.router.add_get(p + "/v1/models/{model_id}", gw.handle_models)
         app.router.add_get(p + "/v1/ws", gw.handle_ws)
         app.router.add_route("*", p + "/v1/{tail:.+}", gw.handle_proxy)
+        app.router.add_route("*", p + _ROOT_ROUTE, gw.handle_proxy)
         app.router.add_get(p + "/health", gw.handle_health)
     app.router.add_get("/admin/state", gw.handle_state)
     if cfg.allow_metrics and cfg.metrics_port is None:

@@ -47,6 +47,7 @@ from router.streaming import (
     StreamForwarding,
     failure_kind,
 )
+from router.tokenizer_calls import TOKENIZER_PATHS, TokenizerCalls
 from router.tokens import (
     RESPONSES_PATH,
     TokenCounter,
@@ -98,7 +99,12 @@ TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 _STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 # OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
 # "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
-_POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"}
+# vLLM's pooling endpoints at the root run the model as /v1/embeddings does: routed like it
+# (a lease, the queue). Its /tokenize and /detokenize, also at the root, generate nothing and
+# take no lease (router/tokenizer_calls.py).
+POOLING_PATHS = frozenset({"/pooling", "/classify", "/score", "/rerank", "/v2/rerank"})
+ROOT_PATHS = POOLING_PATHS | TOKENIZER_PATHS  # served at the root, as vLLM serves them
+_POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"} | ROOT_PATHS
 # Endpoints (of OpenAI and of the engines we front) whose request names a model. A request to
 # any other /v1 path without a model is a wrong path, not a missing field: it gets a 404.
 _MODEL_ENDPOINTS = _POST_ONLY | {
@@ -177,12 +183,17 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
         self.owners = ResponseOwners()
+        self.tokenizer = TokenizerCalls(sched, session, self.timeout, self.report_failed)
         self.in_flight = InFlight()  # what a stopping gateway waits for
 
     # ---- entry points ------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.match_info.get("tail")
-        path = "/v1/" + path if path is not None else request.path
+        if path is not None:
+            path = "/v1/" + path
+        else:  # a root path (pooling, tokenizer), under the base path too
+            root = request.match_info.get("root")
+            path = "/" + root if root is not None else request.path
         rec = RequestRecord(self.request_id(request, ""), request.method, path)
         rec.trace = trace_id_of(request.headers.get("traceparent"))
         rec.flow = self.flow_of(request)
@@ -346,6 +357,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 400, "'model' is required and must be a non-empty string", param="model"
             )
         rec.model = model
+        if path in TOKENIZER_PATHS:
+            return await self.tokenizer.relay(request, rec, path, raw,
+                                              self._upstream_headers(request, rec.id, path))
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             return error_response(400, "'stream' must be a boolean", param="stream")
