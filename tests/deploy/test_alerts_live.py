@@ -89,3 +89,27 @@ def test_no_worker_alert_goes_off_when_the_scheduler_knows_no_worker(tmp_path):
         assert wait_until(lambda: rule_state(api, "LLMNoWorkerInRotation") in active, 30, 0.5), \
             rule_state(api, "LLMNoWorkerInRotation")
         assert rule_state(api, "LLMSchedulerDown") == "inactive"
+
+
+def test_no_worker_alert_goes_off_when_every_worker_is_cordoned(tmp_path):
+    """A healthy worker an operator cordoned takes no request: with it the only one, nothing is
+    in rotation, as the alert's `unless on(worker)` reads the scheduler's real exposition."""
+    sched_port, worker_port = free_ports(2)
+    worker = [sys.executable, "-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
+              "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(worker_port)]
+    scheduler = [sys.executable, "-m", "scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
+                 "--workers", f"http://127.0.0.1:{worker_port}", "--admin-token", "adm-0123456789"]
+    sched = f"http://127.0.0.1:{sched_port}"
+    with process(worker, tmp_path / "worker.log"), process(scheduler, tmp_path / "scheduler.log"), \
+            prometheus_with_shipped_rules({"llm-scheduler": [f"127.0.0.1:{sched_port}"]}, tmp_path) as api:
+        assert wait_until(lambda: scheduler_up(api), 60, 0.5), (tmp_path / "scheduler.log").read_text()
+        assert wait_until(lambda: httpx.get(sched + "/health", timeout=5, trust_env=False).json()
+                          .get("routable") == 1, 60, 0.5), (tmp_path / "scheduler.log").read_text()
+        # Healthy and in rotation: evaluated, and not active (Prometheus scrapes every second).
+        assert wait_until(lambda: rule_state(api, "LLMNoWorkerInRotation") == "inactive", 30, 0.5)
+        r = httpx.post(f"{sched}/v1/workers/127.0.0.1:{worker_port}/cordon", timeout=5, trust_env=False,
+                       headers={"Authorization": "Bearer adm-0123456789"})
+        assert r.status_code == 200, r.text
+        active = ("pending", "firing")
+        assert wait_until(lambda: rule_state(api, "LLMNoWorkerInRotation") in active, 30, 0.5), \
+            rule_state(api, "LLMNoWorkerInRotation")
