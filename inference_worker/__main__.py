@@ -6,7 +6,9 @@ start the engine thread, listen, and then (with `--register-with`) register with
 the scheduler. SIGINT/SIGTERM: deregister, stop accepting connections, let the requests in
 flight finish for up to --shutdown-timeout seconds (new ones on open connections get 503
 `shutting_down`, which routers retry elsewhere), end what is left with that 503 (a second
-signal does so at once), close the connections and stop the engine thread.
+signal does so at once), close the connections and stop the engine thread. With TLS files,
+renewed ones are loaded for new connections (every --ssl-reload-s, and at once on SIGHUP;
+server/tls_reload.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from inference_worker.server.drain import Drain
 from inference_worker.server.http_errors import OpenAIErrorAppRunner
 from inference_worker.server.state import DRAIN
 from inference_worker.server.tls import TlsError, client_context, scheme, server_context
+from inference_worker.server.tls_reload import tls_reloader
 
 log = logging.getLogger("inference_worker")
 
@@ -107,6 +110,17 @@ async def run_worker(config: WorkerConfig) -> None:
     await runner.setup()
     registrar = None
     site = None
+    # Renewed certificates are loaded while it serves (server/tls_reload.py); SIGHUP loads them
+    # at once, set before the port opens: one sent once /health answers must not end it.
+    tls = tls_reloader(config, server_ssl, [("the scheduler", scheduler_ssl, config.scheduler_ca_file,
+                                             "--scheduler-ca-file")])
+    tls_poll: asyncio.Task | None = None
+    if tls is not None:
+        registry.register(tls.collector("worker"))
+        await tls.start()
+        if config.ssl_reload_s > 0:
+            tls_poll = loop.create_task(tls.poll(config.ssl_reload_s))
+        loop.add_signal_handler(signal.SIGHUP, tls.on_sighup)
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048, ssl_context=server_ssl)
         try:
@@ -133,6 +147,8 @@ async def run_worker(config: WorkerConfig) -> None:
                 await asyncio.wait_for(registrar.stop(), timeout=5.0)
         if site is not None and stop.is_set():
             await _drain(app[DRAIN], site, engine, config.shutdown_timeout, hurry)
+        if tls_poll is not None:
+            tls_poll.cancel()
         await runner.cleanup()
         await engine.shutdown()
 

@@ -9,7 +9,13 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inference_worker.server.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
+from inference_worker.server.tls import (
+    CLIENT_HELP,
+    RELOAD_HELP,
+    SERVER_HELP,
+    cert_reqs_value,
+    options_problem,
+)
 from inference_worker.settings_loader import clean_secret, load_settings
 
 
@@ -69,6 +75,7 @@ class WorkerConfig(BaseSettings):
     ssl_keyfile: str | None = Field(None, description=SERVER_HELP["ssl_keyfile"])
     ssl_ca_certs: str | None = Field(None, description=SERVER_HELP["ssl_ca_certs"])
     ssl_cert_reqs: int | None = Field(None, ge=0, le=2, description=SERVER_HELP["ssl_cert_reqs"])
+    ssl_reload_s: float = Field(5.0, ge=0, allow_inf_nan=False, description=RELOAD_HELP)
     shutdown_timeout: float = Field(
         30.0,
         ge=0,

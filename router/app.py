@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import time
 
 import aiohttp
@@ -30,6 +31,7 @@ from router.ws_proxy import handle_ws
 from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
 from scheduler.tls import TlsError, client_context, scheme, server_context
+from scheduler.tls_reload import tls_reloader
 
 log = logging.getLogger("router")
 
@@ -51,7 +53,7 @@ def _nodelay_socket_factory(addr_info) -> socket.socket:
 class Gateway:
     """Everything one gateway process holds; built in `start()` inside the running loop."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, served_ssl: ssl.SSLContext | None = None) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.stats = Stats()
@@ -75,6 +77,12 @@ class Gateway:
         self.worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
         self.scheduler_ssl = client_context(cfg.scheduler_ca_file, cfg.ssl_client_certfile,
                                             cfg.ssl_client_keyfile, ca_option="--scheduler-ca-file")
+        # Renewed certificates and CA bundles are loaded while it runs (scheduler/tls_reload.py).
+        self.tls = tls_reloader(cfg, served_ssl, [
+            ("workers", self.worker_ssl, cfg.worker_ca_file, "--worker-ca-file"),
+            ("the scheduler", self.scheduler_ssl, cfg.scheduler_ca_file, "--scheduler-ca-file")])
+        if self.tls is not None:
+            self.metrics.registry.register(self.tls.collector("router"))
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None
         self.sched: Scheduling | None = None
@@ -121,6 +129,10 @@ class Gateway:
             if cfg.api_key_reload_s > 0:
                 self._tasks.append(asyncio.get_running_loop().create_task(
                     self.key_watcher.poll(cfg.api_key_reload_s)))
+        if self.tls is not None:
+            await self.tls.start()
+            if cfg.ssl_reload_s > 0:
+                self._tasks.append(asyncio.get_running_loop().create_task(self.tls.poll(cfg.ssl_reload_s)))
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
         if cfg.access_log:
             self.proxy.access_log = AccessLog()
@@ -282,13 +294,20 @@ def _loopback(host: str) -> bool:
         return False  # a name: it may resolve to any interface
 
 
-def _reload_keys_on_sighup(gw: Gateway) -> bool:
-    """SIGHUP re-reads the key file at once (an operator's `kill -HUP`, a config reloader's
-    signal). Only the main thread takes signals: a gateway served from another one does not."""
-    if gw.key_watcher is None:
+def _reload_on_sighup(gw: Gateway) -> bool:
+    """SIGHUP re-reads the key file and the TLS files at once (an operator's `kill -HUP`, a
+    config reloader's signal). Only the main thread takes signals: a gateway served from another
+    one does not."""
+    reloaders = [r for r in (gw.key_watcher, gw.tls) if r is not None]
+    if not reloaders:
         return False  # SIGHUP as before: it ends the process
+
+    def on_sighup() -> None:
+        for reloader in reloaders:
+            reloader.on_sighup()
+
     try:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gw.key_watcher.on_sighup)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
     except (NotImplementedError, RuntimeError, ValueError):
         return False
     return True
@@ -298,12 +317,12 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled."""
     try:  # first: a certificate, key or CA file that does not load stops start-up at once
         server_ssl = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
-        gw = Gateway(cfg)
+        gw = Gateway(cfg, server_ssl)
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     app = build_app(gw)
     # Before the port opens: a SIGHUP sent once /health answers must not end the process.
-    sighup = _reload_keys_on_sighup(gw)
+    sighup = _reload_on_sighup(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
                                   shutdown_timeout=CUT_AFTER_DEADLINE_S, **HEADER_LIMITS)

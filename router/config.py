@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
 from scheduler.settings_loader import clean_secret, known_log_level
-from scheduler.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
+from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
 
 
@@ -48,6 +48,7 @@ class RouterConfig(BaseSettings):
     ssl_keyfile: str | None = Field(None, description=SERVER_HELP["ssl_keyfile"])
     ssl_ca_certs: str | None = Field(None, description=SERVER_HELP["ssl_ca_certs"])
     ssl_cert_reqs: int | None = Field(None, ge=0, le=2, description=SERVER_HELP["ssl_cert_reqs"])
+    ssl_reload_s: float = Field(5.0, ge=0, allow_inf_nan=False, description=RELOAD_HELP)
 
     # Scheduler and workers
     scheduler: str | None = Field(None, description="scheduler base URL, e.g. http://127.0.0.1:8090")

@@ -1,10 +1,9 @@
 """Re-reading --api-key-file while the gateway runs: a rotated key takes effect without a restart.
 
 The file is polled every --api-key-reload-s (a stat, off the event loop) and re-read at once on
-SIGHUP. The stat follows symlinks: a Kubernetes Secret volume changes by swapping its `..data`
-symlink to a new directory, which leaves the mounted path's own entry as it was but leads it to
-a file with another inode. When the stat changed the file is read, and keys the same as those
-in force change nothing (a kubelet resync, a `touch`).
+SIGHUP. The stat follows symlinks, so a Kubernetes Secret volume's `..data` swap is seen
+(scheduler/file_watch.py, shared with the TLS reload). When the stat changed the file is read,
+and keys the same as those in force change nothing (a kubelet resync, a `touch`).
 
 Fail safe: a file that cannot be read, or holds no key, keeps the keys in force and logs one
 ERROR (until the file changes again): a file rewritten in place, a wrong mount or a Secret
@@ -20,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
 from router.auth import KeyChecker, KeyFileError, read_key_file
 from router.fast_metrics import FastCounter, FastGauge
+from scheduler.file_watch import SignalTasks, poll_forever, stat_signature
 
 log = logging.getLogger("router.keys")
 
@@ -43,16 +42,10 @@ class _Look:
     settled: bool = True  # False: the file changed while it was read
 
 
-def _signature(st: os.stat_result) -> tuple:
-    # Inode and device: a rename over the file, a swapped symlink; size and times: a rewrite in
-    # place; the ctime also moves on a chmod that makes an unreadable file readable.
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _look(path: str, seen: tuple | None, force: bool) -> _Look:
     """Runs in a thread: the stat, and the read when the stat changed (or `force`)."""
     try:
-        before = _signature(os.stat(path))
+        before = stat_signature(path)
     except OSError as exc:
         return _Look(("error", exc.errno),
                      error=KeyFileError(f"cannot read api-key-file {path}: {exc.strerror or exc}"))
@@ -63,7 +56,7 @@ def _look(path: str, seen: tuple | None, force: bool) -> _Look:
     except KeyFileError as exc:
         return _Look(before, error=exc)
     try:
-        after: tuple | None = _signature(os.stat(path))
+        after: tuple | None = stat_signature(path)
     except OSError:
         after = None
     return _Look(before, keys, settled=after == before)
@@ -85,7 +78,7 @@ class KeyFileWatcher:
         self._digest = _digest(file_keys)  # the file's keys in force
         self._seen: tuple | None = None  # the stat last handled (None: read at the next look)
         self._lock = asyncio.Lock()  # a SIGHUP and a poll do not apply two reads crosswise
-        self._sighup_tasks: set[asyncio.Task] = set()
+        self._sighup_tasks = SignalTasks()
         self.reloads = FastCounter(
             "router_api_key_reloads_total",
             "Re-reads of --api-key-file (its stat changed, or SIGHUP) by result: reloaded (a new "
@@ -117,18 +110,11 @@ class KeyFileWatcher:
 
     async def poll(self, period_s: float) -> None:
         """Until cancelled: a look every `period_s`."""
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await self.check(force=False, why="file changed")
-            except Exception:  # a bug here must not end the polling for good
-                log.exception("api-key-file check failed")
+        await poll_forever(period_s, lambda: self.check(force=False, why="file changed"), log,
+                           "api-key-file")
 
     def on_sighup(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.check(force=True, why="SIGHUP"))
-        # Held until done: the loop keeps only a weak reference to a task.
-        self._sighup_tasks.add(task)
-        task.add_done_callback(self._sighup_tasks.discard)
+        self._sighup_tasks.spawn(self.check(force=True, why="SIGHUP"))
 
     async def check(self, force: bool, why: str) -> None:
         async with self._lock:

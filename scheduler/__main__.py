@@ -15,6 +15,7 @@ from scheduler.discovery.static import add_static_workers
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
 from scheduler.tls import TlsError, client_context, scheme, server_context
+from scheduler.tls_reload import tls_reloader
 
 log = logging.getLogger("scheduler")
 
@@ -26,10 +27,22 @@ async def serve(cfg: SchedulerConfig) -> None:
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     service = SchedulerService(cfg)
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+    # Renewed certificates are loaded while it runs (scheduler/tls_reload.py); SIGHUP loads them
+    # at once, set before the port opens: one sent once /health answers must not end it.
+    tls = tls_reloader(cfg, server_ssl, [("workers", worker_ssl, cfg.worker_ca_file, "--worker-ca-file")])
+    if tls is not None:
+        service.metrics.registry.register(tls.collector("scheduler"))
+        await tls.start()
+        if cfg.ssl_reload_s > 0:
+            tasks.append(asyncio.create_task(tls.poll(cfg.ssl_reload_s), name="tls-reload"))
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, tls.on_sighup)
     add_static_workers(service, cfg.worker_urls)
     scraper = Scraper(service, ssl_context=worker_ssl)
     await scraper.start()
-    tasks = [asyncio.create_task(scraper.run(), name="scraper")]
+    tasks.append(asyncio.create_task(scraper.run(), name="scraper"))
     if cfg.k8s_namespace:
         from scheduler.discovery.kubernetes import KubernetesDiscovery
 
@@ -52,7 +65,6 @@ async def serve(cfg: SchedulerConfig) -> None:
              cfg.policy, len(cfg.worker_urls))
     print(f"scheduler ready on {scheme(server_ssl)}://{cfg.host}:{port}", flush=True)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)

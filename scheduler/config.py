@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.running_cap import is_positive_int
 from scheduler.settings_loader import clean_secret, known_log_level, load_settings
-from scheduler.tls import CLIENT_HELP, SERVER_HELP, cert_reqs_value, options_problem
+from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
 
 
@@ -43,6 +43,7 @@ class SchedulerConfig(BaseSettings):
         "never off")
     ssl_client_certfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_certfile"])
     ssl_client_keyfile: str | None = Field(None, description=CLIENT_HELP["ssl_client_keyfile"])
+    ssl_reload_s: float = Field(5.0, ge=0, allow_inf_nan=False, description=RELOAD_HELP)
 
     # Discovery
     workers: str = Field("", description="static worker URLs, comma-separated")

@@ -46,6 +46,15 @@ def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
              "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
 
 
+def server_cert(pki: Pki, name: str, *, other_ca: bool = False) -> tuple[Path, Path]:
+    """Another server certificate for 127.0.0.1 and localhost (a renewal: CN=`name`), from the
+    CA or from the other CA; its certificate and key files."""
+    d = pki.ca.parent
+    _leaf(d, name, "other-ca" if other_ca else "ca", "extendedKeyUsage=serverAuth,clientAuth\n"
+          "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    return d / f"{name}.pem", d / f"{name}.key"
+
+
 def make_pki(d: Path) -> Pki:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI makes the test certificates")

@@ -36,6 +36,13 @@ CLIENT_HELP = {
 }
 
 
+RELOAD_HELP = ("seconds between looks at the TLS files (--ssl-certfile, --ssl-keyfile, "
+               "--ssl-ca-certs, the client certificate and the CA bundles for peers; their stat, "
+               "following symlinks: a Kubernetes Secret volume's swap is seen): changed files are "
+               "loaded for new connections (open ones go on), files that do not load keep those in "
+               "force and log an ERROR; SIGHUP re-reads them at once; 0: only on SIGHUP")
+
+
 class TlsError(Exception):
     """A certificate, key or CA file that cannot be used; the message is one line."""
 
@@ -103,8 +110,12 @@ def _reason(exc: BaseException, *, key_option: str | None = None) -> str:
     return str(exc)
 
 
-def _load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: str) -> None:
-    files = f"{what}certfile {certfile}" + (f" / {what}keyfile {keyfile}" if keyfile else "")
+def load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: str,
+               shown: tuple[str, str | None] | None = None) -> None:
+    """load_cert_chain, its failures a TlsError; `shown`: the files' names in that message, where
+    the paths loaded are copies (tls_reload.py loads the bytes it checked)."""
+    named_cert, named_key = shown or (certfile, keyfile)
+    files = f"{what}certfile {named_cert}" + (f" / {what}keyfile {named_key}" if keyfile else "")
     try:
         ctx.load_cert_chain(certfile, keyfile or None, password=_password_prompt)
     except (OSError, TlsError) as exc:  # ssl.SSLError is an OSError
@@ -112,11 +123,11 @@ def _load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: s
         raise TlsError(f"cannot use {files}: {reason}") from None
 
 
-def _load_cas(ctx: ssl.SSLContext, cafile: str, option: str) -> None:
+def load_cas(ctx: ssl.SSLContext, cafile: str, option: str, shown: str | None = None) -> None:
     try:
         ctx.load_verify_locations(cafile=cafile)
     except OSError as exc:
-        raise TlsError(f"cannot use {option} {cafile}: {_reason(exc)}") from None
+        raise TlsError(f"cannot use {option} {shown or cafile}: {_reason(exc)}") from None
 
 
 def server_context(certfile: str | None, keyfile: str | None = None, ca_certs: str | None = None,
@@ -125,10 +136,10 @@ def server_context(certfile: str | None, keyfile: str | None = None, ca_certs: s
     if not certfile:
         return None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # TLS 1.2 and up, the ssl module's ciphers
-    _load_chain(ctx, certfile, keyfile, "--ssl-")
+    load_chain(ctx, certfile, keyfile, "--ssl-")
     if ca_certs:
         # Only this bundle: a client certificate from any public CA must not pass.
-        _load_cas(ctx, ca_certs, "--ssl-ca-certs")
+        load_cas(ctx, ca_certs, "--ssl-ca-certs")
         ctx.verify_mode = ssl.CERT_REQUIRED if cert_reqs is None else ssl.VerifyMode(cert_reqs)
     return ctx
 
@@ -147,7 +158,7 @@ def client_context(ca_file: str | None = None, certfile: str | None = None, keyf
     except OSError as exc:
         raise TlsError(f"cannot use {ca_option} {ca_file}: {_reason(exc)}") from None
     if certfile:
-        _load_chain(ctx, certfile, keyfile, "--ssl-client-")
+        load_chain(ctx, certfile, keyfile, "--ssl-client-")
     return ctx
 
 

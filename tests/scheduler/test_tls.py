@@ -114,6 +114,20 @@ def test_flags_and_environment(service, load, base, monkeypatch):
     assert getattr(load(base), ca_field[service]) == "private-ca.pem"
 
 
+@pytest.mark.parametrize(("service", "load", "base"), LOADERS)
+def test_the_reload_period(service, load, base, monkeypatch):
+    """--ssl-reload-s: seconds between looks at the TLS files (tls_reload.py); 0: SIGHUP only."""
+    assert load(base).ssl_reload_s == 5.0
+    assert load([*base, "--ssl-reload-s", "0"]).ssl_reload_s == 0
+    for wrong in ("-1", "inf", "soon"):
+        with pytest.raises(SystemExit) as info:
+            load([*base, "--ssl-reload-s", wrong])
+        assert "ssl-reload-s" in str(info.value) or "ssl_reload_s" in str(info.value), info.value
+    prefix = {"router": "ROUTER_", "scheduler": "SCHEDULER_", "worker": "WORKER_"}[service]
+    monkeypatch.setenv(prefix + "SSL_RELOAD_S", "0.5")
+    assert load(base).ssl_reload_s == 0.5
+
+
 def test_router_scheduler_ca_file():
     cfg = load_router_config(["--scheduler", "https://s:8090", "--scheduler-ca-file", "ca.pem"])
     assert cfg.scheduler_ca_file == "ca.pem" and cfg.worker_ca_file is None

@@ -1,0 +1,268 @@
+"""Renewed TLS certificates without a restart, with real processes on 127.0.0.1: a gateway
+serving HTTPS takes a certificate renamed over its files within --ssl-reload-s while a keep-alive
+connection and a stream opened before go on, keeps its certificate (and says so in an ERROR)
+when the new key does not match, and on SIGHUP reloads its certificate and its API keys at once;
+its client certificate and the CA bundle it checks workers with are reloaded in place; a worker
+reloads its served certificate on SIGHUP. (The scheduler's part: tests/scheduler/test_tls_reload.py.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.procs import Proc, free_port, start_echo_worker
+from tests.tls_certs import Pki, make_pki, server_cert
+
+pytestmark = pytest.mark.timeout(300)
+
+POLL_S = 0.2
+WITHIN_S = POLL_S + 5.0  # the margin is for a loaded machine
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server_cert(pki, "server-b")
+    return pki
+
+
+def b_files(pki: Pki) -> tuple[Path, Path]:
+    return pki.ca.parent / "server-b.pem", pki.ca.parent / "server-b.key"
+
+
+def der(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def not_after(path: Path) -> float:
+    return float(ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(path))["notAfter"]))
+
+
+def replace(src: Path, dst: Path) -> None:
+    """As an operator's tooling renews a file: written beside it, renamed over it."""
+    tmp = dst.with_name(dst.name + ".new")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def until(cond: Callable[[], bool], within_s: float = WITHIN_S) -> float:
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < within_s, f"not within {within_s:.1f} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def served(port: int, client: tuple[Path, Path] | None = None) -> bytes:
+    """The certificate a new TLS connection to `port` is served (DER), read off the socket."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # both CAs' certificates seen
+    if client:
+        ctx.load_cert_chain(*map(str, client))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s, ctx.wrap_socket(s) as t:
+        return t.getpeercert(binary_form=True)
+
+
+def trusting(pki: Pki, client: tuple[Path, Path] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    if client:
+        ctx.load_cert_chain(*map(str, client))
+    return ctx
+
+
+def metric(url: str, series: str, ctx: ssl.SSLContext | bool = False) -> float | None:
+    for line in httpx.get(url + "/metrics", verify=ctx, timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[str]:
+    # 40 ms between tokens: a stream of 50 tokens takes 2 s, long enough to renew meanwhile.
+    p, url = start_echo_worker(token_delay_ms=40)
+    try:
+        yield url
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def start(procs: list[Proc], args: list[str], ready: Callable[[], bool], name: str) -> Proc:
+    p = Proc(args, name)
+    procs.append(p)
+    start_s = time.monotonic()
+    while True:
+        assert p.alive(), p.output()[-3000:]
+        try:
+            if ready():
+                return p
+        except (OSError, httpx.HTTPError):
+            pass
+        assert time.monotonic() - start_s < 120, p.output()[-3000:]
+        time.sleep(0.1)
+
+
+def https_gateway(procs: list[Proc], pki: Pki, live: Path, *extra: str) -> tuple[Proc, int]:
+    replace(pki.server_cert, live / "tls.crt")
+    replace(pki.server_key, live / "tls.key")
+    port = free_port()
+    p = start(procs, ["-m", "router", "--port", str(port), "--ssl-certfile", str(live / "tls.crt"),
+                      "--ssl-keyfile", str(live / "tls.key"), *extra],
+              lambda: httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting(pki), timeout=2)
+              .status_code == 200, f"gateway-tls-reload-{port}")
+    return p, port
+
+
+def test_a_renewed_certificate_is_served_to_new_connections_and_open_ones_go_on(echo, procs, pki, tmp_path):
+    proc, port = https_gateway(procs, pki, tmp_path, "--workers", echo, "--ssl-reload-s", str(POLL_S))
+    url = f"https://127.0.0.1:{port}"
+    assert served(port) == der(pki.server_cert)
+    expiry = 'router_tls_certificate_expiry_seconds{certificate="served"}'
+    assert metric(url, expiry) == not_after(pki.server_cert)
+
+    # Opened before the renewal: a keep-alive connection and a stream of 50 tokens (2 s).
+    keep = http.client.HTTPSConnection("127.0.0.1", port, context=trusting(pki), timeout=10)
+    keep.request("GET", "/health")
+    assert keep.getresponse().read()
+    sock = keep.sock
+    stream = http.client.HTTPSConnection("127.0.0.1", port, context=trusting(pki), timeout=30)
+    stream.request("POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 50, "stream": True}),
+                   {"Content-Type": "application/json"})
+    answer = stream.getresponse()
+    assert answer.status == 200 and answer.readline().startswith(b"data: {")
+
+    # A key that does not match: the certificate in force stays, one ERROR says why.
+    replace(pki.client_key, tmp_path / "tls.key")
+    until(lambda: "the key does not match the certificate" in proc.output())
+    assert served(port) == der(pki.server_cert)
+    assert metric(url, 'router_tls_reloads_total{result="failed"}') == 1
+    assert "ERROR tls: TLS served certificate: reload (file changed) failed" in proc.output()
+
+    # The renewal, its key first (in between the pair does not match either).
+    b_cert, b_key = b_files(pki)
+    replace(b_key, tmp_path / "tls.key")
+    replace(b_cert, tmp_path / "tls.crt")
+    until(lambda: served(port) == der(b_cert))
+    assert httpx.get(url + "/health", verify=trusting(pki), timeout=10).status_code == 200
+    assert metric(url, expiry) == not_after(b_cert)
+    assert metric(url, 'router_tls_reloads_total{result="reloaded"}') == 1
+    log = proc.output()
+    assert "TLS served certificate reloaded (file changed)" in log and "subject CN=server-b " in log
+    assert "PRIVATE" not in log and "Traceback" not in log
+
+    # What was open goes on: the same connection, on its first handshake's certificate.
+    keep.request("GET", "/health")
+    assert keep.getresponse().status == 200 and keep.sock is sock
+    assert keep.sock.getpeercert(binary_form=True) == der(pki.server_cert)
+    rest = answer.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]") and rest.count("data: {") == 49
+    keep.close()
+    stream.close()
+
+
+def test_sighup_reloads_the_certificate_and_the_api_keys_together(echo, procs, pki, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-old\n")
+    proc, port = https_gateway(procs, pki, tmp_path, "--workers", echo, "--ssl-reload-s", "0",
+                               "--api-key-file", str(keys), "--api-key-reload-s", "0")
+    url = f"https://127.0.0.1:{port}"
+
+    def status(key: str) -> int:
+        return httpx.post(url + "/v1/completions", json=BODY, verify=trusting(pki), timeout=10,
+                          headers={"Authorization": f"Bearer {key}"}).status_code
+
+    b_cert, b_key = b_files(pki)
+    replace(b_key, tmp_path / "tls.key")
+    replace(b_cert, tmp_path / "tls.crt")
+    replace_keys = tmp_path / "keys.new"
+    replace_keys.write_text("sk-new\n")
+    os.replace(replace_keys, keys)
+    time.sleep(1.0)
+    assert served(port) == der(pki.server_cert) and status("sk-new") == 401  # nothing polls
+
+    os.kill(proc.pid, signal.SIGHUP)
+    until(lambda: served(port) == der(b_cert), within_s=5.0)
+    until(lambda: status("sk-new") == 200, within_s=5.0)
+    assert status("sk-old") == 401 and proc.alive()
+    assert "TLS served certificate reloaded (SIGHUP)" in proc.output()
+
+
+def test_client_certificate_and_worker_ca_bundle_reloaded_in_place_and_a_worker_on_sighup(
+        procs, pki, tmp_path):
+    """A worker asking for client certificates from the other CA only; a gateway that shows it
+    one from the CA, and checks it against the other CA's bundle: refused both ways, until the
+    gateway's files are renewed. The worker, polling off, reloads its own certificate on SIGHUP."""
+    worker_live = tmp_path / "worker"
+    worker_live.mkdir()
+    replace(pki.server_cert, worker_live / "tls.crt")
+    replace(pki.server_key, worker_live / "tls.key")
+    wport = free_port()
+    theirs = (pki.other_cert, pki.other_key)
+    worker = start(procs, ["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
+                           "--served-model-name", "m", "--port", str(wport), "--ssl-reload-s", "0",
+                           "--ssl-certfile", str(worker_live / "tls.crt"), "--ssl-keyfile",
+                           str(worker_live / "tls.key"), "--ssl-ca-certs", str(pki.other_ca)],
+                   lambda: httpx.get(f"https://127.0.0.1:{wport}/health", timeout=2,
+                                     verify=trusting(pki, theirs)).status_code == 200,
+                   f"sim-tls-reload-{wport}")
+    gw_live = tmp_path / "gateway"
+    gw_live.mkdir()
+    replace(pki.other_ca, gw_live / "workers-ca.pem")
+    replace(pki.client_cert, gw_live / "client.crt")
+    replace(pki.client_key, gw_live / "client.key")
+    gport = free_port()
+    gateway = start(procs, ["-m", "router", "--port", str(gport), "--workers", f"https://127.0.0.1:{wport}",
+                            "--worker-ca-file", str(gw_live / "workers-ca.pem"), "--ssl-client-certfile",
+                            str(gw_live / "client.crt"), "--ssl-client-keyfile", str(gw_live / "client.key"),
+                            "--ssl-reload-s", str(POLL_S), "--fallback-cooldown-ms", "10"],
+                    lambda: httpx.get(f"http://127.0.0.1:{gport}/health", timeout=2).status_code == 200,
+                    f"gateway-tls-reload-{gport}")
+    gateway_url = f"http://127.0.0.1:{gport}"
+
+    def status() -> int:
+        return httpx.post(gateway_url + "/v1/completions", json=BODY, timeout=30).status_code
+
+    assert status() >= 500
+    assert "TLS context for calling workers in use (start)" in gateway.output()
+    replace(pki.ca, gw_live / "workers-ca.pem")  # the worker's CA
+    replace(pki.other_key, gw_live / "client.key")  # a client certificate of the CA it asks for
+    replace(pki.other_cert, gw_live / "client.crt")
+    until(lambda: status() == 200)
+    assert "TLS context for calling workers reloaded (file changed)" in gateway.output()
+    assert metric(gateway_url, 'router_tls_certificate_expiry_seconds{certificate="client"}') == \
+        not_after(pki.other_cert)
+
+    # The worker: renewed files are not looked at (--ssl-reload-s 0) until SIGHUP.
+    b_cert, b_key = b_files(pki)
+    replace(b_key, worker_live / "tls.key")
+    replace(b_cert, worker_live / "tls.crt")
+    time.sleep(1.0)
+    assert served(wport, theirs) == der(pki.server_cert)
+    os.kill(worker.pid, signal.SIGHUP)
+    until(lambda: served(wport, theirs) == der(b_cert), within_s=5.0)
+    assert worker.alive() and "TLS served certificate reloaded (SIGHUP)" in worker.output()
+    assert metric(f"https://127.0.0.1:{wport}", 'worker_tls_certificate_expiry_seconds{certificate="served"}',
+                  trusting(pki, theirs)) == not_after(b_cert)
+    assert status() == 200  # through the gateway, to the renewed worker
+    for p in (worker, gateway):
+        assert "Traceback" not in p.output() and "PRIVATE" not in p.output(), p.output()[-3000:]

@@ -1,0 +1,364 @@
+"""TLS hot reload (scheduler/tls_reload.py and its worker twin, inference_worker/server/tls_reload.py).
+
+In process, for both twins: an HTTPS server on 127.0.0.1 whose files are replaced (renamed over)
+and checked; each handshake is a real one from a thread, reading the certificate served, and
+the certificate a client context presents. Then a real scheduler process serving mutual TLS
+from a Kubernetes Secret volume that is swapped: new connections get the new certificate and
+client CAs, an open keep-alive connection goes on, a mismatched pair keeps what is in force."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import http.client
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from aiohttp import web
+
+from inference_worker.server import file_watch as worker_file_watch
+from inference_worker.server import tls as worker_tls
+from inference_worker.server import tls_reload as worker_tls_reload
+from scheduler import file_watch as scheduler_file_watch
+from scheduler import tls as scheduler_tls
+from scheduler import tls_reload as scheduler_tls_reload
+from tests.router.procs import Proc, free_port
+from tests.tls_certs import Pki, make_pki, server_cert
+
+TWINS = [(scheduler_tls, scheduler_tls_reload), (worker_tls, worker_tls_reload)]
+POLL_S = 0.2
+WITHIN_S = POLL_S + 5.0  # the margin is for a loaded machine
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server_cert(pki, "server-b")
+    server_cert(pki, "server-c", other_ca=True)
+    return pki
+
+
+def files(pki: Pki, name: str) -> tuple[Path, Path]:
+    return pki.ca.parent / f"{name}.pem", pki.ca.parent / f"{name}.key"
+
+
+def der(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def not_after(path: Path) -> float:
+    return float(ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(path))["notAfter"]))
+
+
+def replace(src: Path, dst: Path) -> None:
+    """As an operator's tooling renews a file: written beside it, renamed over it."""
+    tmp = dst.with_name(dst.name + ".new")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def served(port: int, client: tuple[Path, Path] | None = None) -> bytes:
+    """The certificate a new TLS connection to `port` is served (DER), unverified."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    if client:
+        ctx.load_cert_chain(*map(str, client))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s, ctx.wrap_socket(s) as t:
+        return t.getpeercert(binary_form=True)
+
+
+def _same_code(a: Path, b: Path) -> None:
+    """The twins' code, without their docstrings and imports, is the same."""
+    def body(path: Path) -> str:
+        tree = ast.parse(path.read_text())
+        tree.body = [n for n in tree.body if not isinstance(n, ast.Import | ast.ImportFrom)
+                     and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        return ast.unparse(tree)
+    assert body(a) == body(b), f"{a} and {b} drifted apart"
+
+
+def test_the_worker_twins_are_the_schedulers():
+    _same_code(Path(scheduler_tls_reload.__file__), Path(worker_tls_reload.__file__))
+    _same_code(Path(scheduler_file_watch.__file__), Path(worker_file_watch.__file__))
+
+
+class Server:
+    """An HTTPS server in this loop whose handler answers with the client certificate's CN."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
+
+    async def __aenter__(self) -> Server:
+        async def who(request: web.Request) -> web.Response:
+            cert = request.transport.get_extra_info("peercert") or {}
+            return web.Response(text=dict(x[0] for x in cert.get("subject", ())).get("commonName", "-"))
+
+        app = web.Application()
+        app.router.add_get("/", who)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.ctx)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+@pytest.mark.parametrize(("tls", "reload"), TWINS)
+async def test_a_renewed_served_certificate_is_served_to_new_connections(tls, reload, pki, tmp_path,
+                                                                         caplog):
+    cert, key, cas = tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt"
+    replace(pki.server_cert, cert)
+    replace(pki.server_key, key)
+    replace(pki.ca, cas)
+    cfg = SimpleNamespace(ssl_certfile=str(cert), ssl_keyfile=str(key), ssl_ca_certs=str(cas),
+                          ssl_cert_reqs=1, ssl_client_certfile=None, ssl_client_keyfile=None)
+    front = tls.server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+    reloader = reload.tls_reloader(cfg, front, [])
+    caplog.set_level(logging.INFO, "tls")
+    async with Server(front) as server:
+        await reloader.start()
+        assert "TLS served certificate in use (start)" in caplog.text and "CN=server " in caplog.text
+        assert await asyncio.to_thread(served, server.port) == der(pki.server_cert)
+        # A keep-alive connection opened now, with a client certificate from the CA.
+        open_ctx = ssl.create_default_context(cafile=str(pki.ca))
+        open_ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        keep = http.client.HTTPSConnection("127.0.0.1", server.port, context=open_ctx, timeout=10)
+
+        def get(conn: http.client.HTTPSConnection) -> str:
+            conn.request("GET", "/")
+            return conn.getresponse().read().decode()
+
+        assert await asyncio.to_thread(get, keep) == "client"
+        sock = keep.sock
+
+        # Renewed (another key too), and the client CAs now the other CA only.
+        b_cert, b_key = files(pki, "server-b")
+        replace(b_key, key)
+        replace(b_cert, cert)
+        replace(pki.other_ca, cas)
+        await reloader.check(force=False, why="file changed")
+        assert await asyncio.to_thread(served, server.port) == der(b_cert)
+        assert reloader.counts == {"reloaded": 1, "unchanged": 0, "failed": 0}
+        assert "TLS served certificate reloaded (file changed)" in caplog.text
+        assert "CN=server-b " in caplog.text and "PRIVATE" not in caplog.text
+        # The open connection goes on, on its first handshake.
+        assert await asyncio.to_thread(get, keep) == "client" and keep.sock is sock
+        assert keep.sock.getpeercert(binary_form=True) == der(pki.server_cert)
+        keep.close()
+
+        # The CA taken out of --ssl-ca-certs no longer vouches for a client; the new one does.
+        def fresh_get(client: tuple[Path, Path]) -> str:
+            ctx = ssl.create_default_context(cafile=str(pki.ca))
+            ctx.load_cert_chain(*map(str, client))
+            conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=ctx, timeout=10)
+            try:
+                return get(conn)
+            finally:
+                conn.close()
+
+        assert await asyncio.to_thread(fresh_get, (pki.other_cert, pki.other_key)) == "other"
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            await asyncio.to_thread(fresh_get, (pki.client_cert, pki.client_key))
+
+        # A key that does not match, then a half-written certificate: B stays, one ERROR each.
+        caplog.clear()
+        replace(pki.client_key, key)
+        await reloader.check(force=False, why="file changed")
+        assert await asyncio.to_thread(served, server.port) == der(b_cert)
+        [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert "the key does not match the certificate" in error.getMessage()
+        assert "CN=server-b" in error.getMessage()  # what is kept
+        await reloader.check(force=False, why="file changed")  # not again while unchanged
+        replace(b_key, key)
+        text = b_cert.read_text()
+        half = tmp_path / "half.pem"
+        half.write_text(text[: len(text) // 2])
+        replace(half, cert)
+        await reloader.check(force=False, why="file changed")
+        assert await asyncio.to_thread(served, server.port) == der(b_cert)
+        assert reloader.counts["failed"] == 2
+        assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2
+
+        # Whole again: the same files as in force change nothing.
+        replace(b_cert, cert)
+        await reloader.check(force=False, why="file changed")
+        assert reloader.counts == {"reloaded": 1, "unchanged": 1, "failed": 2}
+
+        # A certificate of another CA, forced (SIGHUP): served at once.
+        c_cert, c_key = files(pki, "server-c")
+        replace(c_cert, cert)
+        replace(c_key, key)
+        await reloader.check(force=True, why="SIGHUP")
+        assert await asyncio.to_thread(served, server.port) == der(c_cert)
+
+    metrics = {(m.name, tuple(s.labels.items())): s.value
+               for m in reloader.collector("x").collect() for s in m.samples}
+    assert metrics[("x_tls_certificate_expiry_seconds", (("certificate", "served"),))] == not_after(c_cert)
+    assert metrics[("x_tls_reloads", (("result", "reloaded"),))] == 2
+
+
+@pytest.mark.parametrize(("tls", "reload"), TWINS)
+async def test_a_client_context_takes_a_renewed_client_certificate_and_ca_bundle_in_place(
+        tls, reload, pki, tmp_path, caplog):
+    # The peer: a server certificate from the CA, client certificates from either CA.
+    both = tmp_path / "both.pem"
+    both.write_text(pki.ca.read_text() + pki.other_ca.read_text())
+    peer = tls.server_context(str(pki.server_cert), str(pki.server_key), str(both))
+    cert, key, cas = tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "peers-ca.pem"
+    replace(pki.client_cert, cert)
+    replace(pki.client_key, key)
+    replace(pki.other_ca, cas)  # not the peer's CA yet
+    cfg = SimpleNamespace(ssl_certfile=None, ssl_client_certfile=str(cert), ssl_client_keyfile=str(key))
+    ctx = tls.client_context(str(cas), str(cert), str(key), ca_option="--peer-ca-file")
+    reloader = reload.tls_reloader(cfg, None, [("peers", ctx, str(cas), "--peer-ca-file")])
+    caplog.set_level(logging.INFO, "tls")
+
+    async def who(port: int) -> str:
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, force_close=True)) as s, \
+                s.get(f"https://127.0.0.1:{port}/") as r:
+            return await r.text()
+
+    async with Server(peer) as server:
+        await reloader.start()
+        assert "TLS context for calling peers in use (start)" in caplog.text
+        import aiohttp
+
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await who(server.port)
+        # The peer's CA added to the bundle, and another client certificate.
+        replace(pki.ca, cas)
+        replace(pki.other_key, key)
+        replace(pki.other_cert, cert)
+        await reloader.check(force=False, why="file changed")
+        assert await who(server.port) == "other"
+        assert "TLS context for calling peers reloaded (file changed)" in caplog.text
+        assert "subject CN=other," in caplog.text
+        # A key that does not match: the context keeps the certificate it has, and works.
+        replace(pki.client_key, key)
+        await reloader.check(force=False, why="file changed")
+        assert await who(server.port) == "other"
+        [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert f"cannot use --ssl-client-certfile {cert} / --ssl-client-keyfile {key}: the key does not " \
+               "match the certificate" in error, error
+        # Whole again, and the bundle missing: one ERROR naming its option, nothing changed.
+        replace(pki.client_cert, cert)
+        cas.unlink()
+        await reloader.check(force=False, why="file changed")
+        assert await who(server.port) == "other"
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert f"cannot use --peer-ca-file {cas}: No such file or directory" in errors[-1]
+        replace(pki.ca, cas)
+        await reloader.check(force=False, why="file changed")
+        assert await who(server.port) == "client"
+    expiry = {tuple(s.labels.items()): s.value for m in reloader.collector("x").collect() for s in m.samples
+              if s.name == "x_tls_certificate_expiry_seconds"}
+    assert expiry == {(("certificate", "client"),): not_after(pki.client_cert)}
+
+
+# ---------------------------------------------------------------- a real scheduler process
+
+
+class SecretVolume:
+    """A Kubernetes Secret volume as the kubelet writes it: `<key>` -> `..data/<key>`, `..data`
+    -> a timestamped directory; an update writes a new directory and swaps `..data`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.n = root, 0
+
+    def write(self, files: dict[str, Path]) -> None:
+        self.n += 1
+        new = self.root / f"..2024_01_01_00_00_{self.n:02d}.000000001"
+        new.mkdir()
+        for name, src in files.items():
+            shutil.copyfile(src, new / name)
+        data = self.root / "..data"
+        old = data.resolve() if data.is_symlink() else None
+        (self.root / "..data_tmp").symlink_to(new.name)
+        os.replace(self.root / "..data_tmp", data)
+        for name in files:
+            if not (self.root / name).is_symlink():
+                (self.root / name).symlink_to(f"..data/{name}")
+        if old is not None:
+            shutil.rmtree(old)
+
+
+def until(cond: Callable[[], bool], within_s: float = WITHIN_S) -> None:
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < within_s, f"not within {within_s:.1f} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def scheduler_proc(pki, tmp_path) -> Iterator[tuple[Proc, int, SecretVolume]]:
+    volume = SecretVolume(tmp_path)
+    volume.write({"tls.crt": pki.server_cert, "tls.key": pki.server_key, "ca.crt": pki.ca})
+    port = free_port()
+    p = Proc(["-m", "scheduler", "--port", str(port), "--ssl-certfile", str(tmp_path / "tls.crt"),
+              "--ssl-keyfile", str(tmp_path / "tls.key"), "--ssl-ca-certs", str(tmp_path / "ca.crt"),
+              "--ssl-reload-s", str(POLL_S)], f"scheduler-tls-reload-{port}")
+    try:
+        until(lambda: not p.alive() or "scheduler ready" in p.output(), 60)
+        assert p.alive(), p.output()
+        yield p, port, volume
+    finally:
+        p.stop()
+
+
+def _verified(pki: Pki, client: tuple[Path, Path]) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx.load_verify_locations(str(pki.other_ca))
+    ctx.load_cert_chain(*map(str, client))
+    return ctx
+
+
+def test_a_scheduler_takes_a_kubernetes_secret_update_without_a_restart(scheduler_proc, pki):
+    p, port, volume = scheduler_proc
+    mine = (pki.client_cert, pki.client_key)
+    assert served(port, mine) == der(pki.server_cert)
+    keep = http.client.HTTPSConnection("127.0.0.1", port, context=_verified(pki, mine), timeout=10)
+    keep.request("GET", "/health")
+    assert keep.getresponse().read() and keep.sock.getpeercert(binary_form=True) == der(pki.server_cert)
+
+    # A mismatched pair: the certificate in force stays, one ERROR.
+    volume.write({"tls.crt": files(pki, "server-b")[0], "tls.key": pki.client_key, "ca.crt": pki.ca})
+    until(lambda: "the key does not match the certificate" in p.output())
+    assert served(port, mine) == der(pki.server_cert)
+    assert "ERROR tls: TLS served certificate: reload (file changed) failed" in p.output()
+
+    # The renewal, from the other CA, which now signs the clients too.
+    c_cert, c_key = files(pki, "server-c")
+    volume.write({"tls.crt": c_cert, "tls.key": c_key, "ca.crt": pki.other_ca})
+    theirs = (pki.other_cert, pki.other_key)
+    until(lambda: served(port, theirs) == der(c_cert))
+    text = httpx.get(f"https://127.0.0.1:{port}/metrics", verify=_verified(pki, theirs), timeout=10).text
+    series = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("scheduler_tls_"))
+    expiry = series['scheduler_tls_certificate_expiry_seconds{certificate="served"}']
+    assert float(expiry) == not_after(c_cert)
+    assert float(series['scheduler_tls_reloads_total{result="reloaded"}']) == 1
+    with pytest.raises(httpx.TransportError):  # the CA dropped from ca.crt vouches for no one
+        httpx.get(f"https://127.0.0.1:{port}/health", verify=_verified(pki, mine), timeout=10)
+    # The connection opened before goes on.
+    keep.request("GET", "/health")
+    assert keep.getresponse().status == 200
+    keep.close()
+
+    # SIGHUP reloads at once (here nothing changed), and does not end the scheduler.
+    p.p.send_signal(signal.SIGHUP)
+    until(lambda: "reload (SIGHUP): unchanged" in p.output())
+    assert p.alive() and "Traceback" not in p.output() and "PRIVATE" not in p.output()
