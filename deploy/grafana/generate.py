@@ -250,6 +250,24 @@ def router_dashboard() -> dict:
             "request's lease, renewed by its gateway (router --lease-renew-ms) so that it does "
             "not expire while the request runs; renewed unknown: its lease had expired (renewals "
             "further apart than the scheduler's --lease-ttl-s) or the scheduler restarted"),
+        row("Credentials"),
+        panel(ts, "TLS certificates: days left", [
+            ("min by (job, instance, certificate) ((router_tls_certificate_expiry_seconds or "
+             "scheduler_tls_certificate_expiry_seconds or worker_tls_certificate_expiry_seconds)"
+             " - time()) / 86400", "{{job}} {{instance}} {{certificate}}")], "d", width=12,
+              description="Days until each certificate a service serves (served) or shows its peers "
+              "(client) ends, as last loaded from its files (--ssl-reload-s). A renewal that loaded "
+              "moves the line up; alert LLMTLSCertificateExpiresSoon at a week. Empty without TLS"),
+        panel(ts, "Credential reloads", [
+            (f"sum by (result) (rate(router_api_key_reloads_total[{RATE}]))", "API keys {{result}}"),
+            ("min(router_api_key_file_last_read_ok)", "API key file readable (min over gateways)"),
+            (f"sum by (job, result) (rate(router_tls_reloads_total[{RATE}]) or "
+             f"rate(scheduler_tls_reloads_total[{RATE}]) or rate(worker_tls_reloads_total[{RATE}]))",
+             "TLS {{job}} {{result}}")], width=12,
+              description="Re-reads of --api-key-file and of the TLS files after they changed (or "
+              "SIGHUP): reloaded, unchanged, failed (the credentials in force are kept; alert "
+              "LLMGatewayApiKeyFileUnreadable for a key file that stays unreadable). Empty without "
+              "a key file or TLS"),
     ]
     variables = [variable("model", "model", "label_values(router_requests_total, model)")]
     return dashboard("llm-router", "LLM router", "Gateway traffic, client-side latency, resilience and "

@@ -146,6 +146,10 @@ def test_the_scheduler_wants_the_launchers_token_and_the_gateway_sends_it(stack)
 # them exposed there.
 ONLY_WHEN_CONFIGURED = {
     "router_api_key_file_last_read_ok": "--api-key-file (tests/router/test_key_rotation.py)",
+    "router_api_key_reloads_total": "--api-key-file (tests/router/test_key_rotation.py)",
+    "router_tls_reloads_total": "--ssl-certfile (tests/router/test_tls_reload.py)",
+    "scheduler_tls_reloads_total": "--ssl-certfile (tests/scheduler/test_tls_reload.py)",
+    "worker_tls_reloads_total": "--ssl-certfile (tests/router/test_tls_reload.py)",
     "router_tls_certificate_expiry_seconds": "--ssl-certfile (tests/router/test_tls_reload.py)",
     "scheduler_tls_certificate_expiry_seconds": "--ssl-certfile (tests/scheduler/test_tls_reload.py)",
     "worker_tls_certificate_expiry_seconds": "--ssl-certfile (tests/router/test_tls_reload.py)",

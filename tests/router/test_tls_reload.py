@@ -263,6 +263,8 @@ def test_client_certificate_and_worker_ca_bundle_reloaded_in_place_and_a_worker_
     assert worker.alive() and "TLS served certificate reloaded (SIGHUP)" in worker.output()
     assert metric(f"https://127.0.0.1:{wport}", 'worker_tls_certificate_expiry_seconds{certificate="served"}',
                   trusting(pki, theirs)) == not_after(b_cert)
+    assert metric(f"https://127.0.0.1:{wport}", 'worker_tls_reloads_total{result="reloaded"}',
+                  trusting(pki, theirs)) == 1
     assert status() == 200  # through the gateway, to the renewed worker
     for p in (worker, gateway):
         assert "Traceback" not in p.output() and "PRIVATE" not in p.output(), p.output()[-3000:]
