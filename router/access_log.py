@@ -8,7 +8,10 @@ import logging
 import re
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from router.trace_collect import RequestTrace
 
 stats_log = logging.getLogger("router.stats")
 
@@ -33,6 +36,7 @@ class RequestRecord:
         "queue_ms",
         "retries",
         "sequences",
+        "spans",
         "start",
         "status",
         "stream",
@@ -65,6 +69,8 @@ class RequestRecord:
         self.model_known = False
         self.error: str | None = None
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
+        # The gateway's own trace of it (router/trace_collect.py): only with tracing on.
+        self.spans: RequestTrace | None = None
         # The worker goes on with the request after its answer (a background response).
         self.detached = False
         self.flow = ""  # its tenant in the admission queue (router/fairness.py)

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Coroutine
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -58,6 +58,10 @@ from router.tokens import (
 from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.protocol import CLIENT_LEFT
+
+if TYPE_CHECKING:
+    from router.trace_collect import RequestTrace
+    from router.tracing import Tracing
 
 log = logging.getLogger("router.proxy")
 
@@ -107,7 +111,7 @@ ROOT_PATHS = POOLING_PATHS | TOKENIZER_PATHS  # served at the root, as vLLM serv
 _POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"} | ROOT_PATHS
 # Endpoints (of OpenAI and of the engines we front) whose request names a model. A request to
 # any other /v1 path without a model is a wrong path, not a missing field: it gets a 404.
-_MODEL_ENDPOINTS = _POST_ONLY | {
+MODEL_ENDPOINTS = _POST_ONLY | {
     "/v1/rerank",
     "/v1/score",
     "/v1/moderations",
@@ -181,6 +185,9 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self._live_client_ids: set[str] = set()
         self.tokens = TokenCounter(cfg.tokenizer)
         self.access_log: AccessLog | None = None  # set by the app when --access-log is on
+        # Set by the app with --otlp-traces-endpoint (router/tracing.py); None: no tracing code
+        # runs, and the client's trace context goes on as it came.
+        self.tracing: Tracing | None = None
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
         self.owners = ResponseOwners()
         self.tokenizer = TokenizerCalls(sched, session, self.timeout, self.report_failed)
@@ -196,6 +203,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             path = "/" + root if root is not None else request.path
         rec = RequestRecord(self.request_id(request, ""), request.method, path)
         rec.trace = trace_id_of(request.headers.get("traceparent"))
+        if self.tracing is not None:
+            self.begin_trace(request, rec)
         rec.flow = self.flow_of(request)
         self.metrics.in_flight.inc()
         self.in_flight.enter()
@@ -219,6 +228,14 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             self.metrics.in_flight.dec()
             self.in_flight.leave()
             self._finish(rec)
+
+    def begin_trace(self, request: web.Request, rec: RequestRecord) -> None:
+        """The gateway's trace of the request (tracing on): the client's trace, or a new one,
+        which the access log names then when it is kept."""
+        assert self.tracing is not None
+        spans = rec.spans = self.tracing.begin(request.headers)
+        if spans.sampled:
+            rec.trace = spans.trace_hex
 
     def observe_answer(self, model: str, ttft_s: float | None, e2e_s: float, output_tokens: int,
                        answers: int) -> None:
@@ -302,6 +319,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self.stats.add(rec)
         if self.access_log is not None:
             self.access_log.add(rec)
+        if rec.spans is not None and self.tracing is not None:
+            self.tracing.publish(rec)
 
     # ---- one request ---------------------------------------------------------------------
     async def _handle(self, request: web.Request, rec: RequestRecord, path: str) -> web.StreamResponse:
@@ -348,7 +367,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object")
         model = body.get("model", request.query.get("model"))
-        if model is None and path not in _MODEL_ENDPOINTS:
+        if model is None and path not in MODEL_ENDPOINTS:
             return await no_route(request)
         if not raw and request.method == "POST":
             return error_response(400, "request body is required")
@@ -359,7 +378,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         rec.model = model
         if path in TOKENIZER_PATHS:
             return await self.tokenizer.relay(request, rec, path, raw,
-                                              self._upstream_headers(request, rec.id, path))
+                                              self._upstream_headers(request, rec.id, path, rec.spans))
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             return error_response(400, "'stream' must be a boolean", param="stream")
@@ -408,7 +427,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 sched_body["prompt_tokens"] = sched_body.get("prompt_tokens", 0) + pinned.tokens
                 sched_body["cached_tokens"] = pinned.tokens
 
-        headers = self._upstream_headers(request, rec.id, path)
+        spans = rec.spans
+        headers = self._upstream_headers(request, rec.id, path, spans)
         deadline = time.monotonic() + self.cfg.queue_timeout_ms / 1000
         exclude: list[str] = []
         last_failure = ""
@@ -463,6 +483,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             except SchedulerRequestError as exc:
                 return error_response(400, str(exc))
             rec.worker = route.worker_id
+            if spans is not None:  # the worker's parent span is this attempt's
+                headers["traceparent"] = spans.attempt(route.worker_id, route.url + path)
             try:
                 if stream:
                     answer = await self._forward_stream(
@@ -492,6 +514,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                     "upstream_error", code="upstream_timeout")
             except RetryElsewhere as r:
                 last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
+                if spans is not None:
+                    spans.attempt_failed(r.reason)
                 overloaded = r.overloaded
                 if overloaded:
                     # Full, not down: no failure report (that would take it out of rotation),
@@ -555,8 +579,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         for nothing and is counted as rejected instead."""
         t0 = time.perf_counter()
         refused = False
+        spans = rec.spans
         try:
-            route = await self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow)
+            placing = self.sched.acquire(body, exclude, deadline, pinned_url, priority, rec.flow, spans)
+            route = await (placing if spans is None else spans.placing(placing))
             rec.model_known = True
             rec.fair_charge = (rec.fair_charge or 0.0) + route.charge  # a retry is charged again
             return route
@@ -590,7 +616,10 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             opts["continuous_usage_stats"] = False
         return json.dumps(new).encode()
 
-    def _upstream_headers(self, request: web.Request, req_id: str, path: str) -> dict[str, str]:
+    def _upstream_headers(self, request: web.Request, req_id: str, path: str,
+                          spans: RequestTrace | None = None) -> dict[str, str]:
+        """The headers a worker is sent. `spans` (tracing on): its trace context names the
+        gateway's span as the parent instead of the client's."""
         if path in _STREAMABLE:
             headers = {"Content-Type": "application/json"}
             for name in TRACE_HEADERS:
@@ -609,6 +638,8 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 if k.lower() not in hop and not k.lower().startswith(_WS_HANDSHAKE_PREFIX)
             }
         headers["X-Request-Id"] = req_id
+        if spans is not None:
+            spans.upstream_headers(headers)
         if self.cfg.forward_api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         elif self.upstream_auth:

@@ -21,8 +21,9 @@ import asyncio
 import logging
 import time
 import weakref
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -39,6 +40,9 @@ from scheduler.client import (
     SchedulerUnavailableError,
     UnknownModelError,
 )
+
+if TYPE_CHECKING:
+    from router.trace_collect import RequestTrace
 
 log = logging.getLogger("router.scheduling")
 # How long the gateway stops passing the queue after a scheduler said it makes no follow-up holds.
@@ -187,10 +191,12 @@ class Scheduling:
 
     # ---- the per-request path --------------------------------------------------------
     async def acquire(self, body: dict[str, Any], exclude: list[str], deadline: float,
-                      pinned_url: str | None = None, priority: int = 0, flow: str = "") -> Route:
+                      pinned_url: str | None = None, priority: int = 0, flow: str = "",
+                      spans: RequestTrace | None = None) -> Route:
         """Place a request. body: the ScheduleRequest fields (model, prompt_tokens, ...; with
         `worker_id`, that worker only, whose URL is pinned_url). priority: its place in the
-        queue, lower first; flow: its tenant, whose turn it waits for (router/queue.py).
+        queue, lower first; flow: its tenant, whose turn it waits for (router/queue.py);
+        spans: its trace (tracing on), which notes the scheduler calls and the queue wait.
         Raises QueueFull, QueueTimeout, UnknownModelError, NoWorkerError, PinnedWorkerGone."""
         model = body["model"]
         pin = body.get("worker_id")
@@ -210,7 +216,7 @@ class Scheduling:
             body["priority"] = priority
         if not self.fallback_active:
             if not self.queue.has_waiters(line):
-                route = await self._try_schedule(body, 0)
+                route = await self._ask(body, 0, spans)
             elif (
                 self.followup_pass_s
                 and body.get("prefix_hashes")
@@ -223,7 +229,7 @@ class Scheduling:
                 # without a bound starve first turns: P99 TTFT doubled in RESULTS.md).
                 body["reserved_only"] = True
                 try:
-                    route = await self._try_schedule(body, 0)
+                    route = await self._ask(body, 0, spans)
                 finally:
                     del body["reserved_only"]
             else:
@@ -235,6 +241,8 @@ class Scheduling:
         if self.fallback_active:
             return self._fallback_pick(model, exclude, pin, pinned_url)
         queued_at = time.monotonic()
+        if spans is not None:
+            spans.queued()
         async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow, deadline):
             while True:
                 if self.fallback_active:
@@ -246,7 +254,7 @@ class Scheduling:
                 # Its place among the scheduler's held calls is its arrival here, so that a
                 # poll that ran out and is asked again keeps it (scheduler/protocol.py).
                 body["waited_ms"] = int((now - queued_at) * 1000)
-                route = await self._try_schedule(body, min(self.schedule_wait_ms, remaining_ms))
+                route = await self._ask(body, min(self.schedule_wait_ms, remaining_ms), spans)
                 if route is not None:
                     # Charged before it leaves the line: the next turn (chosen as it leaves)
                     # counts it.
@@ -292,6 +300,14 @@ class Scheduling:
         route.charge = self.queue.charge(body["model"], flow, body.get("prompt_tokens") or 0,
                                          body.get("max_tokens"))
         return route
+
+    def _ask(self, body: dict[str, Any], wait_ms: int, spans: RequestTrace | None
+             ) -> Awaitable[Route | None]:
+        """_try_schedule, noted in the request's trace when it has one."""
+        call = self._try_schedule(body, wait_ms)
+        if spans is None:
+            return call
+        return spans.scheduler_call(call, wait_ms, lambda: self.down_since is not None)
 
     async def _try_schedule(self, body: dict[str, Any], wait_ms: int) -> Route | None:
         """One scheduler call. None: wait (the scheduler said so, or it is down and the

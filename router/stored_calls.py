@@ -156,7 +156,7 @@ class StoredResponseCalls:
             try:
                 up = await unless_down(self.session.request(
                     request.method, url, data=raw or None, timeout=timeout,
-                    headers=self._upstream_headers(request, rec.id, path),
+                    headers=self._upstream_headers(request, rec.id, path, rec.spans),
                 ), down)
             except (WorkerDown, *UPSTREAM_ERRORS) as exc:
                 return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")

@@ -68,6 +68,8 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         )
     rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")
     rec.trace = trace_id_of(request.headers.get("traceparent"))
+    if proxy.tracing is not None:
+        proxy.begin_trace(request, rec)  # one span for the socket, one per answer under it
     rec.flow = proxy.flow_of(request)
     proxy.metrics.in_flight.inc()
     session = WsSession(client, authorization)

@@ -110,7 +110,7 @@ class WsRelay:
         rec = self.rec
         self.proxy.metrics.request_done(rec.model, status, turn.worker_id or "-")
         access_log = self.proxy.access_log
-        if access_log is None:
+        if access_log is None and rec.spans is None:
             return
         self.answers += 1
         line = RequestRecord(f"{rec.id}.{self.answers}", "WS", self.request.path)
@@ -119,7 +119,10 @@ class WsRelay:
         line.prompt_tokens, line.output_tokens = turn.prompt_tokens, turn.output_tokens
         line.ttft_ms = turn.first_s * 1000 if turn.first_s is not None else None
         line.status, line.error = status, error
-        access_log.add(line)
+        if access_log is not None:
+            access_log.add(line)
+        if rec.spans is not None and self.proxy.tracing is not None:
+            self.proxy.tracing.publish_answer(rec.spans, line)
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str]) -> str | None:
@@ -155,10 +158,13 @@ class WsRelay:
                     proxy.metrics.rejected.labels("no_worker").inc()
                     rec.status = 503
                 return ws_error(str(exc), rec.status)
+            headers = proxy._upstream_headers(self.request, rec.id, "/v1/ws", rec.spans)
+            if rec.spans is not None:  # the worker's parent span is this connection's
+                headers["traceparent"] = rec.spans.attempt(route.worker_id, route.url + "/v1/ws")
             try:
                 self.upstream = await proxy.session.ws_connect(
                     route.url + "/v1/ws",
-                    headers=proxy._upstream_headers(self.request, rec.id, "/v1/ws"),
+                    headers=headers,
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0),
                     max_msg_size=0,
                     # A worker whose host died without closing the connection is noticed (its
@@ -166,6 +172,8 @@ class WsRelay:
                     heartbeat=proxy.cfg.ws_heartbeat_s,
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if rec.spans is not None:
+                    rec.spans.attempt_failed("connect")
                 proxy.report_failed(route, "connect")
                 proxy.release_lease(route, False, 0, 0, error="connect")  # it held nothing
                 exclude.append(route.worker_id)
