@@ -9,6 +9,7 @@ slice Kubernetes would create for the worker Service, built here by hand.
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -483,6 +484,33 @@ def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monk
     # None named (the default): no token, and no reference to a missing Secret.
     [scheduler] = find(render(None), "Deployment", "prod-scheduler")["spec"]["template"]["spec"]["containers"]
     assert "env" not in scheduler
+
+
+def notes(values: dict | None) -> str:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK) is not installed")
+    manifests = helm.Chart.load(str(CHART)).render(values, name="prod", namespace="llm", is_install=True)
+    [text] = [text for path, text in manifests.items() if path.endswith("NOTES.txt")]
+    return text
+
+
+def test_helm_notes_example_sends_an_api_key_when_the_gateway_wants_one(tmp_path):
+    """Pasted as printed, the example got a 401 once the gateway had keys."""
+    assert "Authorization" not in notes(None)
+    text = notes({"gateway": {"auth": {"secret": "gw-auth", "apiKeys": True}}})
+    [line] = [ln for ln in text.splitlines() if "API_KEY=$(" in ln]
+    assert "get secret gw-auth" in line and "{.data.api-keys}" in line
+    assert '-H "Authorization: Bearer $API_KEY" http://127.0.0.1:8000/v1/models' in text
+    # The pipeline picks the first key of the file's format (lines or commas, '#' comments).
+    pick = line.split("base64 -d | ", 1)[1].rstrip(")")
+    out = subprocess.run(["bash", "-c", pick], input="# rotated 2026-11\n\n  sk-one, sk-two\n",
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "sk-one"
+
+
+def test_helm_scheduler_admin_token_without_its_secret_fails_the_render():
+    pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK) is not installed")
+    with pytest.raises(Exception, match=re.escape("name that Secret")):
+        render({"scheduler": {"auth": {"adminToken": True}}})
 
 
 def test_helm_gateway_tls_serves_https_from_a_secret():
