@@ -10,6 +10,7 @@ import signal
 import socket
 import ssl
 import time
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -33,12 +34,33 @@ from scheduler.client import SchedulerClient
 from scheduler.tls import TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
+if TYPE_CHECKING:
+    from router.tracing import Tracing
+
 log = logging.getLogger("router")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+# How long a stopping gateway waits for its last traces to be exported, after its drain: within
+# the orchestrator's grace period (Kubernetes: 60 s, less the 5 s preStop sleep and the default
+# --shutdown-timeout 50 s), and a collector that is away must not hold the stop longer.
+TRACES_FLUSH_S = 3.0
 # aiohttp refuses a request line or a header field over 8 KiB with a plain-text 400; identity
 # tokens with many claims pass that, and vLLM (behind uvicorn) takes them. 32 KiB each.
 HEADER_LIMITS = {"max_line_size": 32 * 1024, "max_field_size": 32 * 1024}
+
+
+def load_tracing(cfg: RouterConfig) -> Tracing | None:
+    """The gateway's OpenTelemetry traces, with --otlp-traces-endpoint; else None, and no
+    opentelemetry module is imported at all. Missing packages stop start-up with one line."""
+    if not cfg.otlp_traces_endpoint:
+        return None
+    try:
+        from router.tracing import Tracing
+    except ImportError as exc:
+        raise SystemExit(
+            f"error: --otlp-traces-endpoint needs the OpenTelemetry packages ({exc}): "
+            "pip install '.[tracing]'") from None
+    return Tracing(cfg.otlp_traces_endpoint, cfg.otlp_traces_sample_ratio)
 
 
 def _nodelay_socket_factory(addr_info) -> socket.socket:
@@ -83,6 +105,8 @@ class Gateway:
             ("the scheduler", self.scheduler_ssl, cfg.scheduler_ca_file, "--scheduler-ca-file")])
         if self.tls is not None:
             self.metrics.registry.register(self.tls.collector("router"))
+        # Before anything starts: a tracing set-up that cannot load stops start-up at once.
+        self.tracing = load_tracing(cfg)
         self.session: aiohttp.ClientSession | None = None
         self.client: SchedulerClient | None = None
         self.sched: Scheduling | None = None
@@ -134,6 +158,7 @@ class Gateway:
             if cfg.ssl_reload_s > 0:
                 self._tasks.append(asyncio.get_running_loop().create_task(self.tls.poll(cfg.ssl_reload_s)))
         self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
+        self.proxy.tracing = self.tracing
         if cfg.access_log:
             self.proxy.access_log = AccessLog()
             self._tasks.append(asyncio.get_running_loop().create_task(self.proxy.access_log.run()))
@@ -153,6 +178,10 @@ class Gateway:
             await self.client.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracing is not None:
+            # Last: every request has ended by now (aiohttp's shutdown ran before this
+            # cleanup), so its spans are in the batch processor's queue.
+            await self.tracing.close(TRACES_FLUSH_S)
 
     def _gauges(self) -> tuple[int, int, bool]:
         in_flight = int(self.metrics.in_flight.value)

@@ -215,6 +215,19 @@ class RouterConfig(BaseSettings):
         None, ge=0, le=65535, description="serve /metrics on its own port (in HTTPS, as the API port, "
         "with --ssl-certfile)")
     access_log: bool = True
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="export the gateway's own OpenTelemetry traces (a span per request, with its "
+        "queue wait, scheduler calls and upstream attempts) to this OTLP/HTTP collector URL, e.g. "
+        "http://otel-collector:4318/v1/traces (a URL without a path gets /v1/traces); the "
+        "worker is then sent the gateway's span as its parent. Needs pip install '.[tracing]'. "
+        "Off: no tracing code runs, and the client's traceparent goes on unchanged",
+    )
+    otlp_traces_sample_ratio: float = Field(
+        1.0, ge=0, le=1, allow_inf_nan=False,
+        description="share of the traces begun at the gateway that are kept; a request with a "
+        "client's traceparent follows the client's sampled flag (parent-based)",
+    )
     # Finite: inf was taken, and the stats line never came.
     log_stats_interval: float = Field(5.0, gt=0, allow_inf_nan=False,
                                       description="seconds between stats log lines")
@@ -242,6 +255,15 @@ class RouterConfig(BaseSettings):
             problem = http_url_problem(url.strip()) if url.strip() else None
             if problem:
                 raise ValueError(f"URL {problem}")
+        return v
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_url(cls, v: str | None) -> str | None:
+        v = (v or "").strip() or None  # empty (an unset variable in a manifest): off
+        problem = http_url_problem(v) if v else None
+        if problem:
+            raise ValueError(f"URL {problem}")
         return v
 
     @field_validator("cors_allowed_origins")
