@@ -149,6 +149,10 @@ class EchoWorker:
                     "total_tokens": prompt_tokens + n,
                 },
             }
+            if any(h in request.headers for h in TRACE_HEADERS):
+                # What the proxy in front passed on, for tests of a stream (only then: the
+                # benchmarks' chunks stay as they were).
+                chunk["saw_trace"] = {h: request.headers.get(h) for h in TRACE_HEADERS}
             await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -47,6 +47,9 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
         # No client can send it: /metrics and /admin/* answered 401 to everyone, silently.
         (["--scheduler", "http://x", "--admin-token", "t\r1"], "admin-token"),
         (["--scheduler", "http://x", "--log-stats-interval", "inf"], "log-stats-interval"),  # never
+        # A collector's host:port without its scheme: every export would fail, in another thread.
+        (["--scheduler", "http://x", "--otlp-traces-endpoint", "collector:4318"], "otlp-traces-endpoint"),
+        (["--scheduler", "http://x", "--otlp-traces-sample-ratio", "2"], "otlp-traces-sample-ratio"),
         ([], "--scheduler"),
     ],
 )
