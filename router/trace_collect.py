@@ -58,7 +58,7 @@ def new_trace_id() -> int:
 class SchedulerCall:
     """One call to the scheduler while placing the request."""
 
-    __slots__ = ("end", "error", "outcome", "start", "wait_ms", "worker")
+    __slots__ = ("end", "error", "outcome", "policy", "start", "wait_ms", "worker")
 
     def __init__(self, start: float, wait_ms: int) -> None:
         self.start = start
@@ -66,6 +66,7 @@ class SchedulerCall:
         self.wait_ms = wait_ms
         self.outcome = ""  # placed, wait (or unavailable: the scheduler did not answer)
         self.worker: str | None = None
+        self.policy = ""
         self.error: str | None = None
 
 
@@ -188,7 +189,7 @@ class RequestTrace:
         finally:
             note.end = time.perf_counter()
         if route is not None:
-            note.outcome, note.worker = "placed", route.worker_id
+            note.outcome, note.worker, note.policy = "placed", route.worker_id, route.policy
         else:
             note.outcome = "unavailable" if unavailable() else "wait"
         return route

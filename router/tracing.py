@@ -3,16 +3,18 @@
 SDK's BatchSpanProcessor from its own thread, off the event loop.
 
 Imported only when tracing is on (router/app.py): without it, no opentelemetry module is
-loaded at all. The spans are built when the request ends, with the times noted along the way
-and the ids chosen at its start (the worker was sent them), through the SDK's public Tracer
-API: an IdGenerator that hands out those ids, explicit start and end times.
+loaded at all. The spans are built when the request ends, from the times noted along the way
+and the ids chosen at its start (the worker was sent them), as the SDK's finished spans
+(ReadableSpan) handed straight to the batch processor: the Tracer API would make each span
+live (locks, attribute checks, a processor call at its start) only to end it at once, and cost
+the loop ~30 µs a span where this costs ~3 (benchmarks/RESULTS.md, "Gateway overhead").
 
 Per request: a SERVER span (`POST /v1/chat/completions`, in the client's trace when it sent a
-traceparent), and under it one `router.place` span per placing on a worker (with its
-`router.schedule` scheduler calls and, when it queued, its `router.queue` wait, which holds the
-calls made while queued), and one CLIENT span per upstream attempt (the span whose id the
-worker got as its parent, with a `first_token` event). A WebSocket has one SERVER span for its
-connection and a `router.ws.answer` span per answer, published as each answer ends.
+traceparent); under it a `router.schedule` span per scheduler call (its decision), a
+`router.queue` span for a wait in the admission queue (which holds the held calls made while
+queued), and a CLIENT span per upstream attempt (the span whose id the worker got as its parent,
+with a `first_token` event). A WebSocket has one SERVER span for its connection and a
+`router.ws.answer` span per answer, published as each answer ends.
 """
 
 from __future__ import annotations
@@ -20,25 +22,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from opentelemetry import trace as trace_api
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from router.proxy import MODEL_ENDPOINTS
 from router.stored_responses import STORED_RESPONSE_PATH
-from router.trace_collect import Attempt, Placing, RequestTrace
+from router.trace_collect import Attempt, Placing, RequestTrace, new_span_id
 
 if TYPE_CHECKING:
     from router.access_log import RequestRecord
@@ -55,6 +56,12 @@ _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completi
 _RESPONSE_ACTIONS = frozenset({"", "/cancel", "/input_items"})
 # How a request whose client went away ends (the proxy's, an inner span's exception).
 _CLIENT_LEFT = frozenset({"client_disconnected", "CancelledError"})
+# Spans per export (the SDK's default is 512, and OTEL_BSP_MAX_EXPORT_BATCH_SIZE still rules):
+# the exporter encodes a batch in Python, ~35 µs a span, holding the GIL the event loop needs;
+# 512 at once held a request up to ~15 ms (P99 at concurrency 1 in benchmarks/RESULTS.md).
+EXPORT_BATCH_SPANS = 64
+_UNSET = Status(StatusCode.UNSET)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def traces_url(endpoint: str) -> str:
@@ -89,24 +96,6 @@ def _cut(value: str) -> str:
     return value if len(value) <= _MAX_VALUE_CHARS else value[:_MAX_VALUE_CHARS]
 
 
-class _ChosenIds(IdGenerator):
-    """Hands out the ids chosen when the request began (the worker was told them); a random
-    one where none was chosen. Set just before each start_span, on the loop's thread only."""
-
-    def __init__(self) -> None:
-        self.trace_id = 0
-        self.span_id = 0
-        self._random = RandomIdGenerator()
-
-    def generate_span_id(self) -> int:
-        chosen, self.span_id = self.span_id, 0
-        return chosen or self._random.generate_span_id()
-
-    def generate_trace_id(self) -> int:
-        chosen, self.trace_id = self.trace_id, 0
-        return chosen or self._random.generate_trace_id()
-
-
 class _Clock:
     """perf_counter seconds (the record's clock) to the epoch nanoseconds spans carry."""
 
@@ -119,19 +108,36 @@ class _Clock:
         return int(t * 1e9) + self.offset_ns
 
 
+def _status(status: int, error: str | None, server: bool) -> Status:
+    """A span's status. A SERVER span's 4xx is the client's error (OpenTelemetry's HTTP
+    conventions leave its status unset; error.type says what it was); its 5xx, or an answer
+    that failed mid-stream (its 200 went out first), is an error, as is any failure of another
+    span. A client that left is nobody's failure."""
+    if error in _CLIENT_LEFT or (server and 400 <= status < 500):
+        return _UNSET
+    if error or status >= 400:
+        return Status(StatusCode.ERROR, error)
+    return _UNSET
+
+
+def _outcome(attrs: dict[str, Any], status: int, error: str | None) -> None:
+    if status:
+        attrs["http.response.status_code"] = status
+    if error:
+        attrs["error.type"] = error
+
+
 class Tracing:
     def __init__(self, endpoint: str, sample_ratio: float) -> None:
         self.endpoint = traces_url(endpoint)
         # Traces begun here are kept at this ratio; a client's decision is kept as it is.
+        # Decided at the request's start (RequestTrace.begin): the worker is told it.
         self.sample_bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
-        self._ids = _ChosenIds()
-        # The sampling is decided at the request's start (RequestTrace.begin) and only sampled
-        # requests are published: the provider's own sampler has nothing left to decide.
-        # No exit hook: close() flushes, bounded, within the gateway's stop.
-        self.provider = TracerProvider(sampler=ALWAYS_ON, resource=gateway_resource(),
-                                       shutdown_on_exit=False, id_generator=self._ids)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.endpoint)))
-        self.tracer = self.provider.get_tracer(SCOPE)
+        self.resource = gateway_resource()
+        self.scope = InstrumentationScope(SCOPE)
+        batch = None if os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else EXPORT_BATCH_SPANS
+        self.processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=self.endpoint),
+                                            max_export_batch_size=batch)
         self._failed = False
 
     def begin(self, headers: Mapping[str, str]) -> RequestTrace:
@@ -146,9 +152,7 @@ class Tracing:
         try:
             self._publish(rec, spans)
         except Exception:  # a tracing bug must not fail the request's bookkeeping
-            if not self._failed:
-                self._failed = True
-                log.exception("id=%s could not build its trace spans (logged once)", rec.id)
+            self._log_failure(rec.id)
 
     def publish_answer(self, spans: RequestTrace, line: RequestRecord) -> None:
         """One answer on a WebSocket (its access-log record), under the socket's span."""
@@ -156,56 +160,67 @@ class Tracing:
             return
         try:
             clock = _Clock()
-            parent = self._context_of(spans, spans.span_id)
             attrs = self._request_attributes(line)
-            span = self.tracer.start_span("router.ws.answer", parent, SpanKind.INTERNAL, attrs,
-                                          start_time=clock.ns(line.start))
-            self._first_token(span, line, clock, line.start)
-            self._end(span, line.status, line.error, clock.ns(time.perf_counter()), server=True)
+            _outcome(attrs, line.status, line.error)
+            self._emit("router.ws.answer", spans, new_span_id(), spans.span_id, SpanKind.INTERNAL,
+                       attrs, clock.ns(line.start), clock.ns(time.perf_counter()),
+                       _status(line.status, line.error, server=True),
+                       self._first_token(line, clock, line.start))
         except Exception:
-            if not self._failed:
-                self._failed = True
-                log.exception("id=%s could not build its trace spans (logged once)", line.id)
+            self._log_failure(line.id)
+
+    def _log_failure(self, req_id: str) -> None:
+        if not self._failed:
+            self._failed = True
+            log.exception("id=%s could not build its trace spans (logged once)", req_id)
+
+    def _emit(self, name: str, spans: RequestTrace, span_id: int, parent_id: int | None,
+              kind: SpanKind, attrs: dict[str, Any], start_ns: int, end_ns: int,
+              status: Status = _UNSET, events: tuple[Event, ...] = (), remote_parent: bool = False
+              ) -> None:
+        context = SpanContext(spans.trace_id, span_id, False, _SAMPLED)
+        parent = (SpanContext(spans.trace_id, parent_id, remote_parent, TraceFlags(spans.flags))
+                  if parent_id is not None else None)
+        self.processor.on_end(ReadableSpan(
+            name, context, parent, self.resource, attrs, events, (), kind, None, status,
+            start_ns, end_ns, self.scope))
 
     def _publish(self, rec: RequestRecord, spans: RequestTrace) -> None:
         clock = _Clock()
-        end = time.perf_counter()
-        if spans.parent_id is not None:
-            client = SpanContext(spans.trace_id, spans.parent_id, is_remote=True,
-                                 trace_flags=TraceFlags(spans.flags))
-            parent = trace_api.set_span_in_context(NonRecordingSpan(client), Context())
-        else:
-            parent = Context()  # a root: none of the loop's context is ours
-            self._ids.trace_id = spans.trace_id
+        end_ns = clock.ns(time.perf_counter())
         method = "GET" if rec.method == "WS" else rec.method
         route = route_of(rec.path)
+        name = f"{method} {route}"
         attrs = self._request_attributes(rec)
         attrs.update({
             "http.request.method": method,
             "http.route": route,
-            "url.path": _cut(rec.path),
             "router.queue_ms": round(rec.queue_ms, 3),
             "router.retries": rec.retries,
             "router.attempts": len(spans.attempts),
         })
+        if spans.placings:
+            last = spans.placings[-1]
+            if last.worker is not None:
+                attrs["router.policy"], attrs["router.fallback"] = last.policy, last.fallback
+        if route != rec.path:  # a templated route: the path as it came
+            attrs["url.path"] = _cut(rec.path)
         if rec.flow:
             attrs["router.flow"] = _cut(rec.flow)
         operation = _OPERATIONS.get(rec.path)
         if operation is not None:
             attrs["gen_ai.operation.name"] = operation
-        self._ids.span_id = spans.span_id
-        server = self.tracer.start_span(f"{method} {route}", parent, SpanKind.SERVER, attrs,
-                                        start_time=clock.ns(rec.start))
-        ctx = trace_api.set_span_in_context(server, Context())
+        _outcome(attrs, rec.status, rec.error)
         for placing in spans.placings:
-            self._placing(placing, ctx, clock, end)
+            self._placing(placing, spans, clock, end_ns)
         for n, attempt in enumerate(spans.attempts, 1):
-            last = n == len(spans.attempts)
-            self._attempt(attempt, n, last, rec, ctx, clock, end)
-        self._end(server, rec.status, rec.error, clock.ns(end), server=True)
+            self._attempt(attempt, n, n == len(spans.attempts), rec, spans, name, clock, end_ns)
+        self._emit(name, spans, spans.span_id, spans.parent_id, SpanKind.SERVER, attrs,
+                   clock.ns(rec.start), end_ns, _status(rec.status, rec.error, server=True),
+                   remote_parent=True)
 
-    def _request_attributes(self, rec: RequestRecord) -> dict:
-        attrs: dict = {
+    def _request_attributes(self, rec: RequestRecord) -> dict[str, Any]:
+        attrs: dict[str, Any] = {
             "router.request.id": rec.id,
             "gen_ai.request.model": _cut(rec.model),
             "gen_ai.usage.input_tokens": rec.prompt_tokens,
@@ -217,41 +232,37 @@ class Tracing:
             attrs["router.ttft_ms"] = round(rec.ttft_ms, 3)
         return attrs
 
-    def _placing(self, placing: Placing, ctx: Context, clock: _Clock, end: float) -> None:
-        attrs: dict = {"router.scheduler.calls": len(placing.calls) + placing.untraced_calls}
-        if placing.worker is not None:
-            attrs.update({"router.worker.id": placing.worker, "router.policy": placing.policy,
-                          "router.fallback": placing.fallback})
-        end_ns = clock.ns(placing.end if placing.end is not None else end)
-        span = self.tracer.start_span("router.place", ctx, SpanKind.INTERNAL, attrs,
-                                      start_time=clock.ns(placing.start))
-        place_ctx = trace_api.set_span_in_context(span, Context())
-        queue: trace_api.Span | None = None
+    def _placing(self, placing: Placing, spans: RequestTrace, clock: _Clock, end_ns: int) -> None:
+        """A placing's scheduler calls (each its decision, or its wait) and its wait in the
+        queue, which holds the calls made while queued (each held until room frees)."""
+        placing_end = clock.ns(placing.end) if placing.end is not None else end_ns
+        queue_id = None
         if placing.queued is not None:
-            queue = self.tracer.start_span("router.queue", place_ctx, SpanKind.INTERNAL,
-                                           start_time=clock.ns(placing.queued))
-        queue_ctx = trace_api.set_span_in_context(queue, Context()) if queue is not None else place_ctx
+            queue_id = new_span_id()
+            held = sum(call.start >= placing.queued for call in placing.calls)
+            attrs: dict[str, Any] = {"router.scheduler.calls": held + placing.untraced_calls}
+            if placing.worker is not None:
+                attrs["router.worker.id"] = placing.worker
+            _outcome(attrs, 0, placing.error)
+            self._emit("router.queue", spans, queue_id, spans.span_id, SpanKind.INTERNAL, attrs,
+                       clock.ns(placing.queued), placing_end, _status(0, placing.error, False))
         for call in placing.calls:
             attrs = {"router.scheduler.wait_ms": call.wait_ms}
             if call.outcome:
                 attrs["router.scheduler.outcome"] = call.outcome
             if call.worker is not None:
-                attrs["router.worker.id"] = call.worker
-            # The calls made while it queued are the queue's: held calls, each waiting for room.
-            queued = placing.queued is not None and call.start >= placing.queued
-            sched = self.tracer.start_span("router.schedule", queue_ctx if queued else place_ctx,
-                                           SpanKind.INTERNAL, attrs, start_time=clock.ns(call.start))
-            self._end(sched, 0, call.error, clock.ns(call.end))
-        if queue is not None:
-            self._end(queue, 0, placing.error, end_ns)
-        self._end(span, 0, placing.error, end_ns)
+                attrs["router.worker.id"], attrs["router.policy"] = call.worker, call.policy
+            _outcome(attrs, 0, call.error)
+            queued = queue_id is not None and placing.queued is not None and call.start >= placing.queued
+            self._emit("router.schedule", spans, new_span_id(), queue_id if queued else spans.span_id,
+                       SpanKind.INTERNAL, attrs, clock.ns(call.start), clock.ns(call.end),
+                       _status(0, call.error, False))
 
-    def _attempt(self, attempt: Attempt, n: int, last: bool, rec: RequestRecord, ctx: Context,
-                 clock: _Clock, end: float) -> None:
+    def _attempt(self, attempt: Attempt, n: int, last: bool, rec: RequestRecord,
+                 spans: RequestTrace, name: str, clock: _Clock, end_ns: int) -> None:
         parts = urlsplit(attempt.url)
-        method = "GET" if rec.method == "WS" else rec.method
-        attrs: dict = {
-            "http.request.method": method,
+        attrs: dict[str, Any] = {
+            "http.request.method": name.split(" ", 1)[0],
             "url.full": _cut(attempt.url),
             "server.address": parts.hostname or "",
             "router.worker.id": attempt.worker,
@@ -259,50 +270,25 @@ class Tracing:
         }
         if parts.port is not None:
             attrs["server.port"] = parts.port
-        self._ids.span_id = attempt.span_id
-        span = self.tracer.start_span(f"{method} {route_of(rec.path)}", ctx, SpanKind.CLIENT, attrs,
-                                      start_time=clock.ns(attempt.start))
-        end_ns = clock.ns(attempt.end if attempt.end is not None else end)
+        events: tuple[Event, ...] = ()
         if attempt.failure is not None:  # before its answer began: retried, or the request failed
-            self._end(span, 0, attempt.failure, end_ns)
+            status, error = 0, attempt.failure
         elif not last:  # a WebSocket moved on to another worker (this one stopped)
-            self._end(span, 0, None, end_ns)
+            status, error = 0, None
         else:  # the answer the client got
-            self._first_token(span, rec, clock, attempt.start)
-            self._end(span, rec.status, rec.error, end_ns)
+            status, error = rec.status, rec.error
+            events = self._first_token(rec, clock, attempt.start)
+        _outcome(attrs, status, error)
+        self._emit(name, spans, attempt.span_id, spans.span_id, SpanKind.CLIENT, attrs,
+                   clock.ns(attempt.start), clock.ns(attempt.end) if attempt.end is not None else end_ns,
+                   _status(status, error, False), events)
 
     @staticmethod
-    def _first_token(span: trace_api.Span, rec: RequestRecord, clock: _Clock, after: float) -> None:
-        if rec.ttft_ms is not None:
-            at = rec.start + rec.ttft_ms / 1000
-            if at >= after:
-                span.add_event("first_token", timestamp=clock.ns(at))
-
-    @staticmethod
-    def _end(span: trace_api.Span, status: int, error: str | None, end_ns: int,
-             server: bool = False) -> None:
-        """Status and error of a span, then its end. A SERVER span's 4xx is the client's error
-        (OpenTelemetry's HTTP conventions leave its status unset; error.type says what it
-        was); its 5xx, or an answer that failed mid-stream (its 200 went out first), is an
-        error, as is any failure of an inner span. A client that left is nobody's failure."""
-        if status:
-            span.set_attribute("http.response.status_code", status)
-        if error:
-            span.set_attribute("error.type", error)
-        if error in _CLIENT_LEFT:
-            failed = False
-        elif server and 400 <= status < 500:
-            failed = False
-        else:
-            failed = bool(error) or status >= 400
-        if failed:
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=end_ns)
-
-    @staticmethod
-    def _context_of(spans: RequestTrace, span_id: int) -> Context:
-        own = SpanContext(spans.trace_id, span_id, is_remote=False, trace_flags=TraceFlags(spans.flags))
-        return trace_api.set_span_in_context(NonRecordingSpan(own), Context())
+    def _first_token(rec: RequestRecord, clock: _Clock, after: float) -> tuple[Event, ...]:
+        if rec.ttft_ms is None:
+            return ()
+        at = rec.start + rec.ttft_ms / 1000
+        return (Event("first_token", timestamp=clock.ns(at)),) if at >= after else ()
 
     # ---- stopping --------------------------------------------------------------------------
     async def close(self, timeout_s: float) -> None:
@@ -315,7 +301,7 @@ class Tracing:
 
         def shutdown() -> None:
             try:
-                self.provider.shutdown()
+                self.processor.shutdown()
             except Exception:
                 log.exception("exporting the last traces failed")
             finally:
