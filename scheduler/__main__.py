@@ -11,6 +11,7 @@ from aiohttp import web
 
 from scheduler.app import build_app
 from scheduler.config import SchedulerConfig, load_scheduler_config
+from scheduler.cordon_file import CordonFileError
 from scheduler.discovery.static import add_static_workers
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
@@ -27,6 +28,10 @@ async def serve(cfg: SchedulerConfig) -> None:
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     service = SchedulerService(cfg)
+    try:  # before anything decides: no request may reach a worker an operator cordoned
+        service.restore_cordons()
+    except CordonFileError as exc:  # fail closed: its workers would be back in rotation
+        raise SystemExit(f"error: {exc}") from None
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
     # Renewed certificates are loaded while it runs (scheduler/tls_reload.py); SIGHUP loads them
@@ -74,6 +79,8 @@ async def serve(cfg: SchedulerConfig) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     await scraper.stop()
     await runner.cleanup()
+    if service.cordon_file is not None:
+        await service.cordon_file.close()  # a change made just before the stop is kept
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -210,13 +210,18 @@ async def delete_worker(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-def _cordon_answer(svc: SchedulerService, worker_id: str, changed: bool) -> web.Response:
+async def _cordon_answer(svc: SchedulerService, worker_id: str, changed: bool) -> web.Response:
+    """The worker's cordon state as the call left it, once the cordon file has every cordon."""
     w = svc.registry.workers.get(worker_id)
     body = {"worker_id": worker_id, **svc.cordons.view(worker_id), "changed": changed,
             # Absent: a cordon kept for an id that left the pool (it applies if the id returns).
             "known": w is not None,
             # What still runs there: the worker is drained once this and its running are 0.
             "in_flight_leases": w.in_flight if w is not None else 0}
+    # Written on a repeat too: a call repeated after a failed write (a full disk since freed)
+    # writes the set again. False: the cordon holds, but a restarted scheduler would not know
+    # it; null: no --cordon-file, kept in memory only.
+    body["persisted"] = await svc.persist_cordons()
     return web.Response(body=_dumps(body), content_type="application/json")
 
 
@@ -241,7 +246,7 @@ async def cordon_worker(request: web.Request) -> web.Response:
         return error_response(404, f"no worker {worker_id!r} (GET /v1/workers lists them)",
                               "worker_id", "worker_not_found")
     changed = svc.cordon(worker_id, reason, by=request.remote) is not None
-    return _cordon_answer(svc, worker_id, changed)
+    return await _cordon_answer(svc, worker_id, changed)
 
 
 async def uncordon_worker(request: web.Request) -> web.Response:
@@ -252,7 +257,7 @@ async def uncordon_worker(request: web.Request) -> web.Response:
         return error_response(404, f"no worker {worker_id!r} and no cordon for it",
                               "worker_id", "worker_not_found")
     changed = svc.uncordon(worker_id, by=request.remote) is not None
-    return _cordon_answer(svc, worker_id, changed)
+    return await _cordon_answer(svc, worker_id, changed)
 
 
 async def worker_failure(request: web.Request) -> web.Response:

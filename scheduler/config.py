@@ -59,6 +59,14 @@ class SchedulerConfig(BaseSettings):
     admin_token: str | None = Field(
         None, description="token operators send (Authorization: Bearer) to cordon and uncordon "
         "workers (POST /v1/workers/{id}/cordon, .../uncordon); unset: those calls are refused (403)")
+    # Why: in memory only, a scheduler that restarted (a crash, an OOM kill) forgot its cordons
+    # and sent traffic to the workers an operator had taken out (scheduler/cordon_file.py).
+    cordon_file: str | None = Field(
+        None, description="JSON file that keeps the cordons across restarts: read at start "
+        "(missing or empty: none; unreadable or corrupt: start-up stops, rather than put cordoned "
+        "workers back in rotation) and rewritten whole after each cordon or uncordon (a temp "
+        "file renamed over it; a write that fails is logged and the cordon holds in memory); "
+        "unset: cordons are kept in memory only")
     # Finite: an infinite TTL went out as the registration answer's heartbeat_interval_s,
     # `Infinity`, which is no JSON.
     registration_ttl_s: float = Field(10.0, gt=0, allow_inf_nan=False,
@@ -203,6 +211,14 @@ class SchedulerConfig(BaseSettings):
     @classmethod
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)
+
+    @field_validator("cordon_file")
+    @classmethod
+    def _optional_path(cls, v: str | None) -> str | None:
+        # Empty is unset: compose and the launchers pass ${VAR:-} through as "".
+        if v is None:
+            return None
+        return v.strip() or None
 
     @field_validator("registration_allowed_networks")
     @classmethod

@@ -6,8 +6,9 @@ worker can serve them.
 
 Kept by worker id, not by WorkerState: a worker that re-registers, or that Kubernetes lists
 again after a blip, comes back as a new WorkerState under the same id and must stay cordoned.
-So a cordon outlives its worker until it is lifted. In memory only: a restarted scheduler
-forgets every cordon.
+So a cordon outlives its worker until it is lifted. In memory, and with --cordon-file in a file
+too (scheduler/cordon_file.py), which a restarted scheduler reads back before it decides
+anything; without one, a restarted scheduler forgets every cordon.
 
 The decision reads it only where its candidates are rebuilt (scheduler/service.py), never per
 request, so the path with no cordon costs nothing more.
@@ -55,6 +56,10 @@ class Cordons:
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.by_id
+
+    def restore(self, cordons: dict[str, Cordon]) -> None:
+        """The cordons read back at start (scheduler/cordon_file.py), before any decision."""
+        self.by_id.update(cordons)
 
     def get(self, worker_id: str) -> Cordon | None:
         return self.by_id.get(worker_id)

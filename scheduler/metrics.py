@@ -132,6 +132,10 @@ class SchedulerMetrics:
                                 "(unknown: released, expired or issued before a restart)", ["outcome"],
                                 registry=r)
         self.failure_reports = Counter("scheduler_failure_reports", "gateway failure reports", registry=r)
+        self.cordon_file_write_failures = Counter(
+            "scheduler_cordon_file_write_failures", "writes of the cordon file (--cordon-file) that "
+            "failed: the cordons then in force hold in memory only until a write succeeds",
+            registry=r)
         r.register(_WorkerCollector(service))
         policy = service.cfg.policy
         # Children resolved once: labels() lookups are not free on the hot path.

@@ -13,8 +13,10 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 
 from scheduler.config import SchedulerConfig
+from scheduler.cordon_file import CordonFile
 from scheduler.cordons import Cordon, Cordons
 from scheduler.fair_share import FlowLedger
 from scheduler.health import HALF_OPEN
@@ -73,6 +75,10 @@ class SchedulerService:
         self.half_open: set[str] = set()
         # Workers an operator took out of rotation (scheduler/cordons.py), by id.
         self.cordons = Cordons()
+        # Where they are kept across restarts (--cordon-file), if anywhere: read by
+        # restore_cordons() at start, written by persist_cordons() after each change.
+        self.cordon_file = (CordonFile(Path(config.cordon_file), self.metrics.cordon_file_write_failures)
+                            if config.cordon_file else None)
         # model -> routable workers serving it; rebuilt lazily after any health or membership
         # change, so a decision does not test every worker's health.
         self._routable: dict[str, list[WorkerState]] = {}
@@ -590,6 +596,23 @@ class SchedulerService:
                  f" by {by}" if by else "", max(0.0, time.time() - cordon.since))
         self.capacity_changed()  # calls held for room may go there now
         return cordon
+
+    def restore_cordons(self) -> int:
+        """Read the cordon file back (before any decision: no request may reach a worker it
+        holds). How many were restored; raises CordonFileError when the file is unusable."""
+        if self.cordon_file is None:
+            return 0
+        restored = self.cordon_file.load()
+        self.cordons.restore(restored)
+        self._routable.clear()
+        return len(restored)
+
+    async def persist_cordons(self) -> bool | None:
+        """Write every cordon to the cordon file: True once written, False when the write failed
+        (the cordons hold in memory all the same), None without a cordon file."""
+        if self.cordon_file is None:
+            return None
+        return await self.cordon_file.save(self.cordons.by_id)
 
     def workers_view(self) -> list[dict]:
         now = time.monotonic()

@@ -107,6 +107,7 @@ def test_a_cordoned_worker_takes_no_new_request_and_uncordoned_it_takes_its_shar
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["cordoned"] is True and body["changed"] is True and body["in_flight_leases"] > 0
+        assert body["persisted"] is None  # no --cordon-file: in memory only
         # Every following request goes to the other worker.
         assert set(_served_by(gu, 12)) == {other}
         # The follow-up still goes where its conversation is stored.
