@@ -6,6 +6,10 @@ gateway: scheduled (scheduler + gateway) and, for reference, the gateway alone i
 round-robin mode (no scheduler). Two shapes: non-stream requests and 16-chunk SSE
 streams, at concurrency 32, plus a concurrency-1 probe for time to first chunk.
 CPU per request comes from /proc/<pid>/stat (utime+stime) deltas of each process.
+With --ab-tracing, one more gateway on the same scheduler exports its OpenTelemetry traces
+(--otlp-traces-endpoint; every request traced unless --tracing-sample-ratio says otherwise)
+to a local OTLP sink (benchmarks/otlp_sink.py): the cost of tracing, against the gateway
+without it, in the same run.
 
     .venv/bin/python -m benchmarks.gateway_overhead --requests 2000 --streams 1000 --json out.json
 """
@@ -222,6 +226,22 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
             ["-m", "router", "--port", str(gport), "--scheduler", surl, *common], logs / "gateway.log"
         )
         procs.append(gw)
+    gw_traced = sink_url = None
+    if sched is not None and args.ab_tracing:
+        # The same gateway with its traces on, sent to a collector stand-in of its own process.
+        sink_port, tport = free_port(), free_port()
+        sink = spawn(["-m", "benchmarks.otlp_sink", "--port", str(sink_port)], logs / "otlp_sink.log")
+        procs.append(sink)
+        sink_url = f"http://127.0.0.1:{sink_port}"
+        await wait_ready(sink_url + "/health", sink)
+        gw_traced = spawn(
+            ["-m", "router", "--port", str(tport), "--scheduler", surl, *common,
+             "--otlp-traces-endpoint", sink_url + "/v1/traces",
+             "--otlp-traces-sample-ratio", str(args.tracing_sample_ratio)],
+            logs / "gateway_traced.log",
+        )
+        procs.append(gw_traced)
+        await wait_ready(f"http://127.0.0.1:{tport}/health", gw_traced)
     gw_http = None
     if sched is not None and args.ab_http_channel:
         # Same scheduler, the gateway's older wire form: HTTP/1.1-pipelined schedule/release.
@@ -252,6 +272,14 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
                 {"gateway": gw.pid, "scheduler": sched.pid},
             )
         )
+    if gw_traced is not None:
+        targets.append(
+            (
+                f"gateway+scheduler, tracing on ({args.tracing_sample_ratio:g})",
+                [f"http://127.0.0.1:{tport}/v1/completions"],
+                {"gateway": gw_traced.pid, "scheduler": sched.pid},
+            )
+        )
     if gw_http is not None:
         targets.append(
             (
@@ -280,7 +308,15 @@ async def _run_targets(args, wurls, wpids, sched, surl, logs, procs) -> list[dic
             res = await run_load(urls, args.probe, 1, True, pids, name)
             runs.append({**res.row(), "shape": "stream16 c=1", "rep": rep})
             print(json.dumps(runs[-1]), flush=True)
-    return _medians(runs)
+    rows = _medians(runs)
+    if sink_url is not None:
+        await asyncio.sleep(6)  # the batch processor's 5 s delay: the last spans come in
+        async with aiohttp.ClientSession() as s, s.get(sink_url + "/stats") as r:
+            sunk = await r.json()
+        # Every request through the traced gateway (warm-ups included) should be there.
+        rows.append({"target": "otlp sink", **sunk})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def _medians(runs: list[dict]) -> list[dict]:
@@ -439,8 +475,8 @@ def print_table(rows: list[dict]) -> None:
         if "n" in r:
             print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     for r in rows:
-        if r.get("target") == "fallback switch":
-            print("fallback switch:", json.dumps(r))
+        if r.get("target") in ("fallback switch", "otlp sink"):
+            print(f"{r['target']}:", json.dumps(r))
 
 
 def main() -> None:
@@ -464,6 +500,13 @@ def main() -> None:
         action="store_true",
         help="also a gateway using HTTP-pipelined scheduler calls instead of the batch channel",
     )
+    ap.add_argument(
+        "--ab-tracing",
+        action="store_true",
+        help="also the gateway with --otlp-traces-endpoint to a local OTLP sink",
+    )
+    ap.add_argument("--tracing-sample-ratio", type=float, default=1.0,
+                    help="with --ab-tracing: its --otlp-traces-sample-ratio (the load sends no traceparent)")
     ap.add_argument("--skip-fallback", action="store_true", help="skip the scheduler kill/restart phase")
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
