@@ -96,6 +96,8 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     worker_service = find(objs, "Service", f"{prefix}-worker")
     assert sched["k8s_port"] in [p["name"] for p in worker_service["spec"]["ports"]]
     check_slice_discovery(sched, worker_service)
+    # Cordons are kept in a file of a writable volume of its pod, read back as it restarts.
+    assert set(cordon_volume(objs, prefix)) & {"emptyDir", "persistentVolumeClaim"}
     # llm_aware with the prefill cap measured for our worker's engine step (off in the code,
     # where the engines' step budget is unknown); kept per policy, so switching policy works.
     assert sched["policy"] == "llm_aware"
@@ -133,6 +135,19 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
     sched_port = find(objs, "Service", f"{prefix}-scheduler")["spec"]["ports"][0]["port"]
     assert gateway["scheduler"] == f"http://{prefix}-scheduler:{sched_port}"
     assert gateway["workers"] == f"http://{prefix}-worker:{worker_service['spec']['ports'][0]['port']}"
+
+
+def cordon_volume(objs: list[dict], prefix: str) -> dict:
+    """The scheduler pod's volume that holds its cordon_file, mounted writable (a read-only or
+    missing one: every write would fail, and a restart forget the cordons)."""
+    path = config_of(objs, prefix, "scheduler")["cordon_file"]
+    pod = find(objs, "Deployment", f"{prefix}-scheduler")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert not mount.get("readOnly") and "subPath" not in mount, mount
+    assert "/" not in path[len(mount["mountPath"].rstrip("/")) + 1:]  # right in it: no directory to create
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
 
 
 def check_slice_discovery(sched_config: dict, worker_service: dict) -> None:
@@ -505,6 +520,29 @@ def test_helm_notes_example_sends_an_api_key_when_the_gateway_wants_one(tmp_path
     out = subprocess.run(["bash", "-c", pick], input="# rotated 2026-11\n\n  sk-one, sk-two\n",
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "sk-one"
+
+
+def test_helm_scheduler_keeps_cordons_in_an_emptydir_or_an_existing_claim():
+    """scheduler.cordonState.existingClaim: the cordon file on a PersistentVolumeClaim, which a
+    new pod finds again (an emptyDir, the default, outlasts a container restart only), written
+    as the image's user through the pod's fsGroup."""
+    default = render(None)
+    assert cordon_volume(default, "prod") == {"name": "state", "emptyDir": {}}
+    assert "securityContext" not in find(default, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]
+    assert cordon_volume(raw_objects(), "llm") == {"name": "state", "emptyDir": {}}
+
+    objs = render({"scheduler": {"cordonState": {"existingClaim": "sched-state"}}})
+    check_cluster(objs, "prod", "llm")
+    claim = {"claimName": "sched-state"}
+    assert cordon_volume(objs, "prod") == {"name": "state", "persistentVolumeClaim": claim}
+    pod = find(objs, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]
+    uid = re.search(r"useradd .*--uid (\d+)", (DEPLOY / "docker" / "Dockerfile").read_text()).group(1)
+    assert pod["securityContext"] == {"fsGroup": int(uid)}
+    assert validate_against_kubernetes_schemas(objs) == len([o for o in objs if o["kind"] not in CRD_KINDS])
+    # The path is the template's, where the volume is mounted: a config that names another
+    # does not move it out.
+    moved = render({"scheduler": {"config": {"cordon_file": "/tmp/elsewhere.json"}}})
+    assert config_of(moved, "prod", "scheduler")["cordon_file"] == "/var/lib/llm-scheduler/cordons.json"
 
 
 def test_helm_scheduler_admin_token_without_its_secret_fails_the_render():

@@ -154,6 +154,22 @@ def test_compose_stop_grace_matches_the_kubernetes_grace():
     assert compared == 3  # worker-0, worker-1, gateway
 
 
+def test_compose_keeps_the_scheduler_cordons_in_a_named_volume_its_user_may_write():
+    """SCHEDULER_CORDON_FILE lies in a named volume (a re-created container finds its cordons
+    again), mounted over a directory the image makes for its user: a new volume takes that
+    directory's owner (one Docker created itself would be root's, and every write fail)."""
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    scheduler = compose["services"]["scheduler"]
+    path = scheduler["environment"]["SCHEDULER_CORDON_FILE"]
+    directory = path.rsplit("/", 1)[0]
+    volumes = dict(v.split(":")[1::-1] for v in scheduler["volumes"])  # target -> source
+    assert volumes[directory] in compose["volumes"]
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert re.search(rf"mkdir -p [^\n]*{re.escape(directory)}\b", dockerfile)
+    assert re.search(rf"chown llm [^\n]*{re.escape(directory)}\b", dockerfile)
+    assert re.search(r"useradd [^\n]* llm\b", dockerfile) and "USER 10001" in dockerfile
+
+
 def test_compose_file_matches_the_compose_spec_schema():
     """The compose-spec JSON schema vendored by check-jsonschema (skips when not installed)."""
     pytest.importorskip("check_jsonschema", reason="check-jsonschema is not installed")
