@@ -4,7 +4,9 @@ that signed nothing the servers trust."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import ssl
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,3 +70,20 @@ def make_pki(d: Path) -> Pki:
     return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
                client_cert=d / "client.pem", client_key=d / "client.key", other_ca=d / "other-ca.pem",
                other_cert=d / "other.pem", other_key=d / "other.key")
+
+
+def der(path: Path) -> bytes:
+    """A PEM certificate file's DER bytes (what a TLS peer is sent)."""
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def not_after(path: Path) -> float:
+    """A certificate file's end, in seconds since the epoch."""
+    return float(ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(path))["notAfter"]))
+
+
+def replace(src: Path, dst: Path) -> None:
+    """As an operator's tooling renews a file: written beside it, renamed over it."""
+    tmp = dst.with_name(dst.name + ".new")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

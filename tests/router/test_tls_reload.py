@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -22,7 +21,7 @@ import httpx
 import pytest
 
 from tests.router.procs import Proc, free_port, start_echo_worker
-from tests.tls_certs import Pki, make_pki, server_cert
+from tests.tls_certs import Pki, der, make_pki, not_after, replace, server_cert
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,20 +40,6 @@ def pki(tmp_path_factory) -> Pki:
 def b_files(pki: Pki) -> tuple[Path, Path]:
     return pki.ca.parent / "server-b.pem", pki.ca.parent / "server-b.key"
 
-
-def der(path: Path) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(path.read_text())
-
-
-def not_after(path: Path) -> float:
-    return float(ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(path))["notAfter"]))
-
-
-def replace(src: Path, dst: Path) -> None:
-    """As an operator's tooling renews a file: written beside it, renamed over it."""
-    tmp = dst.with_name(dst.name + ".new")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 def until(cond: Callable[[], bool], within_s: float = WITHIN_S) -> float:

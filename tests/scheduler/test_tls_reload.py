@@ -33,7 +33,7 @@ from scheduler import file_watch as scheduler_file_watch
 from scheduler import tls as scheduler_tls
 from scheduler import tls_reload as scheduler_tls_reload
 from tests.router.procs import Proc, free_port
-from tests.tls_certs import Pki, make_pki, server_cert
+from tests.tls_certs import Pki, der, make_pki, not_after, replace, server_cert
 
 TWINS = [(scheduler_tls, scheduler_tls_reload), (worker_tls, worker_tls_reload)]
 POLL_S = 0.2
@@ -51,20 +51,6 @@ def pki(tmp_path_factory) -> Pki:
 def files(pki: Pki, name: str) -> tuple[Path, Path]:
     return pki.ca.parent / f"{name}.pem", pki.ca.parent / f"{name}.key"
 
-
-def der(path: Path) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(path.read_text())
-
-
-def not_after(path: Path) -> float:
-    return float(ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(path))["notAfter"]))
-
-
-def replace(src: Path, dst: Path) -> None:
-    """As an operator's tooling renews a file: written beside it, renamed over it."""
-    tmp = dst.with_name(dst.name + ".new")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 def served(port: int, client: tuple[Path, Path] | None = None) -> bytes:
