@@ -30,6 +30,7 @@ scheduler); tests/scheduler/test_tls_reload.py keeps them alike.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import hashlib
@@ -127,7 +128,7 @@ class _Loaded:
     ready: Any  # what apply() puts in force
 
 
-class _Target:
+class _Target(abc.ABC):
     """One context and the files it is loaded from."""
 
     kind: str  # the expiry gauge's `certificate` label
@@ -148,13 +149,13 @@ class _Target:
         """`values`, one for each file, by its option."""
         return dict(zip((option for option, _ in self.files), values, strict=True))
 
+    @abc.abstractmethod
     def load(self) -> _Loaded:
         """In a thread: the files read and checked; raises TlsError."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def apply(self, loaded: _Loaded) -> None:
         """On the event loop: `loaded` in force for new connections."""
-        raise NotImplementedError
 
 
 def _digest(datas: Iterable[bytes]) -> bytes:
