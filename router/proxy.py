@@ -42,6 +42,7 @@ from router.stored_responses import (
 )
 from router.streaming import (
     OVERLOADED,
+    READ_TIMEOUT,
     UPSTREAM_ERRORS,
     RetryElsewhere,
     StreamForwarding,
@@ -121,9 +122,6 @@ MODEL_ENDPOINTS = _POST_ONLY | {
     "/v1/images/generations",
 }
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
-# A worker's answer did not come within the read timeout (aiohttp 3.10 on; 3.9 raised one
-# class for connect and read timeouts alike).
-_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 # A client's X-Request-Id is kept when it is this plain (it is logged and sent on as is).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -746,7 +744,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 # router/upstream_errors.py), and some workers echo the whole prompt in it.
                 data = await (read_bounded(up) if up.status >= 400 else up.read())
                 return up.status, data, up.headers.get("Content-Type", "application/json")
-        except _READ_TIMEOUT as exc:
+        except READ_TIMEOUT as exc:
             raise AnswerTimedOut(repr(exc)) from None
         except UPSTREAM_ERRORS as exc:
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None

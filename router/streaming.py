@@ -25,6 +25,9 @@ from router.upstream_errors import answer_status, read_bounded
 from router.whole_as_sse import sse_of_whole
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+# A worker's answer did not come within the read timeout (aiohttp 3.10 on; 3.9 raised one
+# class for connect and read timeouts alike, and then a connect timeout reads as this too).
+READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 
 
 # A worker's "too many requests": it is up but full (TGI answers 429 "Model is overloaded" past

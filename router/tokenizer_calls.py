@@ -23,7 +23,7 @@ from router.access_log import RequestRecord
 from router.errors import error_response
 from router.fallback import NoWorkerError
 from router.scheduling import Route, Scheduling
-from router.streaming import UPSTREAM_ERRORS, failure_kind
+from router.streaming import READ_TIMEOUT, UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
 
 log = logging.getLogger("router.proxy")
@@ -33,9 +33,6 @@ ATTEMPTS = 3  # the worker picked, then up to two others
 # Answers that say the worker (or a proxy in front of it) cannot serve now, not that the
 # request is wrong: another worker is tried, as for a connection that fails.
 _AWAY = frozenset({502, 503, 504})
-# A worker's answer did not come within the read timeout (aiohttp 3.10 on; 3.9 raised one
-# class for connect and read timeouts alike). A connect timeout is a worker out of reach.
-_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 # A model missing from a cached worker list this old is looked up again before its 404: a
 # worker that just joined with it is found (at most one scheduler call a second for made-up
 # names).
@@ -77,7 +74,7 @@ class TokenizerCalls:
                     status = up.status
                     data = await (read_bounded(up) if status >= 400 else up.read())
                     ctype = up.headers.get("Content-Type", "application/json")
-            except _READ_TIMEOUT:
+            except READ_TIMEOUT:
                 # Not retried: a worker that takes this long on a tokenizer call is hung, and the
                 # client has waited the first-byte timeout already.
                 self.report_failed(route, "timeout")
