@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from scheduler.cordons import Cordon, clean_reason
+from scheduler.cordons import Cordon, clean_reason, iso_utc
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,11 @@ class _Counter(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
 
-def _iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(timespec="microseconds").replace(
-        "+00:00", "Z")
-
-
 def encode(cordons: Mapping[str, Cordon]) -> bytes:
     """The file's bytes for this set (in the order the cordons were made)."""
     body = {"version": VERSION,
-            "cordons": {wid: {"since": _iso(c.since), "reason": c.reason} for wid, c in cordons.items()}}
+            "cordons": {wid: {"since": iso_utc(c.since, "microseconds"), "reason": c.reason}
+                        for wid, c in cordons.items()}}
     return (json.dumps(body, indent=2) + "\n").encode()
 
 

@@ -40,8 +40,10 @@ def clean_reason(value: object) -> str | None:
     return text or None
 
 
-def _iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(timespec="seconds").replace(
+def iso_utc(ts: float, timespec: str = "seconds") -> str:
+    """A wall-clock time as UTC ISO 8601 ending in Z: to the second for operators to read, to
+    the microsecond in the cordon file (scheduler/cordon_file.py), which must give it back."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(timespec=timespec).replace(
         "+00:00", "Z")
 
 
@@ -81,9 +83,9 @@ class Cordons:
         c = self.by_id.get(worker_id)
         if c is None:
             return {"cordoned": False, "cordoned_since": None, "cordon_reason": None}
-        return {"cordoned": True, "cordoned_since": _iso(c.since), "cordon_reason": c.reason}
+        return {"cordoned": True, "cordoned_since": iso_utc(c.since), "cordon_reason": c.reason}
 
     def views(self) -> dict[str, dict]:
         """Every cordon, by id, those of workers that left the pool included (lift them with
         uncordon, or they wait for the id to come back)."""
-        return {wid: {"since": _iso(c.since), "reason": c.reason} for wid, c in self.by_id.items()}
+        return {wid: {"since": iso_utc(c.since), "reason": c.reason} for wid, c in self.by_id.items()}
