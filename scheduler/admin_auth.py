@@ -13,7 +13,7 @@ import json
 
 from aiohttp import web
 
-from scheduler.gateway_auth import Handler, token_matches
+from scheduler.gateway_auth import Handler, require_token
 
 
 def _error(message: str, code: str) -> bytes:
@@ -27,6 +27,11 @@ _REFUSED = _error("invalid or missing admin token (the scheduler's --admin-token
                   "Authorization: Bearer)", "invalid_admin_token")
 
 
+def _refused() -> web.Response:
+    return web.Response(status=401, body=_REFUSED, content_type="application/json",
+                        headers={"WWW-Authenticate": 'Bearer realm="scheduler-admin"'})
+
+
 def require_admin(handler: Handler, token: str | None) -> Handler:
     """`handler` behind the admin token: 403 to every call while none is set, 401 to a call
     without it (before its body is read)."""
@@ -36,15 +41,4 @@ def require_admin(handler: Handler, token: str | None) -> Handler:
 
         disabled.__name__ = getattr(handler, "__name__", "disabled")
         return disabled
-    # aiohttp hands a header byte that is not UTF-8 on as a lone surrogate: surrogatepass on
-    # both sides, as scheduler/gateway_auth.py does, so such a header is a 401, not a 500.
-    expected = token.encode("utf-8", "surrogatepass")
-
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        if not token_matches(request.headers.get("Authorization"), expected):
-            return web.Response(status=401, body=_REFUSED, content_type="application/json",
-                                headers={"WWW-Authenticate": 'Bearer realm="scheduler-admin"'})
-        return await handler(request)
-
-    guarded.__name__ = getattr(handler, "__name__", "guarded")
-    return guarded
+    return require_token(handler, token, _refused)

@@ -48,14 +48,15 @@ def refused() -> web.Response:
                         headers={"WWW-Authenticate": 'Bearer realm="scheduler"'})
 
 
-def require_token(handler: Handler, token: str) -> Handler:
-    """`handler`, answering 401 to a call without the token (before its body is read, and on
-    the channel before the upgrade)."""
+def require_token(handler: Handler, token: str,
+                  refusal: Callable[[], web.Response] = refused) -> Handler:
+    """`handler`, answering `refusal()` (a 401) to a call without the token (before its body is
+    read, and on the channel before the upgrade)."""
     expected = _secret_bytes(token)
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         if not token_matches(request.headers.get("Authorization"), expected):
-            return refused()
+            return refusal()
         return await handler(request)
 
     guarded.__name__ = getattr(handler, "__name__", "guarded")
