@@ -216,8 +216,7 @@ def _drop_registration(service: SchedulerService, url: str, why: str) -> None:
     if w is None or SOURCE not in w.sources:
         return
     log.warning("registration of %s dropped: %s", w.worker_id, why)
-    w.expires_at = None
-    service.remove_worker(w.worker_id, source=SOURCE)
+    deregister(service, w.worker_id)
 
 
 def register(service: SchedulerService, body: object,
