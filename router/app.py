@@ -267,6 +267,7 @@ class Gateway:
                         "url": w.url,
                         "models": sorted(w.models) if w.models else None,
                         "resting_s": max(0.0, w.down_until - time.monotonic()),
+                        "cordoned": w.cordoned,  # the scheduler's last word (a socket there leaves)
                     }
                     for w in self.fallback.workers
                 ],

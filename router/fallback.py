@@ -5,7 +5,8 @@ it is up) plus the static --workers. A worker that fails a request rests for a
 cooldown and then gets traffic again (the next failure sends it back to rest).
 Static workers whose models are unknown are assumed to serve any model. A worker
 the scheduler last listed as cordoned (an operator's maintenance) is kept in the
-list, since stored responses are looked up there, but is not picked.
+list, since stored responses are looked up there, but is not picked; a WebSocket on it leaves
+it at its next request (is_cordoned, router/ws_relay.py), in either mode.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class FallbackRouter:
         self._from_scheduler: list[KnownWorker] = []
         self._by_url: dict[str, KnownWorker] = {w.url: w for w in self._static}
         self._all: list[KnownWorker] = list(self._static)
+        self._cordoned: frozenset[str] = frozenset()
         self._next = 0
 
     @property
@@ -51,7 +53,8 @@ class FallbackRouter:
     def update_from_scheduler(self, views: list[tuple[str, str, list[str]]],
                               cordoned: frozenset[str] = frozenset()) -> None:
         """views: (worker_id, url, models) of the workers the scheduler calls healthy;
-        cordoned: the ids of those an operator cordoned."""
+        cordoned: the ids of the workers an operator cordoned (healthy or not)."""
+        self._cordoned = cordoned
         fresh: list[KnownWorker] = []
         for worker_id, url, models in views:
             url = url.rstrip("/")
@@ -64,6 +67,10 @@ class FallbackRouter:
         urls = {w.url for w in fresh}
         self._all = fresh + [w for w in self._static if w.url not in urls]
         self._by_url = {w.url: w for w in self._all}
+
+    def is_cordoned(self, worker_id: str) -> bool:
+        """Whether the scheduler last listed the worker as cordoned."""
+        return worker_id in self._cordoned
 
     @property
     def static_urls(self) -> list[str]:

@@ -585,7 +585,7 @@ class Scheduling:
         self.down_watch.update((v.worker_id, v.state) for v in views)
         self.worker_views_at = time.monotonic()
         self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy],
-                                            frozenset(v.worker_id for v in healthy if v.cordoned))
+                                            frozenset(v.worker_id for v in views if v.cordoned))
         return True
 
     async def _static_models_loop(self, session: aiohttp.ClientSession) -> None:

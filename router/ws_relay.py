@@ -15,6 +15,14 @@ A cancel is for the request being answered, the oldest unanswered: the worker ge
 that request is in the worker; one that is held here is dropped and answered as the worker
 would (`done`, `cancelled`), since no worker has started it.
 
+A socket stays on its worker to keep its conversation's prefix cache warm there, but not on a
+worker an operator cordoned (scheduler/cordons.py; the gateway learns it from the scheduler's
+worker list, router/fallback.py is_cordoned): a cordon is a drain, and a socket that stayed
+would keep it from ever ending. The socket's next request is held, as a stopping worker's
+refusals are, and once the worker has ended the answers it owes (the request in flight
+finishes there) the socket is moved the same way. A cordoned worker still serves: when no
+other worker can take the socket, it goes back there, pinned, rather than lose its requests.
+
 Each request holds a lease of its own on the socket's worker, from its message to its answer's
 end (router/ws_leases.py; the first one's is the lease the socket was placed with). A worker
 that drops the connection with answers owed is reported, as a stream cut mid-answer is. The
@@ -37,7 +45,7 @@ from aiohttp import WSCloseCode, web
 from router.access_log import RequestRecord
 from router.proxy import Proxy
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
-from router.scheduling import NoWorkerError, Route
+from router.scheduling import NoWorkerError, PinnedWorkerGone, Route
 from router.sse import ROLE_OPENING
 from router.tokens import answers_of, schedule_request_off_loop
 from router.ws_leases import TurnLeases, WsTurn
@@ -96,6 +104,8 @@ class WsRelay:
         # Requests wait in session.pending instead of going upstream: the worker refuses
         # (it is stopping), or the socket is being placed again.
         self.held = False
+        # The socket's worker is cordoned: it moves once the worker owes no answer.
+        self.leaving = False
         # How many of the newest requests in session.pending no worker has (refused, or held).
         self.outside = 0
         self.leases = TurnLeases(proxy, rec)
@@ -125,17 +135,21 @@ class WsRelay:
             self.proxy.tracing.publish_answer(rec.spans, line)
 
     # ---- placing ----------------------------------------------------------------------
-    async def place(self, exclude: list[str]) -> str | None:
-        """Lease a worker for the oldest request owed and connect to it; None, or the error
-        message to send the client."""
+    async def place(self, exclude: list[str], pin: Route | None = None) -> str | None:
+        """Lease a worker for the oldest request owed and connect to it (pin's worker only, when
+        given); None, or the error message to send the client."""
         proxy, rec = self.proxy, self.rec
         owed = self.session.pending
         turn = next((t for t in owed if t.sched_body is not None), None)
         body = turn.sched_body if turn is not None else self.sched_body
+        if pin is not None:  # (the exclude list a placement before this one left is not its)
+            body = {**{k: v for k, v in body.items() if k != "exclude"}, "worker_id": pin.worker_id}
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):
             try:
-                route = await proxy._acquire(rec, body, exclude, deadline, priority=self.priority)
+                route = await proxy._acquire(rec, body, exclude, deadline,
+                                             pinned_url=pin.url if pin is not None else None,
+                                             priority=self.priority)
             except (QueueFull, QueueTimeout) as exc:
                 # Counted as the HTTP path counts them: router_rejected_requests_total missed
                 # every socket refused so.
@@ -144,7 +158,7 @@ class WsRelay:
                 proxy.metrics.rejected.labels(reason).inc()
                 rec.status = 429
                 return ws_error("no worker available, retry later", 429)
-            except (SchedulerError, NoWorkerError) as exc:
+            except (SchedulerError, NoWorkerError, PinnedWorkerGone) as exc:
                 if isinstance(exc, UnknownModelError) or getattr(exc, "unknown_model", False):
                     rec.status = 404
                 elif isinstance(exc, SchedulerRequestError):
@@ -195,9 +209,12 @@ class WsRelay:
         rec.status = 502
         return ws_error("every worker attempt failed", 502)
 
-    async def _move(self) -> bool:
-        """The worker said 1001: the socket goes to another worker with what it still owes."""
+    async def _move(self, leaving: bool = False) -> bool:
+        """The socket goes to another worker with what it still owes: the worker said 1001, or
+        (leaving) it is cordoned and has ended every answer it owed. A cordoned worker still
+        serves: when no other worker can take the socket, it goes back there."""
         self.held = True
+        self.leaving = False  # from here requests sent meanwhile join the move
         old = self.route
         assert old is not None and self.upstream is not None
         await self.upstream.close()
@@ -209,11 +226,18 @@ class WsRelay:
         self.outside = len(pending)
         self.route = self.upstream = None
         status = self.rec.status
-        if await self.place([old.worker_id]) is not None:
+        failed = await self.place([old.worker_id])
+        if failed is not None and leaving:
+            # No other worker can take it now (each is cordoned, down or full): the cordoned
+            # one, as requests pinned there still go, rather than a socket cut.
+            log.info("ws id=%s: no other worker than the cordoned %s can take it now (%s); "
+                     "back to it", self.rec.id, old.worker_id, failed)
+            failed = await self.place([], pin=old)
+        if failed is not None:
             self.rec.status = status  # it was served until now
             return False
-        log.info("ws id=%s moved from %s to %s with %d request(s) owed", self.rec.id,
-                 old.worker_id, self.route.worker_id, len(pending))
+        log.info("ws id=%s moved from %s%s to %s with %d request(s) owed", self.rec.id,
+                 old.worker_id, " (cordoned)" if leaving else "", self.route.worker_id, len(pending))
         while self.outside:  # requests the client sends meanwhile join the end
             turn = pending[len(pending) - self.outside]
             if turn.worker_id != self.route.worker_id:
@@ -238,9 +262,16 @@ class WsRelay:
         return True
 
     async def send_request(self, turn: WsTurn) -> None:
-        self.session.pending.append(turn)
+        pending = self.session.pending
+        pending.append(turn)
+        if not self.held and self.route is not None and self.proxy.sched.fallback.is_cordoned(
+                self.route.worker_id):
+            self.held = self.leaving = True  # cordoned: this request goes to another worker
         if self.held:
             self.outside += 1
+            if self.leaving and len(pending) == self.outside and self.upstream is not None:
+                # The worker owes nothing: the close ends _down's read, and _down moves it.
+                await self.upstream.close()
             return
         assert self.route is not None
         self.leases.bind(turn, self.route)
@@ -326,11 +357,18 @@ class WsRelay:
                     await client.send_str(data)
                     if self.sessions.closing and await self.session.going_away_if_idle():
                         return  # the last answer owed is out: the client reconnects elsewhere
+                    if self.leaving and len(pending) == self.outside:
+                        break  # its worker is cordoned and has answered what it had: move
                 elif msg.type == aiohttp.WSMsgType.BINARY:
                     await client.send_bytes(msg.data)
                 else:
                     break
             if client.closed:
+                return
+            if self.leaving and len(pending) == self.outside:
+                if await self._move(leaving=True):
+                    continue
+                await client.close(code=WSCloseCode.GOING_AWAY, message=b"no worker can take it")
                 return
             if self.upstream.close_code == WSCloseCode.GOING_AWAY and not self.sessions.closing:
                 if await self._move():

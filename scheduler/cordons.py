@@ -1,8 +1,9 @@
 """Workers an operator took out of rotation (POST /v1/workers/{id}/cordon), like `kubectl
 cordon`: a cordoned worker gets no new placement, but it is still scraped and health-tracked,
 its requests in flight finish, and requests pinned to it (a Responses API follow-up whose
-stored state lives only there, a WebSocket's next request) still go there, since no other
-worker can serve them.
+stored state lives only there) still go there, since no other worker can serve them. A WebSocket
+a gateway holds to it is not kept there: its answer under way finishes, and its next request is
+placed afresh on another worker (router/ws_relay.py), so that the drain ends.
 
 Kept by worker id, not by WorkerState: a worker that re-registers, or that Kubernetes lists
 again after a blip, comes back as a new WorkerState under the same id and must stay cordoned.

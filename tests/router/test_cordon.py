@@ -2,15 +2,19 @@
 the scheduler with --admin-token and a gateway. An operator cordons one worker over the HTTP API:
 every following request goes to the other, while the requests under way there finish and a
 Responses API follow-up whose stored response lives there still goes there; with both cordoned
-the client gets a retryable 503; uncordoned, requests spread over both again. And the API's auth:
-401 without the token, 403 from a scheduler that has none."""
+the client gets a retryable 503; uncordoned, requests spread over both again. A WebSocket on a
+cordoned worker finishes the answer it has there and takes its next request to the other one.
+And the API's auth: 401 without the token, 403 from a scheduler that has none."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import httpx
 import pytest
 
@@ -23,6 +27,7 @@ from tests.router.procs import (
     start_sim_workers,
     wait_http,
 )
+from tests.router.stand_ins import open_leases, until
 
 TOKEN = "admin-token-5d2b"
 SHORT = {"model": "m", "prompt": "hello there", "max_tokens": 24, "ignore_eos": True}
@@ -38,11 +43,12 @@ def stack() -> Iterator[dict]:
         urls = [u for _, u in workers]
         s, su = start_scheduler(urls, "--scrape-interval-ms", "100", "--admin-token", TOKEN)
         procs.append(s)
-        g, gu = start_gateway("--scheduler", su)
+        # Its view of the cordons refreshed often: a WebSocket leaves a worker once it knows.
+        g, gu = start_gateway("--scheduler", su, "--workers-refresh-ms", "100")
         procs.append(g)
         _until(lambda: all(w["healthy"] and w["models"] == ["m"] for w in _workers(su).values())
                and len(_workers(su)) == 2, "both workers in rotation")
-        yield {"scheduler": su, "scheduler_proc": s, "gateway": gu, "urls": urls}
+        yield {"scheduler": su, "scheduler_proc": s, "gateway": gu, "gateway_proc": g, "urls": urls}
     finally:
         for p in procs:
             p.stop()
@@ -169,3 +175,110 @@ def test_a_scheduler_without_an_admin_token_refuses_the_admin_api(stack):
         assert not _workers(su)[wid]["cordoned"]
     finally:
         s.stop()
+
+
+def _successes(url: str) -> float:
+    """Requests a worker finished (vllm:request_success_total, every reason)."""
+    return sum(float(line.rsplit(" ", 1)[1])
+               for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def _gateway_knows(gu: str, cordoned: set[str]) -> bool:
+    workers = httpx.get(gu + "/admin/state", timeout=5).json()["fallback_workers"]
+    return len(workers) == 2 and {w["worker_id"] for w in workers if w["cordoned"]} == cordoned
+
+
+async def _answer(ws: aiohttp.ClientWebSocketResponse, tokens: int, first: dict | None = None) -> int:
+    """The rest of one answer on the socket: its chunks (each one token), up to its `done`."""
+    chunks = 0 if first is None else 1
+    while True:
+        msg = await ws.receive(timeout=60)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        m = json.loads(msg.data)
+        assert "error" not in m, m
+        if m.get("type") == "done":
+            assert chunks == tokens, (chunks, tokens)
+            return chunks
+        chunks += 1
+
+
+async def _websocket_through_cordons(stack: dict) -> dict:
+    su, gu = stack["scheduler"], stack["gateway"]
+    by_id = {u.removeprefix("http://"): u for u in stack["urls"]}
+    served = {wid: _successes(u) for wid, u in by_id.items()}
+
+    def served_since() -> dict[str, float]:
+        now = {wid: _successes(u) for wid, u in by_id.items()}
+        out = {wid: now[wid] - served[wid] for wid in now}
+        served.update(now)
+        return out
+
+    def ask(tokens: int) -> str:
+        return json.dumps({"model": "m", "prompt": "ws", "max_tokens": tokens, "ignore_eos": True})
+
+    out: dict = {}
+    async with aiohttp.ClientSession() as session, session.ws_connect(gu + "/v1/ws") as ws:
+        # A long answer under way on the socket's worker, which an operator then cordons.
+        await ws.send_str(ask(400))
+        first = json.loads((await ws.receive(timeout=30)).data)
+        first_worker = await asyncio.to_thread(
+            _until, lambda: next((w for w, v in _workers(su).items() if v["in_flight_leases"]), None),
+            "the socket's request in flight")
+        other = next(w for w in by_id if w != first_worker)
+        assert (await asyncio.to_thread(_admin, su, first_worker, "cordon")).status_code == 200
+        await until(lambda: _gateway_knows(gu, {first_worker}))
+        # The next request, sent while the first streams: held until that answer ends there.
+        await ws.send_str(ask(5))
+        assert _workers(su)[first_worker]["in_flight_leases"] == 1  # the first's, still there
+        out["in_flight"] = await _answer(ws, 400, first)
+        out["next"] = await _answer(ws, 5)
+        out["first_two"] = await asyncio.to_thread(served_since)
+        await ws.send_str(ask(3))  # the socket stays on its new worker
+        out["then"] = await _answer(ws, 3)
+        out["third"] = await asyncio.to_thread(served_since)
+
+        # An idle socket whose worker is cordoned moves at its next request. The first worker
+        # is back in rotation: it goes there.
+        assert (await asyncio.to_thread(_admin, su, first_worker, "uncordon")).status_code == 200
+        assert (await asyncio.to_thread(_admin, su, other, "cordon")).status_code == 200
+        await until(lambda: _gateway_knows(gu, {other}))
+        await ws.send_str(ask(4))
+        out["idle_move"] = await _answer(ws, 4)
+        out["fourth"] = await asyncio.to_thread(served_since)
+
+        # Every worker cordoned: no other can take the socket, and it stays where it is (a
+        # cordoned worker still serves what is pinned to it) rather than lose its request.
+        assert (await asyncio.to_thread(_admin, su, first_worker, "cordon")).status_code == 200
+        await until(lambda: _gateway_knows(gu, {first_worker, other}))
+        await ws.send_str(ask(6))
+        out["nowhere_else"] = await _answer(ws, 6)
+        out["fifth"] = await asyncio.to_thread(served_since)
+        assert not ws.closed
+        await until(lambda: open_leases(su) == 0)  # every answer's lease ended
+    out["first_worker"], out["other"] = first_worker, other
+    return out
+
+
+def test_a_websocket_leaves_a_cordoned_worker_at_its_next_request(stack):
+    """A cordon is a drain: a socket kept there would keep it from ending. The answer in flight
+    finishes on the cordoned worker; the request sent meanwhile is held and placed afresh, on the
+    other worker, whole, and the socket goes on there. A socket that is idle when its worker is
+    cordoned moves at its next request; with every worker cordoned it stays."""
+    su = stack["scheduler"]
+    try:
+        out = asyncio.run(_websocket_through_cordons(stack))
+    finally:
+        for wid in _workers(su):
+            _admin(su, wid, "uncordon")
+    first, other = out["first_worker"], out["other"]
+    assert (out["in_flight"], out["next"], out["then"], out["idle_move"], out["nowhere_else"]) == (
+        400, 5, 3, 4, 6)
+    assert out["first_two"] == {first: 1, other: 1}  # the one in flight there, the next elsewhere
+    assert out["third"] == {first: 0, other: 1}
+    assert out["fourth"] == {first: 1, other: 0}
+    assert out["fifth"] == {first: 1, other: 0}
+    log = stack["gateway_proc"].output()
+    assert f"moved from {first} (cordoned) to {other}" in log
+    assert f"moved from {other} (cordoned) to {first}" in log
+    assert f"no other worker than the cordoned {first} can take it now" in log

@@ -89,6 +89,7 @@ class FakeProxy:
 
         class _Sched:
             leasing = True
+            fallback = SimpleNamespace(is_cordoned=lambda worker_id: False)
 
             async def attach(self, body, bound, flow=""):
                 if proxy.attach_gate is not None:
@@ -109,7 +110,7 @@ class FakeProxy:
         self.issued.append(lease)
         return Route(worker_id, "http://" + worker_id, lease, "p", {})
 
-    async def _acquire(self, rec, body, exclude, deadline, priority=0):
+    async def _acquire(self, rec, body, exclude, deadline, pinned_url=None, priority=0):
         if self.acquire_gate is not None:
             await self.acquire_gate.wait()
         worker = next(w for w in ("A", "B", "C") if w not in exclude)
