@@ -12,9 +12,9 @@
 #      the Responses API and the live /metrics (tests/worker/model_under_test.py);
 #   3. the server tests again in the GPU's default bfloat16, for the record (not gating:
 #      bfloat16 answers may differ between batched and alone);
-#   4. benchmarks.worker_throughput on the GPU in bfloat16 (engine vs static generate) and
-#      benchmarks.engine_profile (where a step's time goes), for SmolLM2's shape; the
-#      throughput again for a 1B Llama shape.
+#   4. benchmarks.worker_throughput on the GPU in bfloat16 (engine vs static generate), with the
+#      decode steps' CUDA graphs and without (--enforce-eager), and benchmarks.engine_profile
+#      (where a step's time goes), for SmolLM2's shape; the throughput again for a 1B Llama shape.
 # Logs and JSON go to $OUT. Exit status: that of the gating steps. SKIP="name ..." leaves steps
 # out (to rerun part of it within the GPU lease).
 set -uo pipefail
@@ -59,7 +59,7 @@ python3 -c "import torch, transformers, sys; print('python', sys.version.split()
 SMALL=$WORK/cuda-check-smollm2-shape
 step stand-in yes timeout 120 python3 -m benchmarks.random_weights --like "$FILES" --out "$SMALL"
 
-TESTS="tests/worker/test_engine_model.py tests/worker/test_server_openai.py
+TESTS="tests/worker/test_decode_graphs.py tests/worker/test_engine_model.py tests/worker/test_server_openai.py
   tests/worker/test_server_responses.py tests/worker/test_metrics_exactness.py"
 # shellcheck disable=SC2086
 step tests-float32 yes env WORKER_TEST_DEVICE="$DEVICE" WORKER_TEST_DTYPE=float32 WORKER_TEST_MODEL="$SMALL" \
@@ -73,6 +73,11 @@ step throughput-smollm2-shape yes timeout 240 python3 -m benchmarks.worker_throu
   --device "$DEVICE" --dtype bfloat16 --concurrency $LEVELS --no-write --json "$OUT/throughput-smollm2-shape.json"
 
 # shellcheck disable=SC2086
+step throughput-smollm2-eager no timeout 240 python3 -m benchmarks.worker_throughput --model "$SMALL" \
+  --device "$DEVICE" --dtype bfloat16 --concurrency $LEVELS --no-write --enforce-eager \
+  --json "$OUT/throughput-smollm2-eager.json"
+
+# shellcheck disable=SC2086
 step profile-smollm2-shape no timeout 120 python3 -m benchmarks.engine_profile --model "$SMALL" \
   --device "$DEVICE" --dtype bfloat16 --concurrency ${LEVELS##* } --top 20
 
@@ -83,5 +88,9 @@ step stand-in-1b yes timeout 180 python3 -m benchmarks.random_weights --like "$F
 # shellcheck disable=SC2086
 step throughput-1b-shape yes timeout 240 python3 -m benchmarks.worker_throughput --model "$BIG" \
   --device "$DEVICE" --dtype bfloat16 --concurrency $LEVELS --no-write --json "$OUT/throughput-1b-shape.json"
+# shellcheck disable=SC2086
+step throughput-1b-eager no timeout 240 python3 -m benchmarks.worker_throughput --model "$BIG" \
+  --device "$DEVICE" --dtype bfloat16 --concurrency $LEVELS --no-write --enforce-eager \
+  --json "$OUT/throughput-1b-eager.json"
 echo "== cuda check: exit $status"
 exit $status

@@ -49,10 +49,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     parser.add_argument("--concurrency", type=int, default=64, help="sequences running at once")
     parser.add_argument("--top", type=int, default=25, help="rows of each table")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the worker's flag)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     c = args.concurrency
-    engine = build_engine(engine_config(args.model, args.device, args.dtype, c)).engine
+    engine = build_engine(engine_config(args.model, args.device, args.dtype, c, args.enforce_eager)).engine
     on_gpu = engine.runner.device.type == "cuda"
     with torch.inference_mode():
         run_steps(engine, make_requests(engine.tokenizer, 4, 99))  # warm-up: first kernels, allocator

@@ -12,10 +12,12 @@ greedy with ignore-eos semantics, so every request yields exactly its max_tokens
 Engine and static alternate per level, so background load on a shared machine hits both.
 
     python -m benchmarks.worker_throughput [--concurrency 1 4 16 64] [--no-write]
-        [--model smollm2] [--device auto] [--dtype auto]
+        [--model smollm2] [--device auto] [--dtype auto] [--enforce-eager]
 
 On a GPU (`--device cuda`, run by benchmarks/cuda_check.sh) both sides run there, and the
 clock reads after each side's work has reached the device (a CUDA launch returns at once).
+There the engine replays decode steps from CUDA graphs, as the worker does; `--enforce-eager`
+measures it without them.
 """
 
 from __future__ import annotations
@@ -128,20 +130,25 @@ def run_static(model, pad_id: int, requests, batch_size: int) -> tuple[float, fl
     return time.perf_counter() - t0, time.process_time() - c0, raw, steps
 
 
-def engine_config(model: str, device: str, dtype: str, max_num_seqs: int) -> WorkerConfig:
+def engine_config(
+    model: str, device: str, dtype: str, max_num_seqs: int, enforce_eager: bool = False
+) -> WorkerConfig:
     """The engine this benchmark measures (engine_profile.py profiles the same one)."""
     return WorkerConfig(
         model=model,
         device=device,
         dtype=dtype,
+        enforce_eager=enforce_eager,
         max_num_seqs=max(max_num_seqs, 1),
         max_num_batched_tokens=2048,
         max_model_len=1024,
     )
 
 
-async def bench(levels: list[int], seed: int, model: str, device: str, dtype: str) -> list[Row]:
-    config = engine_config(model, device, dtype, max(levels))
+async def bench(
+    levels: list[int], seed: int, model: str, device: str, dtype: str, enforce_eager: bool = False
+) -> list[Row]:
+    config = engine_config(model, device, dtype, max(levels), enforce_eager)
     engine = build_engine(config)
     torch_device, torch_dtype = resolve_device_dtype(config.device, config.dtype)
     hf = load_model(config.model, device=str(torch_device), dtype=torch_dtype).hf_model
@@ -180,6 +187,9 @@ async def bench(levels: list[int], seed: int, model: str, device: str, dtype: st
                 f"(raw {row.static_raw_tok_s:.1f}), ratio {row.ratio:.2f}x",
                 flush=True,
             )
+        runner = engine.engine.runner
+        graph_steps = getattr(runner, "num_graph_steps", 0)
+        print(f"engine steps from CUDA graphs: {graph_steps} of {engine.engine.num_model_steps}", flush=True)
     finally:
         await engine.shutdown()
     return rows
@@ -212,13 +222,16 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     parser.add_argument("--no-write", action="store_true", help=f"do not append to {RESULTS.name}")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the worker's flag)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads or default_num_threads())
     if args.threads:  # build_engine sets the thread count too: make it keep ours
         os.environ["WORKER_TORCH_THREADS"] = str(args.threads)
     load0 = os.getloadavg()[0]
-    rows = asyncio.run(bench(args.concurrency, args.seed, args.model, args.device, args.dtype))
+    rows = asyncio.run(
+        bench(args.concurrency, args.seed, args.model, args.device, args.dtype, args.enforce_eager)
+    )
     load1 = os.getloadavg()[0]
     text = table(rows)
     device, dtype = resolve_device_dtype(args.device, args.dtype)

@@ -55,6 +55,11 @@ class WorkerConfig(BaseSettings):
         "prefill-only steps with whole prompts, as vLLM V0 (--max-num-batched-tokens then "
         "defaults to max(--max-model-len, 2048))",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="on CUDA, run every step eagerly (vLLM's flag); default: decode-only steps "
+        "replay CUDA graphs captured at start-up, one per padded batch and context size",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs",
         description="order of the waiting queue (vLLM's flag): fcfs, or priority (a request's "

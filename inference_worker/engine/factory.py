@@ -96,7 +96,14 @@ def build_torch_engine(config: WorkerConfig) -> AsyncEngine:
     )
     model = PagedLlama(loaded.hf_model, num_blocks, config.block_size, device, dtype)
     del loaded  # PagedLlama holds the weights it needs
-    runner = TorchModelRunner(model)
+    runner = TorchModelRunner(model, decode_graphs=device.type == "cuda" and not config.enforce_eager)
+    if runner.decode_graphs is not None:  # every graph now, not at a request's first step
+        try:
+            runner.decode_graphs.capture_all(config.max_num_seqs, max_model_len)
+        except RuntimeError as e:  # a torch or driver that cannot capture: serve, eagerly
+            log.error("decode CUDA graphs could not be captured (%s): every step runs eagerly; "
+                      "--enforce-eager skips the attempt", e)
+            runner.decode_graphs = None
     engine = LLMEngine(
         runner,
         tokenizer,

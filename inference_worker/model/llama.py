@@ -94,8 +94,10 @@ class PagedLlama:
         self._init_rope(hf_model, cfg)
         # The KV pool: per layer, [slots, 2 (K, V), kv_heads, head_dim], slot = block * block_size + offset.
         # K and V side by side: one index_copy_ writes and one index_select gathers both.
-        slots = num_blocks * block_size
-        shape = (self.num_layers, slots, 2, self.num_kv_heads, self.head_dim)
+        # One slot past the blocks is scratch: padded rows of a CUDA-graph step write there
+        # (decode_graphs.py), and no sequence's context ever reads it.
+        self.scratch_slot = num_blocks * block_size
+        shape = (self.num_layers, self.scratch_slot + 1, 2, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         if device.type == "cuda":
             # cuDNN's attention (torch's first choice for bfloat16 on Hopper) costs ~1.2 ms of

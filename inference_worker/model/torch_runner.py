@@ -8,6 +8,7 @@ import torch
 
 from inference_worker.engine.sampler import logprobs_of, rows_logprobs, sample
 from inference_worker.engine.types import SampleLogprobs, ScheduledSequence, StepBatch
+from inference_worker.model.decode_graphs import DecodeGraphs
 from inference_worker.model.llama import AttentionGroup, PagedLlama, StepInputs
 
 # Rows of prompt logits computed at once for prompt logprobs: 256 x a 49k vocabulary is 50 MB.
@@ -17,12 +18,18 @@ PROMPT_LOGITS_SLICE = 256
 class TorchModelRunner:
     """Implements engine.types.ModelRunner over PagedLlama."""
 
-    def __init__(self, model: PagedLlama) -> None:
+    def __init__(self, model: PagedLlama, decode_graphs: bool | None = None) -> None:
+        """decode_graphs: run decode-only steps from CUDA graphs (decode_graphs.py); default on
+        CUDA. True on CPU runs the same padded steps uncaptured (what tests check it with)."""
         self.model = model
         self.block_size = model.block_size
         self.num_kv_blocks = model.num_blocks
         self.device = model.device
         self._arange_bs = torch.arange(self.block_size, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        use_graphs = on_cuda if decode_graphs is None else decode_graphs
+        self.decode_graphs = DecodeGraphs(model, capture=on_cuda) if use_graphs else None
+        self.num_graph_steps = 0  # decode steps run through self.decode_graphs
 
     # ---- batch tensors --------------------------------------------------------------------
     def _context_slots(self, seqs: Sequence[ScheduledSequence], max_ctx: int) -> torch.Tensor:
@@ -130,11 +137,32 @@ class TorchModelRunner:
             seq.prompt_logprobs = found
             at += len(rows)
 
+    # ---- decode steps from graphs -------------------------------------------------------------
+    def _graph_hidden(self, seqs: Sequence[ScheduledSequence]) -> torch.Tensor | None:
+        """Final hidden states of a step where every sequence computes one token and samples the
+        next, from self.decode_graphs; None for any other step (it runs eagerly). Such a token is
+        a decode or a prompt's last token, which has no prompt logprobs to give (_prompt_rows)."""
+        if self.decode_graphs is None or not all(s.num_new_tokens == 1 and s.needs_sample for s in seqs):
+            return None
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in seqs]
+        self.num_graph_steps += 1
+        return self.decode_graphs.run(
+            ids=[s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
+            positions=positions,
+            slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
+            context_lens=[p + 1 for p in positions],
+            block_tables=[list(s.block_table) for s in seqs],
+        )
+
     # ---- ModelRunner ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[int | None]:
         if not batch.sequences:
             return []
+        hidden = self._graph_hidden(batch.sequences)
+        if hidden is not None:
+            return self._sample(batch, list(range(len(batch.sequences))), self.model.logits(hidden))
         inputs, order = self.build_inputs(batch)
         prompt_rows = self._prompt_rows([batch.sequences[i] for i in order])
         if not prompt_rows:
@@ -148,6 +176,10 @@ class TorchModelRunner:
             hidden = self.model.hidden(inputs)
             logits = self.model.logits(hidden[:num_sampled])
             self._prompt_logprobs(hidden[num_sampled:], prompt_rows)
+        return self._sample(batch, order, logits)
+
+    def _sample(self, batch: StepBatch, order: list[int], logits: torch.Tensor) -> list[int | None]:
+        """Tokens for the sequences that sample, from their logits rows (in `order`)."""
         sampled_seqs = [batch.sequences[i] for i in order if batch.sequences[i].needs_sample]
         params = [s.sampling for s in sampled_seqs]
         tokens = sample(

@@ -412,3 +412,25 @@ async def test_async_engine_streams_stops_aborts_and_reports_stats(runner, token
     full_stats = finished[FinishReason.LENGTH]
     assert full_stats.mean_time_per_output_token == pytest.approx(full_stats.decode_time / 23)
     assert logger.logs >= 1  # the periodic log() ran
+
+
+def test_greedy_identical_with_decode_steps_padded_for_graphs(loaded, tokenizer, prompts):
+    """Decode-only steps padded to a graph's bucket (captured on a GPU, run as they are on CPU;
+    decode_graphs.py) give the eager runner's tokens: three sequences padded to four rows, whose
+    contexts cross from the 4- to the 8-block bucket. Block 0 is the first a sequence gets, so a
+    padded row writing anywhere but the scratch slot would change an answer."""
+    eager = TorchModelRunner(PagedLlama(loaded.hf_model, 64, 16, DEVICE, torch.float32), decode_graphs=False)
+    padded = TorchModelRunner(PagedLlama(loaded.hf_model, 64, 16, DEVICE, torch.float32), decode_graphs=True)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)  # 35-38 prompt tokens: past 64
+    results = []
+    for runner in (eager, padded):
+        engine, _ = make_engine(runner, tokenizer, caching=False)
+        for i in range(3):
+            engine.add_request(f"r{i}", prompts[i], params)
+        out = run_all(engine)
+        results.append([out[f"r{i}"] for i in range(3)])
+    assert results[0] == results[1]
+    assert eager.num_graph_steps == 0
+    assert padded.num_graph_steps >= 31  # every step after the prefill
+    assert {b for b, _ in padded.decode_graphs._buckets} == {4}
+    assert {n for _, n in padded.decode_graphs._buckets} >= {4, 8}
