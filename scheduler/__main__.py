@@ -9,10 +9,12 @@ import signal
 
 from aiohttp import web
 
+from scheduler.admin_auth import AdminTokenFile
 from scheduler.app import build_app
 from scheduler.config import SchedulerConfig, load_scheduler_config
 from scheduler.cordon_file import CordonFileError
 from scheduler.discovery.static import add_static_workers
+from scheduler.gateway_auth import TokenRef
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
 from scheduler.tls import TlsError, client_context, scheme, server_context
@@ -32,18 +34,32 @@ async def serve(cfg: SchedulerConfig) -> None:
         service.restore_cordons()
     except CordonFileError as exc:  # fail closed: its workers would be back in rotation
         raise SystemExit(f"error: {exc}") from None
+    admin_token = TokenRef(cfg.admin_token)
+    token_file = AdminTokenFile(cfg.admin_token_file, admin_token) if cfg.admin_token_file else None
+    if token_file is not None:
+        token_file.load()  # a file that holds something else than a token stops start-up here
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
-    # Renewed certificates are loaded while it runs (scheduler/tls_reload.py); SIGHUP loads them
-    # at once, set before the port opens: one sent once /health answers must not end it.
+    # Renewed certificates are loaded while it runs (scheduler/tls_reload.py), and the admin
+    # token file re-read (scheduler/admin_auth.py); SIGHUP does both at once, set before the
+    # port opens: one sent once /health answers must not end it.
     tls = tls_reloader(cfg, server_ssl, [("workers", worker_ssl, cfg.worker_ca_file, "--worker-ca-file")])
     if tls is not None:
         service.metrics.registry.register(tls.collector("scheduler"))
         await tls.start()
         if cfg.ssl_reload_s > 0:
             tasks.append(asyncio.create_task(tls.poll(cfg.ssl_reload_s), name="tls-reload"))
+    if token_file is not None and cfg.admin_token_reload_s > 0:
+        tasks.append(asyncio.create_task(token_file.poll(cfg.admin_token_reload_s),
+                                         name="admin-token-reload"))
+    reloaders = [r for r in (tls, token_file) if r is not None]
+    if reloaders:  # else SIGHUP ends it, as before
+        def on_sighup() -> None:
+            for reloader in reloaders:
+                reloader.on_sighup()
+
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signal.SIGHUP, tls.on_sighup)
+            loop.add_signal_handler(signal.SIGHUP, on_sighup)
     add_static_workers(service, cfg.worker_urls)
     scraper = Scraper(service, ssl_context=worker_ssl)
     await scraper.start()
@@ -53,7 +69,7 @@ async def serve(cfg: SchedulerConfig) -> None:
 
         tasks.append(asyncio.create_task(KubernetesDiscovery(service, cfg).run(), name="k8s"))
     # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
-    runner = web.AppRunner(build_app(service), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(build_app(service, admin_token), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=server_ssl)
     try:

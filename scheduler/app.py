@@ -31,7 +31,7 @@ from scheduler.discovery.registration import (
     deregister,
     resolve_and_register,
 )
-from scheduler.gateway_auth import require_token
+from scheduler.gateway_auth import TokenRef, require_token
 from scheduler.policies import Request
 from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
@@ -299,7 +299,9 @@ async def method_not_allowed(request: web.Request) -> web.Response:
     return error_response(405, message, code="method_not_allowed")
 
 
-def build_app(service: SchedulerService) -> web.Application:
+def build_app(service: SchedulerService, admin_token: TokenRef | None = None) -> web.Application:
+    """admin_token: the admin token in force, replaced while it runs by --admin-token-file's
+    reloads (scheduler/admin_auth.py); by default --admin-token's."""
     # No middleware: it would wrap every call on the hot path. Unknown paths and wrong
     # methods get OpenAI-shaped errors from explicit catch-all routes instead.
     app = web.Application(client_max_size=1 << 20)
@@ -319,12 +321,13 @@ def build_app(service: SchedulerService) -> web.Application:
     token = service.cfg.gateway_token
     if token:
         decisions = [(method, path, require_token(handler, token)) for method, path, handler in decisions]
-    # Operators' calls: only with --admin-token, and refused (403) while none is set.
+    # Operators' calls: only with the admin token, and refused (403) while none is in force.
     admin = [
         ("POST", "/v1/workers/{worker_id}/cordon", cordon_worker),
         ("POST", "/v1/workers/{worker_id}/uncordon", uncordon_worker),
     ]
-    admin_token = service.cfg.admin_token
+    if admin_token is None:
+        admin_token = TokenRef(service.cfg.admin_token)
     admin = [(method, path, require_admin(handler, admin_token)) for method, path, handler in admin]
     routes = [
         *decisions,

@@ -58,7 +58,19 @@ class SchedulerConfig(BaseSettings):
     # a gateway's; fail closed (403) while unset, as an open one would let anyone drain the pool.
     admin_token: str | None = Field(
         None, description="token operators send (Authorization: Bearer) to cordon and uncordon "
-        "workers (POST /v1/workers/{id}/cordon, .../uncordon); unset: those calls are refused (403)")
+        "workers (POST /v1/workers/{id}/cordon, .../uncordon); unset: those calls are refused "
+        "(403). Read at start: to rotate it without a restart, give --admin-token-file instead")
+    # Why a file: an inline token is read once, so rotating it needed a restart
+    # (scheduler/admin_auth.py AdminTokenFile).
+    admin_token_file: str | None = Field(
+        None, description="file holding the admin token (instead of --admin-token; trimmed): read "
+        "at start (missing or empty: no token yet, the admin calls refused until it holds one), "
+        "re-read when it changes (--admin-token-reload-s) and on SIGHUP; a file that then cannot "
+        "be read, is empty or holds no token keeps the token in force and logs an ERROR")
+    admin_token_reload_s: float = Field(
+        5.0, ge=0, allow_inf_nan=False,
+        description="seconds between looks at --admin-token-file (its stat, following symlinks: a "
+        "Kubernetes Secret volume's swap is seen); 0: only on SIGHUP")
     # Why: in memory only, a scheduler that restarted (a crash, an OOM kill) forgot its cordons
     # and sent traffic to the workers an operator had taken out (scheduler/cordon_file.py).
     cordon_file: str | None = Field(
@@ -212,7 +224,7 @@ class SchedulerConfig(BaseSettings):
     def _token(cls, v: str | None) -> str | None:
         return clean_secret(v)
 
-    @field_validator("cordon_file")
+    @field_validator("cordon_file", "admin_token_file")
     @classmethod
     def _optional_path(cls, v: str | None) -> str | None:
         # Empty is unset: compose and the launchers pass ${VAR:-} through as "".
@@ -313,6 +325,9 @@ class SchedulerConfig(BaseSettings):
     def _check(self) -> SchedulerConfig:
         if bool(self.k8s_namespace) != bool(self.k8s_label_selector):
             raise ValueError("k8s_namespace and k8s_label_selector go together")
+        if self.admin_token and self.admin_token_file:
+            # Which would win is a guess either way: a rotated file beaten by a stale inline token.
+            raise ValueError("admin_token and admin_token_file exclude each other: give one")
         problem = options_problem(self)  # e.g. a key without its certificate: not plain HTTP instead
         if problem:
             raise ValueError(problem)

@@ -48,14 +48,31 @@ def refused() -> web.Response:
                         headers={"WWW-Authenticate": 'Bearer realm="scheduler"'})
 
 
-def require_token(handler: Handler, token: str,
+class TokenRef:
+    """The token a guard checks calls against, which may be replaced while the service runs (the
+    admin token re-read from its file, scheduler/admin_auth.py): each call reads the one in force.
+    None: no token."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self, token: str | None = None) -> None:
+        self.expected: bytes | None = None
+        self.set(token)
+
+    def set(self, token: str | None) -> None:
+        self.expected = _secret_bytes(token) if token else None
+
+
+def require_token(handler: Handler, token: str | TokenRef,
                   refusal: Callable[[], web.Response] = refused) -> Handler:
     """`handler`, answering `refusal()` (a 401) to a call without the token (before its body is
-    read, and on the channel before the upgrade)."""
-    expected = _secret_bytes(token)
+    read, and on the channel before the upgrade). A TokenRef's token is the one in force at each
+    call (none in force: every call is refused)."""
+    ref = token if isinstance(token, TokenRef) else TokenRef(token)
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        if not token_matches(request.headers.get("Authorization"), expected):
+        expected = ref.expected
+        if expected is None or not token_matches(request.headers.get("Authorization"), expected):
             return refusal()
         return await handler(request)
 
