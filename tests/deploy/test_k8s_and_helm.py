@@ -268,33 +268,38 @@ def _secret_refs(container: dict) -> dict[str, dict]:
             if "secretKeyRef" in e.get("valueFrom", {})}
 
 
-def _key_file(pod: dict, container: dict) -> dict:
-    """The Secret and key that the file ROUTER_API_KEY_FILE names comes from. The mount is the
-    volume's directory: a subPath mount is never updated, and a rotated key would not reach
-    the gateway."""
-    [path] = [e["value"] for e in container["env"] if e["name"] == "ROUTER_API_KEY_FILE"]
+def _key_file(pod: dict, container: dict, variable: str = "ROUTER_API_KEY_FILE") -> dict:
+    """The Secret and key that the file `variable` names comes from (and whether the volume is
+    optional, when it says). The mount is the volume's directory: a subPath mount is never
+    updated, and a rotated key (or admin token) would not reach the service."""
+    [path] = [e["value"] for e in container["env"] if e["name"] == variable]
     [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
     assert "subPath" not in mount and mount.get("readOnly") is True
     [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     [item] = [i for i in volume["secret"]["items"]
               if i["path"] == path.removeprefix(mount["mountPath"].rstrip("/") + "/")]
-    return {"secretName": volume["secret"]["secretName"], "key": item["key"]}
+    optional = {"optional": volume["secret"]["optional"]} if "optional" in volume["secret"] else {}
+    return {"secretName": volume["secret"]["secretName"], "key": item["key"], **optional}
 
 
 def test_raw_scheduler_and_gateways_read_one_gateway_token():
     """The scheduler's decision API token and the one every gateway sends come from the same
     Secret key, optional on both sides (without the Secret: no token, as before)."""
     objs = raw_objects()
-    [scheduler] = find(objs, "Deployment", "llm-scheduler")["spec"]["template"]["spec"]["containers"]
+    pod = find(objs, "Deployment", "llm-scheduler")["spec"]["template"]["spec"]
+    [scheduler] = pod["containers"]
     [gateway] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
     ref = {"name": "llm-scheduler-auth", "key": "gateway-token", "optional": True}
-    assert _secret_refs(scheduler) == {
-        "SCHEDULER_GATEWAY_TOKEN": ref,
-        "SCHEDULER_ADMIN_TOKEN": {"name": "llm-scheduler-auth", "key": "admin-token", "optional": True}}
+    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
     assert _secret_refs(gateway)["ROUTER_SCHEDULER_TOKEN"] == ref
+    # The admin token: a file of the same Secret's volume, which the kubelet updates and the
+    # scheduler re-reads (rotated without a restart); optional as the variable was.
+    assert _key_file(pod, scheduler, "SCHEDULER_ADMIN_TOKEN_FILE") == {
+        "secretName": "llm-scheduler-auth", "key": "admin-token", "optional": True}
     # Variables each service's config really reads (a Secret from a file: its last newline).
-    assert "gateway_token" in SchedulerConfig.model_fields and "admin_token" in SchedulerConfig.model_fields
+    assert {"gateway_token", "admin_token_file"} <= SchedulerConfig.model_fields.keys()
     assert "scheduler_token" in RouterConfig.model_fields
+    assert "admin_token_file" not in config_of(objs, "llm", "scheduler")  # one source of it
 
 
 # ---------------------------------------------------------------- Helm chart, statically
@@ -483,13 +488,18 @@ def test_helm_scheduler_auth_gives_the_scheduler_and_the_gateways_one_token(monk
     assert SchedulerConfig().gateway_token == RouterConfig(workers="http://w:1").scheduler_token == "tok-1"
     assert validate_against_kubernetes_schemas(objs) > 0
 
-    # And the cordon token, from the same Secret, when asked for.
+    # And the cordon token, from the same Secret, when asked for: a file of its volume, which
+    # the kubelet updates and the scheduler re-reads (rotated without a restart).
     with_admin = render({"scheduler": {"auth": {"secret": "sched-auth", "adminToken": True}}})
-    [scheduler] = find(with_admin, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]["containers"]
-    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref,
-                                       "SCHEDULER_ADMIN_TOKEN": {"name": "sched-auth", "key": "admin-token"}}
-    monkeypatch.setenv("SCHEDULER_ADMIN_TOKEN", "adm-2\n")
-    assert SchedulerConfig().admin_token == "adm-2"
+    check_cluster(with_admin, "prod", "llm")
+    pod = find(with_admin, "Deployment", "prod-scheduler")["spec"]["template"]["spec"]
+    [scheduler] = pod["containers"]
+    assert _secret_refs(scheduler) == {"SCHEDULER_GATEWAY_TOKEN": ref}
+    assert _key_file(pod, scheduler, "SCHEDULER_ADMIN_TOKEN_FILE") == {
+        "secretName": "sched-auth", "key": "admin-token"}
+    [path] = [e["value"] for e in scheduler["env"] if e["name"] == "SCHEDULER_ADMIN_TOKEN_FILE"]
+    monkeypatch.setenv("SCHEDULER_ADMIN_TOKEN_FILE", path)
+    assert SchedulerConfig().admin_token_file == path
     assert validate_against_kubernetes_schemas(with_admin) > 0
 
     # The scheduler's token alone: the gateway reads only that.
