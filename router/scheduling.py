@@ -205,6 +205,8 @@ class Scheduling:
         line = model if pin is None else f"{model}\0{pin}"
         if exclude:
             body["exclude"] = exclude
+        else:  # a body placed before (a retry, a WebSocket's move) keeps no earlier list
+            body.pop("exclude", None)
         if self.queue.fair_share == "tokens":
             # The scheduler keeps the same counters over every replica's traffic and orders the
             # replicas' held calls by them (scheduler/service.py).

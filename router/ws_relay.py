@@ -142,8 +142,8 @@ class WsRelay:
         owed = self.session.pending
         turn = next((t for t in owed if t.sched_body is not None), None)
         body = turn.sched_body if turn is not None else self.sched_body
-        if pin is not None:  # (the exclude list a placement before this one left is not its)
-            body = {**{k: v for k, v in body.items() if k != "exclude"}, "worker_id": pin.worker_id}
+        if pin is not None:
+            body = {**body, "worker_id": pin.worker_id}
         deadline = time.monotonic() + proxy.cfg.queue_timeout_ms / 1000
         for _ in range(proxy.cfg.retry_count + 1):
             try:

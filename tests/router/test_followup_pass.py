@@ -105,3 +105,25 @@ async def test_token_turns_charge_scheduled_routes_and_not_fallback_picks():
     route = await sched.acquire({"model": "made-up", "prompt_tokens": 100}, [], deadline, flow="id:a")
     assert route.fallback and route.charge == 0
     assert set(sched.queue.fair_state()["token_counters"]) == {"m"}
+
+
+class RecordsBodies:
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def schedule_raw(self, body: dict, wait_ms: int) -> tuple[int, dict]:
+        self.bodies.append(dict(body))
+        return 200, {"worker_id": "w1", "url": "http://127.0.0.1:1", "lease_id": "l1"}
+
+
+async def test_a_body_placed_again_asks_with_its_own_exclude_list_only():
+    """A body placed once with workers excluded (a retry) and again with none (a WebSocket
+    moved back to its cordoned worker) must not carry the first call's list into the second:
+    the scheduler would refuse the very worker asked for."""
+    stub = RecordsBodies()
+    sched = scheduling_over(stub)
+    deadline = time.monotonic() + 10
+    body = {"model": "m", "prompt_tokens": 10}
+    await sched.acquire(body, ["w0"], deadline)
+    await sched.acquire(body, [], deadline)
+    assert [b.get("exclude") for b in stub.bodies] == [["w0"], None]
