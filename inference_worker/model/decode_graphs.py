@@ -12,6 +12,11 @@ it is needed (or all at start-up, `capture_all`, as the worker does), and all gr
 memory pool. A step's integers travel to the GPU in one copy into the graph's input buffer;
 the graph gathers each sequence's context slots from its block table and builds its mask itself.
 
+Only buckets of at most as many padded context tokens (batch x context) as the KV pool holds
+get a graph: a step gathers its whole padded context, and a bucket of 256 sequences at a 32k
+context would need more memory than the pool itself, for batches the pool cannot hold anyway.
+A step beyond that runs eagerly.
+
 Padded rows compute token 0 at position 0, attend to slot 0 only (any finite slot would do:
 an all-masked row would give NaN), and write their K/V into a scratch slot past the pool's end
 that no real sequence reads. Real rows are computed as in the eager forward; only the number of
@@ -60,6 +65,7 @@ class DecodeGraphs:
         self.block_size = model.block_size
         self.max_blocks = -(-model.max_position // model.block_size)
         self.scratch_slot = model.scratch_slot
+        self.max_padded_tokens = model.num_blocks * model.block_size  # the pool's slots
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._arange_bs = torch.arange(self.block_size, device=model.device)
@@ -67,6 +73,10 @@ class DecodeGraphs:
     def bucket_of(self, batch: int, max_context: int) -> tuple[int, int]:
         blocks = -(-max_context // self.block_size)
         return next_power_of_two(batch), min(next_power_of_two(blocks), self.max_blocks)
+
+    def has_room(self, batch: int, blocks: int) -> bool:
+        """Whether a bucket's padded context fits the pool's size (module docstring)."""
+        return batch * blocks * self.block_size <= self.max_padded_tokens
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int, max_context: int) -> int:
@@ -79,16 +89,22 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         for b in reversed(batches):
             for n in reversed(blocks):
-                self._bucket(b, n)
-        log.info("decode CUDA graphs: %d captured in %.1f s (batch up to %d, context up to %d tokens)",
-                 len(self._buckets), time.perf_counter() - t0, top_batch, top_blocks * self.block_size)
+                if self.has_room(b, n):
+                    self._bucket(b, n)
+        log.info("decode CUDA graphs: %d captured in %.1f s (batch up to %d, context up to %d "
+                 "tokens, batch x context up to %d)", len(self._buckets), time.perf_counter() - t0,
+                 top_batch, top_blocks * self.block_size, self.max_padded_tokens)
         return len(self._buckets)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Final hidden states [B, hidden] of one decode-only step (one new token per sequence)."""
+            context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
+        """Final hidden states [B, hidden] of one decode-only step (one new token per sequence);
+        None when its bucket is beyond the pool's size (the caller runs it eagerly)."""
         b = len(ids)
-        bucket = self._bucket(*self.bucket_of(b, max(context_lens)))
+        shape = self.bucket_of(b, max(context_lens))
+        if not self.has_room(*shape):
+            return None
+        bucket = self._bucket(*shape)
         pad = bucket.batch - b
         table: list[int] = []
         for t in block_tables:

@@ -146,14 +146,16 @@ class TorchModelRunner:
             return None
         bs = self.block_size
         positions = [s.num_computed_tokens for s in seqs]
-        self.num_graph_steps += 1
-        return self.decode_graphs.run(
+        hidden = self.decode_graphs.run(
             ids=[s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
             positions=positions,
             slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
             context_lens=[p + 1 for p in positions],
             block_tables=[list(s.block_table) for s in seqs],
         )
+        if hidden is not None:
+            self.num_graph_steps += 1
+        return hidden
 
     # ---- ModelRunner ------------------------------------------------------------------------
     @torch.inference_mode()
