@@ -49,9 +49,11 @@ async def serve(cfg: SchedulerConfig) -> None:
         await tls.start()
         if cfg.ssl_reload_s > 0:
             tasks.append(asyncio.create_task(tls.poll(cfg.ssl_reload_s), name="tls-reload"))
-    if token_file is not None and cfg.admin_token_reload_s > 0:
-        tasks.append(asyncio.create_task(token_file.poll(cfg.admin_token_reload_s),
-                                         name="admin-token-reload"))
+    if token_file is not None:
+        service.metrics.registry.register(token_file)  # its metrics: none without a file
+        if cfg.admin_token_reload_s > 0:
+            tasks.append(asyncio.create_task(token_file.poll(cfg.admin_token_reload_s),
+                                             name="admin-token-reload"))
     reloaders = [r for r in (tls, token_file) if r is not None]
     if reloaders:  # else SIGHUP ends it, as before
         def on_sighup() -> None:

@@ -17,6 +17,13 @@ again; never a scheduler whose admin calls nobody can make, nor one left with no
 At start a missing or empty file is no token yet (the calls are refused, 403, until a token
 appears: a Secret's optional key that is not set), and one that holds something else stops
 start-up. The token is never logged.
+
+Metrics (registered only with a file: absent otherwise, as the gateway's key-file ones):
+scheduler_admin_token_reloads_total{result} counts the re-reads, and
+scheduler_admin_token_file_last_read_ok is 0 while the last re-read failed, which a rate of
+failures cannot tell (one is counted per change of the file); the alert
+LLMSchedulerAdminTokenFileUnreadable reads it. A file missing or empty at start is no token yet,
+not a failure.
 """
 
 from __future__ import annotations
@@ -25,16 +32,20 @@ import asyncio
 import errno
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.file_watch import SignalTasks, poll_forever, stat_signature
 from scheduler.gateway_auth import Handler, TokenRef, require_token
 from scheduler.settings_loader import clean_secret
 
 log = logging.getLogger("scheduler.admin")
+
+RESULTS = ("reloaded", "unchanged", "failed")
 
 
 def _error(message: str, code: str) -> bytes:
@@ -134,6 +145,8 @@ class AdminTokenFile:
         self._seen: tuple | None = None  # the stat last handled (None: read at the next look)
         self._lock = asyncio.Lock()  # a SIGHUP and a poll do not apply two reads crosswise
         self._sighup_tasks = SignalTasks()
+        self.counts = dict.fromkeys(RESULTS, 0)  # re-reads by result (start-up's read is not one)
+        self.file_ok = True  # False while the last re-read failed
 
     def load(self) -> None:
         """At start, before the port opens. Missing or empty: no token yet (a WARNING); anything
@@ -173,16 +186,38 @@ class AdminTokenFile:
             self._seen = look.signature
             had = self.token.expected is not None
             if look.token is None:
+                self.file_ok = False
+                self.counts["failed"] += 1
                 problem = look.error or f"--admin-token-file {self.path} is empty"
                 log.error("admin-token-file re-read (%s) failed, %s: %s", why,
                           "the admin token in force is kept" if had
                           else "the admin calls stay refused (no token)", problem)
                 return
+            self.file_ok = True
             before = self.token.expected
             self.token.set(look.token)
             if self.token.expected == before:
+                self.counts["unchanged"] += 1
                 log.log(logging.INFO if force else logging.DEBUG,
                         "admin-token-file re-read (%s): unchanged", why)
                 return
+            self.counts["reloaded"] += 1
             log.info("admin-token-file reloaded (%s): a new admin token from %s is in force",
                      why, self.path)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Read at each scrape of /metrics (registered by the scheduler only with a file)."""
+        reloads = CounterMetricFamily(
+            "scheduler_admin_token_reloads", "Re-reads of --admin-token-file (its stat changed, "
+            "or SIGHUP) by result: reloaded (a new admin token in force), unchanged, failed "
+            "(unreadable, empty or no token: the token in force kept)", labels=["result"])
+        for result in RESULTS:
+            reloads.add_metric([result], self.counts[result])
+        yield reloads
+        ok = GaugeMetricFamily(
+            "scheduler_admin_token_file_last_read_ok",
+            "1 if the last read of --admin-token-file gave a token, 0 if it failed (the admin "
+            "token of the last good read stays in force, or none: a rotation since has not "
+            "taken effect); a file missing or empty at start is no token yet, not a failure")
+        ok.add_metric([], 1.0 if self.file_ok else 0.0)
+        yield ok

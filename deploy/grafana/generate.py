@@ -261,13 +261,18 @@ def router_dashboard() -> dict:
         panel(ts, "Credential reloads", [
             (f"sum by (result) (rate(router_api_key_reloads_total[{RATE}]))", "API keys {{result}}"),
             ("min(router_api_key_file_last_read_ok)", "API key file readable (min over gateways)"),
+            (f"sum by (result) (rate(scheduler_admin_token_reloads_total[{RATE}]))",
+             "Admin token {{result}}"),
+            ("min(scheduler_admin_token_file_last_read_ok)",
+             "Admin token file readable (min over schedulers)"),
             (f"sum by (job, result) (rate(router_tls_reloads_total[{RATE}]) or "
              f"rate(scheduler_tls_reloads_total[{RATE}]) or rate(worker_tls_reloads_total[{RATE}]))",
              "TLS {{job}} {{result}}")], width=12,
-              description="Re-reads of --api-key-file and of the TLS files after they changed (or "
-              "SIGHUP): reloaded, unchanged, failed (the credentials in force are kept; alert "
-              "LLMGatewayApiKeyFileUnreadable for a key file that stays unreadable). Empty without "
-              "a key file or TLS"),
+              description="Re-reads of the gateway's --api-key-file, the scheduler's "
+              "--admin-token-file and the TLS files after they changed (or SIGHUP): reloaded, "
+              "unchanged, failed (the credentials in force are kept; alerts "
+              "LLMGatewayApiKeyFileUnreadable and LLMSchedulerAdminTokenFileUnreadable for a file "
+              "that stays unreadable). Empty without a key file, a token file or TLS"),
     ]
     variables = [variable("model", "model", "label_values(router_requests_total, model)")]
     return dashboard("llm-router", "LLM router", "Gateway traffic, client-side latency, resilience and "

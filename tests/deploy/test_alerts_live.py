@@ -3,7 +3,8 @@ states the local stack test cannot reach (it runs a healthy stack).
 
 A scheduler that knows no worker at all (in Kubernetes: every worker pod not ready, so its
 EndpointSlice has no ready endpoint) exports no scheduler_worker_healthy series; the alert
-"The scheduler has no healthy worker" must still go off there.
+"The scheduler has no healthy worker" must still go off there. A scheduler whose admin token
+file has become unreadable keeps its token and says so on /metrics, which the alert reads.
 """
 
 from __future__ import annotations
@@ -113,3 +114,22 @@ def test_no_worker_alert_goes_off_when_every_worker_is_cordoned(tmp_path):
         active = ("pending", "firing")
         assert wait_until(lambda: rule_state(api, "LLMNoWorkerInRotation") in active, 30, 0.5), \
             rule_state(api, "LLMNoWorkerInRotation")
+
+
+def test_admin_token_file_alert_goes_off_when_the_file_is_emptied(tmp_path):
+    """The alert reads scheduler_admin_token_file_last_read_ok as the real scheduler exposes it:
+    inactive while the file holds a token, pending once a re-read found it empty."""
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("adm-0123456789\n")
+    (sched_port,) = free_ports(1)
+    scheduler = [sys.executable, "-m", "scheduler", "--host", "127.0.0.1", "--port", str(sched_port),
+                 "--admin-token-file", str(token_file), "--admin-token-reload-s", "0.2"]
+    name = "LLMSchedulerAdminTokenFileUnreadable"
+    with process(scheduler, tmp_path / "scheduler.log"), \
+            prometheus_with_shipped_rules({"llm-scheduler": [f"127.0.0.1:{sched_port}"]}, tmp_path) as api:
+        assert wait_until(lambda: scheduler_up(api), 60, 0.5), (tmp_path / "scheduler.log").read_text()
+        assert wait_until(lambda: rule_state(api, name) == "inactive", 30, 0.5), rule_state(api, name)
+        token_file.write_text("")  # a Secret emptied by mistake: the token in force is kept
+        # pending: the expression holds; the rule's `for: 5m` is too long to wait for firing.
+        assert wait_until(lambda: rule_state(api, name) in ("pending", "firing"), 30, 0.5), \
+            (rule_state(api, name), (tmp_path / "scheduler.log").read_text())

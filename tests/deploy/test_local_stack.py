@@ -147,6 +147,9 @@ def test_the_scheduler_wants_the_launchers_token_and_the_gateway_sends_it(stack)
 ONLY_WHEN_CONFIGURED = {
     "router_api_key_file_last_read_ok": "--api-key-file (tests/router/test_key_rotation.py)",
     "router_api_key_reloads_total": "--api-key-file (tests/router/test_key_rotation.py)",
+    "scheduler_admin_token_file_last_read_ok":
+        "--admin-token-file (tests/scheduler/test_admin_token_file.py)",
+    "scheduler_admin_token_reloads_total": "--admin-token-file (tests/scheduler/test_admin_token_file.py)",
     "router_tls_reloads_total": "--ssl-certfile (tests/router/test_tls_reload.py)",
     "scheduler_tls_reloads_total": "--ssl-certfile (tests/scheduler/test_tls_reload.py)",
     "worker_tls_reloads_total": "--ssl-certfile (tests/router/test_tls_reload.py)",
