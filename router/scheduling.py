@@ -123,6 +123,8 @@ class Scheduling:
         self.open_leases: weakref.WeakSet[Route] = weakref.WeakSet()
         self._renewer: asyncio.Task | None = None
         self.worker_views_at = 0.0
+        # The scheduler's list may still lack workers it will learn (it started lately).
+        self.scheduler_learning = False
         metrics.fallback_mode.set(1 if self.fallback_active else 0)
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -576,14 +578,16 @@ class Scheduling:
     async def _refresh_workers(self) -> bool:
         t0 = time.perf_counter()
         try:
-            views = await self.client.workers()
+            listed = await self.client.workers()
         except SchedulerUnavailableError as exc:
             self.metrics.scheduler_errors.labels("workers").inc()
             log.debug("worker list refresh failed: %s", exc)
             return False
         self.metrics.observe_scheduler("workers", time.perf_counter() - t0)
+        views = listed.workers
         healthy = [v for v in views if v.healthy]
         self.worker_views = [v.model_dump() for v in views]
+        self.scheduler_learning = listed.learning
         self.down_watch.update((v.worker_id, v.state) for v in views)
         self.worker_views_at = time.monotonic()
         self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy],

@@ -103,9 +103,11 @@ class StoredResponseCalls:
     def owner_left(self, owner: Owner) -> bool:
         """Whether the worker has left the pool, by the scheduler's last worker list: only one
         read after the worker was last known in the pool with the response tells (an older one
-        may predate its joining), and a static worker or a scheduler away tells nothing."""
+        may predate its joining), and a static worker, a scheduler away or one still learning
+        its pool after a restart (the worker may not have heartbeated yet) tells nothing."""
         sched = self.sched
-        if sched.client is None or sched.down_since is not None or sched.worker_views_at <= owner.in_pool_at:
+        if (sched.client is None or sched.down_since is not None or sched.scheduler_learning
+                or sched.worker_views_at <= owner.in_pool_at):
             return False
         if owner.url in sched.fallback.static_urls:
             return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 import weakref
 
 from aiohttp import web
@@ -178,7 +179,10 @@ async def list_workers(request: web.Request) -> web.Response:
     body = {"policy": svc.policy.name, "policy_params": dataclasses.asdict(svc.policy.p),
             "workers": svc.workers_view(), "fair_share": svc.fair_state(),
             # Every cordon, those of ids no worker has now included (each worker shows its own).
-            "cordons": svc.cordons.views()}
+            "cordons": svc.cordons.views(),
+            # Still learning its pool after a start (scheduler/startup.py): a worker missing
+            # from this list may only not have heartbeated yet.
+            "learning": svc.learning_pool(time.monotonic())}
     return web.Response(body=_dumps(body), content_type="application/json")
 
 

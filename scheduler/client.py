@@ -31,7 +31,7 @@ import aiohttp
 from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
-from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerView
+from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerList
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +233,9 @@ class SchedulerClient:
     def report_failure_nowait(self, worker_id: str, error: str) -> None:
         self._spawn(self.report_failure(worker_id, error))
 
-    async def workers(self) -> list[WorkerView]:
-        """Every worker the scheduler knows (healthy or not). Raises SchedulerUnavailableError."""
+    async def workers(self) -> WorkerList:
+        """Every worker the scheduler knows (healthy or not), and whether it is still learning
+        its pool after a start. Raises SchedulerUnavailableError."""
         session = self._get_session()
         try:
             async with session.get(
@@ -248,7 +249,7 @@ class SchedulerClient:
         if status != 200:
             raise SchedulerUnavailableError(f"scheduler answered {status}: {_error_message(raw)}")
         try:
-            return [WorkerView.model_validate(w) for w in _loads(raw)["workers"]]
+            return WorkerList.model_validate(_loads(raw))
         except (ValueError, KeyError, TypeError) as exc:
             raise SchedulerUnavailableError(f"malformed /v1/workers answer: {exc}") from exc
 

@@ -159,3 +159,11 @@ class WorkerView(BaseModel):
     # An operator cordoned it (scheduler/cordons.py): healthy, yet no new request goes there,
     # not even by the gateway's round robin while the scheduler is away.
     cordoned: bool = False
+
+
+class WorkerList(BaseModel):
+    """GET /v1/workers as the gateway reads it."""
+
+    workers: list[WorkerView]
+    # The scheduler started lately and may not know every worker yet (scheduler/startup.py).
+    learning: bool = False

@@ -200,6 +200,10 @@ class SchedulerService:
         model's."""
         return req.lora if req.lora and req.lora in self.registry.by_model else req.model
 
+    def learning_pool(self, now: float) -> bool:
+        """Whether the pool may still be partly unknown after a start (scheduler/startup.py)."""
+        return self.startup.active(now, self.registry.workers.values())
+
     def decide(self, req: Request, now: float, arrival: float | None = None):
         """A decision dict, a Wait, or UNKNOWN_MODEL. Synchronous and allocation-light.
         arrival: when a held request arrived in its gateway's queue (scheduler/kept_room.py)."""
@@ -227,7 +231,10 @@ class SchedulerService:
             if not cands and req.pin in self.cordons.by_id:
                 cands = self._cordoned_pin(req, key)
             if not cands:
-                gone = req.pin not in self.registry.workers  # and its state with it
+                # Gone, and its state with it; but not while the pool is still being learnt
+                # after a restart (scheduler/startup.py): the worker may just not have
+                # heartbeated yet, and a follow-up told its response is lost would not retry.
+                gone = req.pin not in self.registry.workers and not self.learning_pool(now)
                 return Wait(self._retry_after_ms,
                             "pinned_worker_gone" if gone else "pinned_worker_unavailable")
         if not cands:

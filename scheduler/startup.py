@@ -7,7 +7,9 @@ its workers serve is unknown, and "no such model" (a 404, which OpenAI clients d
 would be wrong for every request in flight across the restart; "no healthy worker" (the
 gateway's 503 no_worker, which they retry) is right. So an unknown model gets the latter until
 the pool is learnt, and at most --startup-grace-s after start: a model that is still unknown
-then is one nobody serves.
+then is one nobody serves. Likewise a request pinned to a worker not known yet (a Responses
+API follow-up, whose stored response lives there) is told its worker is unavailable (503,
+retried), not gone with its response (404 response_lost).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class StartupGrace:
         self.pending.discard(source)
 
     def active(self, now: float, workers: Iterable[_Worker]) -> bool:
-        """Whether the pool may still be partly unknown (read on the unknown-model path only)."""
+        """Whether the pool may still be partly unknown (read on the unknown-model and
+        unknown-pinned-worker paths only)."""
         if self.over:
             return False
         if now >= self.until:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from scheduler.protocol import WorkerList
 from tests.router.procs import series_value, start_echo_worker, start_gateway, start_scheduler
 from tests.router.test_followup_pass import scheduling_over
 
@@ -64,8 +65,8 @@ class Renewals:
     def release_nowait(self, rel: dict) -> None:
         pass
 
-    async def workers(self) -> list:
-        return []
+    async def workers(self) -> WorkerList:
+        return WorkerList(workers=[])
 
 
 async def test_only_leases_whose_request_still_holds_its_route_are_renewed():

@@ -30,7 +30,16 @@ import httpx
 import pytest
 from openai.types.responses import ResponseErrorEvent
 
-from tests.router.procs import Proc, series_value, start_gateway, start_scheduler, start_sim_worker, wait_http
+from tests.router.procs import (
+    Proc,
+    free_port,
+    series_value,
+    start_gateway,
+    start_scheduler,
+    start_sim_worker,
+    start_sim_workers,
+    wait_http,
+)
 
 TOKEN = "registration-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -50,8 +59,11 @@ def pool() -> Iterator[Pool]:
     """A scheduler with no worker of its own (each test registers its one worker, and takes it
     out when done), workers found down after a second of silence, and a gateway that reads the
     worker list every 200 ms."""
+    # --startup-grace-s 0: a scheduler long up, that knows its pool (for 30 s after a start a
+    # worker missing from its list may not have heartbeated yet: the last test).
     s, su = start_scheduler([], "--scrape-interval-ms", "100", "--dead-after-ms", "1000",
-                            "--registration-token", TOKEN, "--registration-ttl-s", "600")
+                            "--registration-token", TOKEN, "--registration-ttl-s", "600",
+                            "--startup-grace-s", "0")
     try:
         g, gu = start_gateway("--scheduler", su, "--workers-refresh-ms", "200", "--debug-headers")
         try:
@@ -259,3 +271,61 @@ def test_calls_on_a_hung_worker_s_response_end_once_the_scheduler_finds_it_down(
             assert time.monotonic() - t0 < 20
         finally:
             os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_a_follow_up_across_a_scheduler_restart_waits_for_its_worker_to_register_again():
+    """A restarted scheduler learns its registered workers anew, at their next heartbeats. A
+    follow-up of a response stored on a worker that has not registered again yet (another one
+    has) gets 503 worker_unavailable, which clients retry, not 404 response_lost: the scheduler
+    says it is still learning its pool (GET /v1/workers `learning`) and the gateway takes a
+    worker missing from its list then as unknown, not gone. Once it registers, it is served."""
+    port = free_port()
+    args = ("--scrape-interval-ms", "100", "--registration-token", TOKEN, "--registration-ttl-s", "600")
+    s, su = start_scheduler([], *args, port=port)
+    (a, ua), (b, ub) = start_sim_workers(2, "m")
+    g = None
+
+    def register(url: str) -> str:
+        r = httpx.post(su + "/v1/workers", headers=AUTH, timeout=10,
+                       json={"url": url, "models": ["m"], "engine": "vllm"})
+        assert r.status_code == 201, r.text
+        return r.json()["worker_id"]
+
+    def scheduled(gw: str) -> bool:
+        return series_value(gw, "router_fallback_mode") == 0 and httpx.get(
+            su + "/v1/workers", timeout=10).json()["workers"] != []
+
+    try:
+        a_id = register(ua)
+        g, gw = start_gateway("--scheduler", su, "--workers-refresh-ms", "200", "--debug-headers")
+        deadline = time.monotonic() + 30
+        while not scheduled(gw):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        response_id, worker = _finished(gw)
+        assert worker == a_id
+        register(ub)
+        s.stop()
+        s, su = start_scheduler([], *args, port=port)
+        b_id = register(ub)  # b heartbeats first; a has not yet
+        assert httpx.get(su + "/v1/workers", timeout=10).json()["learning"] is True
+        deadline = time.monotonic() + 30
+        while not scheduled(gw):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few more worker-list reads: each one lacks a
+        assert _finished(gw)[1] == b_id  # new requests are served meanwhile
+        _unavailable(_follow_up(gw, response_id), a_id)
+        assert register(ua) == a_id  # the same id again: its stored responses with it
+        deadline = time.monotonic() + 30
+        while (r := _follow_up(gw, response_id)).status_code != 200:
+            _unavailable(r, a_id)
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert r.headers["x-router-worker"] == a_id
+    finally:
+        if g is not None:
+            g.stop()
+        s.stop()
+        a.stop()
+        b.stop()
