@@ -10,7 +10,7 @@ Why a file: a token given inline is read once, so rotating it (a leaked token, a
 needed a restart. --admin-token-file is read at start and re-read while the scheduler runs, as
 the gateway re-reads its API-key file (router/key_reload.py): its stat is looked at every
 --admin-token-reload-s, following symlinks (a Kubernetes Secret volume's `..data` swap is seen;
-scheduler/file_watch.py), and it is re-read at once on SIGHUP. The new token takes effect for
+scheduler/secret_file.py), and it is re-read at once on SIGHUP. The new token takes effect for
 the calls that arrive from then on. Fail safe: a file that cannot be read, is empty or holds no
 token (a control character in it) keeps the token in force and logs one ERROR, until it changes
 again; never a scheduler whose admin calls nobody can make, nor one left with no token at all.
@@ -28,19 +28,17 @@ not a failure.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from scheduler.file_watch import SignalTasks, poll_forever, stat_signature
 from scheduler.gateway_auth import Handler, TokenRef, require_token
+from scheduler.secret_file import FileLook, WatchedSecretFile
 from scheduler.settings_loader import clean_secret
 
 log = logging.getLogger("scheduler.admin")
@@ -104,106 +102,62 @@ def read_token_file(path: str) -> str | None:
         raise TokenFileError(f"--admin-token-file {path} holds no token: {reason}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class _Look:
-    """What one look at the file found."""
-
-    signature: tuple  # the stat's identity, or the error that stopped the stat
-    read: bool = False  # False: not read (the stat had not changed), or `error`
-    token: str | None = None  # what it holds (None: empty)
-    error: TokenFileError | None = None
-    settled: bool = True  # False: the file changed while it was read
-
-
-def _look(path: str, seen: tuple | None, force: bool) -> _Look:
-    """Runs in a thread: the stat, and the read when the stat changed (or `force`)."""
-    try:
-        before = stat_signature(path)
-    except OSError as exc:
-        return _Look(("error", exc.errno), error=TokenFileError(
-            f"cannot read --admin-token-file {path}: {exc.strerror or exc}",
-            missing=exc.errno == errno.ENOENT))
-    if before == seen and not force:
-        return _Look(before)
-    try:
-        token = read_token_file(path)
-    except TokenFileError as exc:
-        return _Look(before, error=exc)
-    try:
-        after: tuple | None = stat_signature(path)
-    except OSError:
-        after = None
-    return _Look(before, True, token, settled=after == before)
-
-
-class AdminTokenFile:
+class AdminTokenFile(WatchedSecretFile[str | None]):
     """Keeps `token` on the file's latest good token."""
 
+    kind = "admin-token-file"
+    read_error = TokenFileError
+
     def __init__(self, path: str, token: TokenRef) -> None:
-        self.path = path
+        super().__init__(path, log)
         self.token = token
-        self._seen: tuple | None = None  # the stat last handled (None: read at the next look)
-        self._lock = asyncio.Lock()  # a SIGHUP and a poll do not apply two reads crosswise
-        self._sighup_tasks = SignalTasks()
         self.counts = dict.fromkeys(RESULTS, 0)  # re-reads by result (start-up's read is not one)
         self.file_ok = True  # False while the last re-read failed
+
+    def read_value(self) -> str | None:
+        return read_token_file(self.path)
+
+    def unreadable(self, exc: OSError) -> Exception:
+        return TokenFileError(f"cannot read --admin-token-file {self.path}: {exc.strerror or exc}",
+                              missing=exc.errno == errno.ENOENT)
 
     def load(self) -> None:
         """At start, before the port opens. Missing or empty: no token yet (a WARNING); anything
         else that is no token stops start-up."""
-        look = _look(self.path, None, True)
-        if look.error is not None and not look.error.missing:
-            raise SystemExit(f"error: {look.error}")
-        if look.settled:
-            self._seen = look.signature  # else the first poll reads it again
-        self.token.set(look.token)
-        if look.token is None:
+        look = self.look(force=True)
+        error = look.error
+        if isinstance(error, TokenFileError) and not error.missing:
+            raise SystemExit(f"error: {error}")
+        self.handled(look)  # else the first poll reads it again
+        self.token.set(look.value)
+        if look.value is None:
             log.warning("--admin-token-file %s %s: the admin calls (cordon, uncordon) are refused "
                         "until it holds a token", self.path,
-                        "is missing" if look.error is not None else "is empty")
+                        "is missing" if error is not None else "is empty")
         else:
             log.info("admin token read from %s", self.path)
 
-    async def poll(self, period_s: float) -> None:
-        """Until cancelled: a look every `period_s`."""
-        await poll_forever(period_s, lambda: self.check(force=False, why="file changed"), log,
-                           "admin-token-file")
-
-    def on_sighup(self) -> None:
-        self._sighup_tasks.spawn(self.check(force=True, why="SIGHUP"))
-
-    async def check(self, force: bool, why: str) -> None:
-        async with self._lock:
-            look = await asyncio.to_thread(_look, self.path, self._seen, force)
-            if look.signature == self._seen and not force:
-                return
-            if look.read and not look.settled:
-                # Being written: left as not seen, so the next poll reads it again.
-                log.log(logging.INFO if force else logging.DEBUG,
-                        "admin-token-file %s changed while it was read (%s): read again at the "
-                        "next poll", self.path, why)
-                return
-            self._seen = look.signature
-            had = self.token.expected is not None
-            if look.token is None:
-                self.file_ok = False
-                self.counts["failed"] += 1
-                problem = look.error or f"--admin-token-file {self.path} is empty"
-                log.error("admin-token-file re-read (%s) failed, %s: %s", why,
-                          "the admin token in force is kept" if had
-                          else "the admin calls stay refused (no token)", problem)
-                return
-            self.file_ok = True
-            before = self.token.expected
-            self.token.set(look.token)
-            if self.token.expected == before:
-                self.counts["unchanged"] += 1
-                log.log(logging.INFO if force else logging.DEBUG,
-                        "admin-token-file re-read (%s): unchanged", why)
-                return
-            self.counts["reloaded"] += 1
-            log.info("admin-token-file reloaded (%s): a new admin token from %s is in force",
-                     why, self.path)
+    def apply(self, look: FileLook[str | None], why: str, force: bool) -> None:
+        had = self.token.expected is not None
+        if look.value is None:
+            self.file_ok = False
+            self.counts["failed"] += 1
+            problem = look.error or f"--admin-token-file {self.path} is empty"
+            log.error("admin-token-file re-read (%s) failed, %s: %s", why,
+                      "the admin token in force is kept" if had
+                      else "the admin calls stay refused (no token)", problem)
+            return
+        self.file_ok = True
+        before = self.token.expected
+        self.token.set(look.value)
+        if self.token.expected == before:
+            self.counts["unchanged"] += 1
+            log.log(logging.INFO if force else logging.DEBUG,
+                    "admin-token-file re-read (%s): unchanged", why)
+            return
+        self.counts["reloaded"] += 1
+        log.info("admin-token-file reloaded (%s): a new admin token from %s is in force",
+                 why, self.path)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Read at each scrape of /metrics (registered by the scheduler only with a file)."""
