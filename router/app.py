@@ -364,7 +364,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         await site.start()
         if cfg.allow_metrics and cfg.metrics_port is not None:
             port = cfg.metrics_port
-            mrunner = web.AppRunner(build_metrics_app(gw), access_log=None)
+            mrunner = OpenAIErrorAppRunner(build_metrics_app(gw), access_log=None)
             runners.append(mrunner)
             await mrunner.setup()
             # In TLS as well: a scraper's --admin-token must not cross the network in clear.

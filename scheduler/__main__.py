@@ -10,11 +10,12 @@ import signal
 from aiohttp import web
 
 from scheduler.admin_auth import AdminTokenFile
-from scheduler.app import build_app
+from scheduler.app import build_app, connection_error
 from scheduler.config import SchedulerConfig, load_scheduler_config
 from scheduler.cordon_file import CordonFileError
 from scheduler.discovery.static import add_static_workers
 from scheduler.gateway_auth import TokenRef
+from scheduler.http_errors import OpenAIErrorAppRunner
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
 from scheduler.tls import TlsError, client_context, scheme, server_context
@@ -71,7 +72,10 @@ async def serve(cfg: SchedulerConfig) -> None:
 
         tasks.append(asyncio.create_task(KubernetesDiscovery(service, cfg).run(), name="k8s"))
     # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
-    runner = web.AppRunner(build_app(service, admin_token), access_log=None, handler_cancellation=True)
+    # Malformed HTTP (a URL or header over 8 KiB, a bad method) in the OpenAI error shape.
+    runner = OpenAIErrorAppRunner(build_app(service, admin_token), answer=connection_error,
+                                  log=logging.getLogger("scheduler.http"), access_log=None,
+                                  handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=server_ssl)
     try:

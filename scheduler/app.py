@@ -59,6 +59,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                         content_type="application/json")
 
 
+def connection_error(status: int, message: str, type_: str) -> web.Response:
+    """What aiohttp would answer in plain text outside any route (scheduler/http_errors.py)."""
+    return error_response(status, message, code="malformed_http_request" if status < 500 else None,
+                          type_=type_)
+
+
 async def read_body(request: web.Request) -> bytes:
     """The request body; one that cannot be decoded (a Content-Encoding that lies) is the
     client's error, answered 400 in the usual shape (raised: aiohttp sends an HTTPException

@@ -10,9 +10,11 @@ import asyncio
 import collections
 import itertools
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -276,6 +278,44 @@ def test_bad_input_gets_openai_errors(cluster):
         assert json.loads(err.value.read())["error"]["code"] == "invalid_body", path
     time.sleep(0.2)  # aiohttp would log the body's error after the answer
     assert "Traceback" not in cluster["sched"].tail()
+
+
+def _raw_exchange(port: int, raw: bytes) -> tuple[bytes, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(raw)
+        answer = b""
+        while chunk := s.recv(65536):  # the scheduler closes after a request it could not parse
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_what_aiohttp_answers_outside_any_route_is_openai_shaped_and_no_traceback(cluster):
+    """A request aiohttp's parser refuses (a URL or a header over 8 KiB, a bad method, a
+    Content-Length that is no number) was answered in plain text ("Got more than 8190 bytes
+    when reading ...") with an ERROR and a traceback in the log."""
+    base = cluster["base"]
+    port = int(base.rsplit(":", 1)[1])
+    log = Path(cluster["sched"].log.name)
+    seen = len(log.read_bytes())
+    for raw, reason in (
+        (b"GET /v1/workers/" + b"a" * 9000 + b"/cordon HTTP/1.1\r\nHost: x\r\n\r\n",
+         "Got more than 8190 bytes"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"x" * 9000 + b"\r\n\r\n",
+         "Got more than 8190 bytes"),
+        (b"POST /v1/schedule HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+         "Invalid character in Content-Length"),
+        (b"FOO /v1/schedule HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid method encountered"),
+    ):
+        head, body = _raw_exchange(port, raw)
+        assert head.startswith(b"HTTP/1.0 400") and b"content-type: application/json" in head.lower(), head
+        error = json.loads(body)["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_http_request"), error
+        assert error["message"].startswith(f"malformed HTTP request: {reason}"), error
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    text = log.read_bytes()[seen:].decode(errors="replace")
+    assert "Traceback" not in text and "ERROR" not in text, text
+    assert text.count("WARNING scheduler.http: malformed HTTP request from 127.0.0.1") == 3, text
 
 
 async def test_bad_registration_and_failure_bodies_are_4xx_and_leave_the_api_working():

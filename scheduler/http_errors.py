@@ -1,0 +1,89 @@
+"""The OpenAI error shape, and one log line, for what aiohttp answers or logs outside any route.
+
+aiohttp's HTTP parser refuses a request it cannot read (a bad request line, a URL or header over
+the limit, broken chunking, a Content-Length that is no number) and answers it itself, in plain
+text ("Invalid method encountered: ..."), logging an ERROR with a traceback. A client of an
+OpenAI API reads `{"error": {...}}` from every 4xx and 5xx, and on a service anyone can reach that
+log is noise whoever scans it controls. Here these get the JSON every other 4xx has, and one
+WARNING line.
+
+The scheduler's API and the gateway (router/http_errors.py) share this; each says how its
+errors are written. The worker has its own copy: it stands alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_server import Server
+
+# (status, message, OpenAI error type) -> the answer, in the service's own error body.
+ErrorAnswer = Callable[[int, str, str], web.Response]
+
+
+class OpenAIErrorRequestHandler(RequestHandler):
+    """A connection's handler; how it answers and where it logs are its server's (below),
+    kept here: the handler outlives its link to the server once the connection is lost."""
+
+    __slots__ = ("_openai_answer", "_openai_log")
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError) and status < 500:
+            # The parser's message goes on to echo the refused bytes under a caret: the first
+            # line says what was wrong.
+            reason = (str(message or exc.message).splitlines() or [""])[0].rstrip(": ")
+            # TLS or another protocol on the HTTP port: aiohttp, too, keeps that out of the log.
+            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.WARNING
+            self._openai_log.log(level, "malformed HTTP request from %s: %s", request.remote, reason)
+            resp = self._openai_answer(status, f"malformed HTTP request: {reason}", "invalid_request_error")
+        else:
+            # An exception no handler caught: aiohttp logs it with its traceback, and raises when
+            # a response had started (then there is nothing left to send).
+            super().handle_error(request, status, exc, message)
+            resp = self._openai_answer(status, "internal server error", "server_error")
+        resp.force_close()  # after a parse error the rest of the stream is unreadable
+        return resp
+
+
+class _OpenAIErrorServer(Server):
+    openai_answer: ErrorAnswer
+    openai_log: logging.Logger
+
+    def __call__(self) -> RequestHandler:
+        handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler._openai_answer, handler._openai_log = self.openai_answer, self.openai_log
+        return handler
+
+
+class OpenAIErrorAppRunner(web.AppRunner):
+    """An AppRunner whose connections answer in the OpenAI error shape (see the module):
+    `answer` writes the service's error body, `log` takes the WARNING lines."""
+
+    def __init__(self, app: web.Application, *, answer: ErrorAnswer, log: logging.Logger,
+                 **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._openai_answer = answer
+        self._openai_log = log
+
+    async def _make_server(self) -> Server:
+        # aiohttp has no setting for the protocol class; the server it builds is re-classed to
+        # one that only differs in the handler it makes. tests/router and tests/scheduler pin
+        # the answers, so an aiohttp that builds servers otherwise fails there, not in front of
+        # a client.
+        server = await super()._make_server()
+        server.__class__ = _OpenAIErrorServer
+        server.openai_answer = self._openai_answer
+        server.openai_log = self._openai_log
+        return server
