@@ -7,6 +7,12 @@ OpenAI API reads `{"error": {...}}` from every 4xx and 5xx, and on a service any
 log is noise whoever scans it controls. Here these get the JSON every other 4xx has, and one
 WARNING line.
 
+The same goes for a body whose Content-Encoding lies (garbage sent as gzip or zstd) on a route
+that never reads its body (a GET, a 404, a 405, a refused token, a cancel): aiohttp reads what
+is left of it after the answer, meets the decoding error and logged it as an ERROR "Unhandled
+exception" with three chained tracebacks. The answer was right; that is now one WARNING line.
+(A route that reads the body answers such a body itself, with a 400 `invalid_body`.)
+
 The scheduler's API and the gateway (router/http_errors.py) share this; each says how its
 errors are written. The worker has its own copy: it stands alone.
 """
@@ -55,6 +61,18 @@ class OpenAIErrorRequestHandler(RequestHandler):
             resp = self._openai_answer(status, "internal server error", "server_error")
         resp.force_close()  # after a parse error the rest of the stream is unreadable
         return resp
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError):
+            # What is left of a body no route read, drained after its answer (see the module);
+            # aiohttp closes the connection after it.
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            reason = (str(exc).splitlines() or [""])[-1].strip()
+            self._openai_log.warning("unreadable request body from %s: %s",
+                                     peer[0] if isinstance(peer, tuple) else peer, reason)
+            return
+        super().log_exception(*args, **kw)
 
 
 class _OpenAIErrorServer(Server):

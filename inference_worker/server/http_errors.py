@@ -4,12 +4,14 @@ aiohttp's HTTP parser refuses a request it cannot read (a bad request line, a he
 limit, broken chunking, a Content-Length that is no number) and answers it itself, in plain text,
 logging an ERROR with a traceback. `error_middleware` never sees these. Here they get the JSON
 every other 4xx has, and one WARNING line: what a scanner sends is not the worker's error.
-(The gateway has its own copy: the worker stands alone.)
+So does a body whose Content-Encoding lies on a route that never reads it (log_exception).
+(The gateway and the scheduler share scheduler/http_errors.py: the worker stands alone.)
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
@@ -47,6 +49,20 @@ class OpenAIErrorRequestHandler(RequestHandler):
         resp = web.json_response(error_body(text, kind, code=code), status=status)
         resp.force_close()  # after a parse error the rest of the stream is unreadable
         return resp
+
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError):
+            # A body no route read (a GET, a 404, a cancel) whose Content-Encoding lies: aiohttp
+            # drains it after the answer, meets the decoding error and logged an ERROR with three
+            # chained tracebacks. The answer was right; one WARNING line (the connection closes).
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            reason = (str(exc).splitlines() or [""])[-1].strip()
+            logger.warning("unreadable request body from %s: %s",
+                           peer[0] if isinstance(peer, tuple) else peer, reason)
+            return
+        super().log_exception(*args, **kw)
 
 
 class _OpenAIErrorServer(Server):

@@ -250,6 +250,27 @@ def test_a_malformed_http_request_is_one_warning_line_not_a_traceback():
     assert "Invalid character in Content-Length" in log
 
 
+def test_a_lying_content_encoding_on_a_route_that_reads_no_body_is_one_warning_line():
+    """A body sent as gzip (or zstd) that is not, to a route that never reads a body: the
+    answer was right, but aiohttp drained the body after it, met the decoding error and logged
+    an ERROR "Unhandled exception" with three chained tracebacks, one per request."""
+    proc, url = start_gateway("--workers", "http://127.0.0.1:9")
+    try:
+        for method, path, status in (("GET", "/health", 200), ("GET", "/v1/models", 200),
+                                     ("POST", "/nowhere", 404), ("DELETE", "/health", 405)):
+            for encoding in ("gzip", "zstd"):
+                r = httpx.request(method, url + path, content=b"not compressed", timeout=10,
+                                  headers={"Content-Encoding": encoding})
+                assert r.status_code == status, (method, path, r.text)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        time.sleep(0.2)  # logged after the answer
+        log = proc.output()
+    finally:
+        proc.stop()
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert log.count("WARNING router.http: unreadable request body from 127.0.0.1: Can not decode") == 8, log
+
+
 def test_headers_up_to_32_kib_pass_and_a_longer_one_is_a_400_in_the_openai_shape():
     """Identity tokens with many claims run past aiohttp's default 8 KiB per header; the gateway
     takes 32 KiB, as vLLM behind uvicorn does, and answers a longer one with an OpenAI error."""

@@ -293,7 +293,9 @@ def _raw_exchange(port: int, raw: bytes) -> tuple[bytes, bytes]:
 def test_what_aiohttp_answers_outside_any_route_is_openai_shaped_and_no_traceback(cluster):
     """A request aiohttp's parser refuses (a URL or a header over 8 KiB, a bad method, a
     Content-Length that is no number) was answered in plain text ("Got more than 8190 bytes
-    when reading ...") with an ERROR and a traceback in the log."""
+    when reading ...") with an ERROR and a traceback in the log; and a body whose
+    Content-Encoding lies, sent to a route that never reads its body, was answered right but
+    logged as an ERROR "Unhandled exception" with three tracebacks when aiohttp drained it."""
     base = cluster["base"]
     port = int(base.rsplit(":", 1)[1])
     log = Path(cluster["sched"].log.name)
@@ -312,9 +314,21 @@ def test_what_aiohttp_answers_outside_any_route_is_openai_shaped_and_no_tracebac
         error = json.loads(body)["error"]
         assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_http_request"), error
         assert error["message"].startswith(f"malformed HTTP request: {reason}"), error
+    for (method, path, status), encoding in itertools.product(
+        (("GET", "/health", 200), ("POST", "/v1/workers/x/uncordon", 403), ("DELETE", "/v1/workers/x", 401),
+         ("PUT", "/v1/schedule", 405), ("POST", "/nowhere", 404)),
+        ("gzip", "zstd"),
+    ):
+        r = httpx.request(method, base + path, content=b"not compressed", timeout=10,
+                          headers={"Content-Encoding": encoding})
+        assert r.status_code == status, (method, path, r.text)
+        if status >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(base + "/health", timeout=10).status_code == 200
+    time.sleep(0.2)  # the drained body's error is logged after the answer
     text = log.read_bytes()[seen:].decode(errors="replace")
     assert "Traceback" not in text and "ERROR" not in text, text
+    assert text.count("WARNING scheduler.http: unreadable request body from 127.0.0.1") == 10, text
     assert text.count("WARNING scheduler.http: malformed HTTP request from 127.0.0.1") == 3, text
 
 

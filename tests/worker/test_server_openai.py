@@ -680,6 +680,26 @@ def test_a_body_its_content_encoding_does_not_match_is_a_400(worker, encoding) -
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
 
 
+def test_a_lying_content_encoding_on_a_route_that_reads_no_body_is_one_warning_line(worker) -> None:
+    """The same body on routes that never read one: their answer was right, but aiohttp drained
+    the body after it, met the decoding error and logged an ERROR "Unhandled exception" with
+    three chained tracebacks."""
+    seen = len(worker.output())
+    for method, path, status in (("GET", "/health", 200), ("POST", "/ping", 200),
+                                 ("POST", "/v1/responses/resp_x/cancel", 404),
+                                 ("DELETE", "/v1/responses/resp_x", 404), ("POST", "/nowhere", 404),
+                                 ("PUT", CMPL, 405)):
+        for encoding in ("gzip", "zstd"):
+            r = httpx.request(method, f"{worker.base_url}{path}", content=b"not compressed", timeout=60,
+                              headers={"Content-Encoding": encoding})
+            assert r.status_code == status, (method, path, r.text)
+    assert httpx.get(f"{worker.base_url}/health", timeout=60).status_code == 200
+    wait_for(lambda: worker.output().count("unreadable request body", seen) == 12, timeout_s=10,
+             what="a WARNING line per request")
+    log = worker.output()[seen:]
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
