@@ -22,7 +22,7 @@ from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy, is_name
 from router.ws_leases import WsTurn
-from router.ws_relay import WsRelay
+from router.ws_relay import WsRelay, _is_cancel
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
@@ -43,6 +43,35 @@ def _authorization(request: web.Request, offered: list[str]) -> str | None:
         if protocol.startswith(KEY_PROTOCOL_PREFIX):
             return "Bearer " + protocol[len(KEY_PROTOCOL_PREFIX) :]
     return None
+
+
+async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> tuple[str, dict, str] | None:
+    """The socket's first request (it places the socket: it names the model), and its body and
+    model; None if the socket closes first. What comes before it is answered as the worker
+    answers it once the socket is placed, and the socket stays open for the next message: a
+    message that is no request (binary, not JSON, no 'model') gets an error, and a cancel with
+    no request to cancel is dropped. (Both used to close the socket, a cancel with an error
+    saying it named no model.)"""
+    while True:
+        msg = await client.receive()
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            await client.send_str(ws_error("first message must be a JSON text message with a 'model'", 400))
+            rec.status = 400
+            continue
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            return None
+        if _is_cancel(msg.data):
+            continue
+        try:
+            body = json.loads(msg.data)
+            model = body["model"]
+            if not is_name(model):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, RecursionError):  # the last: nested too deeply
+            await client.send_str(ws_error("first message must be a JSON body with a 'model'", 400))
+            rec.status = 400
+            continue
+        return msg.data, body, model
 
 
 async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) -> web.StreamResponse:
@@ -79,22 +108,10 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         if sessions.closing:
             await session.going_away_if_idle()
             return client
-        first = await client.receive()
-        if first.type == aiohttp.WSMsgType.BINARY:
-            await client.send_str(ws_error("first message must be a JSON text message with a 'model'", 400))
-            rec.status = 400
-            return client
-        if first.type != aiohttp.WSMsgType.TEXT:
+        first = await _first_request(client, rec)
+        if first is None:
             return client  # closed before asking anything
-        try:
-            body = json.loads(first.data)
-            model = body["model"]
-            if not is_name(model):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, RecursionError):  # the last: nested too deeply
-            await client.send_str(ws_error("first message must be a JSON body with a 'model'", 400))
-            rec.status = 400
-            return client
+        data, body, model = first
         rec.model = model
         if sessions.closing:  # the gateway began to stop while this socket said nothing
             await client.send_str(SHUTTING_DOWN)
@@ -102,7 +119,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             return client
         sched_body = await proxy.schedule_body_off_loop(rec, model, body)
         # From here the socket is busy: placing it, then its answer.
-        session.pending.append(WsTurn(first.data, sched_body, rec.prompt_tokens * rec.choices,
+        session.pending.append(WsTurn(data, sched_body, rec.prompt_tokens * rec.choices,
                                       rec.sequences))
         priority = body.get("priority")  # the first request's, as the connection is placed once
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -113,7 +130,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             await client.send_str(failed)
             return client
         rec.status = 101
-        if await relay.send_upstream(first.data):
+        if await relay.send_upstream(data):
             await relay.run()
         return client
     finally:

@@ -233,6 +233,32 @@ async def test_websocket_first_message_that_breaks_the_parser_or_the_name_is_a_4
         assert json.loads(msg.data)["error"]["code"] == 400
 
 
+async def test_websocket_messages_before_the_first_request_leave_the_socket_open(cluster):
+    """Before its first request places the socket, a message that is no request (binary, not
+    JSON, a list, no model, a model that is not text) got its 400 and the socket closed, and a
+    cancel with nothing to cancel got one too ("no 'model'"). Now each is answered as the worker
+    answers it on a placed socket: the 400 and the socket stays open (the cancel dropped), and
+    the request after them is served."""
+    good = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2})
+    async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
+        await ws.send_str(json.dumps({"type": "cancel"}))
+        await ws.send_bytes(good.encode())
+        for text in ("hello", "[]", '"m"', json.dumps({"prompt": "x"}), json.dumps({"model": 5}),
+                     "[" * 5000 + "]" * 5000):
+            await ws.send_str(text)
+        await ws.send_str(good)
+        answers = []
+        while not answers or answers[-1].get("type") != "done":
+            msg = await ws.receive(timeout=30)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg  # it used to close after the first
+            answers.append(json.loads(msg.data))
+        errors = [a["error"] for a in answers if "error" in a]
+        assert len(errors) == 7 and {e["code"] for e in errors} == {400}, answers
+        assert all(set(e) == {"message", "type", "param", "code"} for e in errors)
+        chunks = [a for a in answers if a.get("object") == "text_completion"]
+        assert chunks and answers[-1]["id"] == chunks[0]["id"], answers
+
+
 async def test_websocket_a_deeply_nested_message_is_answered_and_the_socket_goes_on(cluster):
     good = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2})
     async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
