@@ -89,6 +89,8 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # Taken and not used (no tools here), as vLLM takes it; not a bool is a 400, as there.
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

@@ -106,6 +106,9 @@ class GenerationRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     # For the WebSocket: which endpoint a message is for (ignored over HTTP).
     endpoint: str | None = None
+    # OpenAI's end-user id: taken and not used, as vLLM does; declared so that one that is not
+    # text is a 400 naming it, as in vLLM, not passed over as an unknown field.
+    user: str | None = None
 
     @field_validator("n", "stream", "min_p", "echo", mode="before", check_fields=False)
     @classmethod

@@ -652,6 +652,11 @@ BAD_INPUTS = [
     ),
     bad("empty stop string", CMPL, {"prompt": "a", "stop": [""]}, 400, "stop"),
     bad("stream not a bool", CMPL, {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    # Fields taken and not used (vLLM declares them): a wrong type was passed over, not refused.
+    bad("user not a string", CMPL, {"prompt": "a", "user": {"id": 1}}, 400, "user"),
+    bad("chat user not a string", CHAT, {"messages": MESSAGES, "user": 5}, 400, "user"),
+    bad("parallel_tool_calls not a bool", CHAT, {"messages": MESSAGES, "parallel_tool_calls": "yes"}, 400,
+        "parallel_tool_calls"),
     bad("tokenize nothing", "/tokenize", {}, 400, "prompt"),
     bad("tokenize no messages", "/tokenize", {"messages": []}, 400, "messages"),
     bad("unknown route", "/v1/nothing", None, 404, None, method="GET"),
