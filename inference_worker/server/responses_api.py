@@ -125,7 +125,7 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     """GET /v1/responses/{id}: the stored response; with `stream=true` (background responses
     only, as in vLLM) its events after `starting_after`, following it until it ends."""
     entry = request.app[RESPONSES].get(request.match_info["response_id"])
-    if request.query.get("stream", "false").lower() in ("false", "0"):
+    if not _stream_query(request):
         return web.json_response(entry.response)
     if entry.run is None:
         raise invalid_request("Only background responses can be streamed again (stream=true).",
@@ -134,6 +134,22 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
         raise invalid_request(f"The events of response '{entry.response['id']}' are no longer kept; "
                               "GET it without stream=true.", param="stream")
     return await _replay(request, entry.run, _starting_after(request))
+
+
+# What vLLM's `stream: bool` query parameter takes (pydantic's words for a bool), any case.
+_QUERY_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_QUERY_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _stream_query(request: web.Request) -> bool:
+    """`?stream=`: anything but "false" or "0" was taken for true, so `stream=no` replayed the
+    events and `stream=maybe` was answered as a replay; vLLM refuses what is not a bool."""
+    raw = request.query.get("stream")
+    if raw is None or raw.lower() in _QUERY_FALSE:
+        return False
+    if raw.lower() in _QUERY_TRUE:
+        return True
+    raise invalid_request(f"stream must be true or false, got {raw!r}", param="stream")
 
 
 def _starting_after(request: web.Request) -> int | None:

@@ -235,6 +235,23 @@ def test_only_background_responses_are_streamed_again(client, shared_torch_worke
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+def test_the_stream_query_parameter_takes_vllms_bools_and_refuses_others(client, shared_torch_worker) -> None:
+    """Anything but "false" or "0" was taken for true: `stream=no` replayed the events, and
+    `stream=maybe` or an empty one was answered as a replay. vLLM's parameter is a bool."""
+    queued = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, background=True)
+    url = f"{shared_torch_worker.api_url}/responses/{queued.id}"
+    for value in ("no", "OFF", "f", "0", "false"):
+        r = httpx.get(url, params={"stream": value}, timeout=60)
+        assert r.status_code == 200 and r.json()["id"] == queued.id, (value, r.text[:200])
+    for value in ("yes", "On", "1", "true"):
+        with httpx.stream("GET", url, params={"stream": value}, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), value
+            assert _sse_events(r.iter_lines())[-1]["type"] in ("response.completed", "response.incomplete")
+    for value in ("maybe", "", "truth"):
+        r = httpx.get(url, params={"stream": value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream", (value, r.text)
+
+
 @pytest.mark.parametrize("starting_after", ["x", "-2", "1.5"])
 def test_a_replay_from_a_bad_place_is_a_400(client, shared_torch_worker, starting_after) -> None:
     queued = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, background=True)
