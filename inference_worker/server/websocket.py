@@ -37,6 +37,7 @@ import logging
 from dataclasses import dataclass
 
 from aiohttp import WSCloseCode, WSMsgType, web
+from pydantic_core import from_json
 
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_chunks
@@ -58,11 +59,12 @@ _COMPLETIONS = {"completions", "/v1/completions", "v1/completions"}
 def generation_from_message(factory: GenerationFactory, text: str) -> Generation:
     """Parse one client message into a streamed Generation (raises APIError / ValidationError)."""
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise invalid_request(f"Invalid JSON message: {exc.msg}", code="invalid_json") from None
-    except RecursionError:  # nested deeper than the parser's stack (pydantic's HTTP path says so too)
-        raise invalid_request("Invalid JSON message: nested too deeply", code="invalid_json") from None
+        # The parser the HTTP path validates with (pydantic's): json.loads took a lone surrogate
+        # ("\\ud800"), which then failed in the tokenizer ("'utf-8' codec can't encode ..."),
+        # or looked a model name up; and met deep nesting with a RecursionError.
+        body = from_json(text)
+    except ValueError as exc:
+        raise invalid_request(f"Invalid JSON message: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid_request("a message must be a JSON object (a completions or chat request body)")
     endpoint = body.get("endpoint")

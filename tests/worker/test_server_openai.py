@@ -835,6 +835,24 @@ async def test_websocket_streams_chunks_and_stays_usable_after_errors(worker, gr
     wait_for(idle, timeout_s=60, what="the cancelled request to leave the engine")
 
 
+async def test_websocket_a_lone_surrogate_is_invalid_json_as_over_http(worker) -> None:
+    """A lone surrogate escape ("\\ud800") is no Unicode text: over HTTP a 400 `invalid_json`. The
+    socket parsed its messages with json.loads, which takes it: in a prompt it reached the
+    tokenizer ("'utf-8' codec can't encode character ...", no code), in a model name the lookup
+    (a `model_not_found` for a name no client can have sent)."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{worker.base_url}/v1/ws") as ws:
+        for text in ('{"prompt": "\\ud800", "max_tokens": 2}', '{"model": "\\udc00", "prompt": "x"}',
+                     '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'):
+            await ws.send_str(text)
+            _, end = await _receive_until_end(ws)
+            error = end["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json"), end
+            assert error["message"].startswith("Invalid JSON message: "), end
+        await ws.send_str(json.dumps({"prompt": PROMPT, "max_tokens": 2}))
+        chunks, end = await _receive_until_end(ws)
+        assert end == {"type": "done", "id": chunks[0]["id"]}
+
+
 def test_nothing_above_hit_an_unexpected_error(worker) -> None:
     """Runs last in this module: no request above produced a 500 or an engine failure in the log."""
     log = worker.output()
