@@ -181,7 +181,10 @@ class TokenCounter:
     def count(self, text: str, id_tokens: int = 0) -> int:
         if self._tok is None or not text:
             return estimate_tokens(text, id_tokens)
-        return id_tokens + len(self._tok.encode(text, add_special_tokens=False).ids)
+        try:
+            return id_tokens + len(self._tok.encode(text, add_special_tokens=False).ids)
+        except TypeError:  # a lone surrogate (see _as_unicode)
+            return id_tokens + len(self._tok.encode(_as_unicode(text), add_special_tokens=False).ids)
 
     async def count_off_loop(self, text: str, id_tokens: int = 0) -> int:
         """count(), with a long text tokenized in a thread. encode_batch, not encode: only it
@@ -190,8 +193,20 @@ class TokenCounter:
         if self._tok is None or len(text) <= THREAD_TOKENIZE_CHARS:
             return self.count(text, id_tokens)
         tok = self._tok
-        encodings = await asyncio.to_thread(tok.encode_batch, [text], add_special_tokens=False)
+        try:
+            encodings = await asyncio.to_thread(tok.encode_batch, [text], add_special_tokens=False)
+        except TypeError:  # a lone surrogate (see _as_unicode)
+            text = _as_unicode(text)
+            encodings = await asyncio.to_thread(tok.encode_batch, [text], add_special_tokens=False)
         return id_tokens + len(encodings[0].ids)
+
+
+def _as_unicode(text: str) -> str:
+    """`text` with each lone surrogate as "?". The JSON escape "\\ud800" alone is a str that
+    is no Unicode text (json.loads takes it), and the tokenizer refuses such a str with a
+    TypeError: the request was a 500 with --tokenizer. Counted this way, it goes on as without
+    one, and the worker answers it (ours: a 400, as a body it cannot read)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def batch_size_of(body: dict[str, Any]) -> int:

@@ -102,3 +102,32 @@ def test_a_huge_prompt_over_a_websocket_does_not_pause_the_other_streams(tmp_pat
     ends, took, pause = _pauses_during(tmp_path, lambda gu: asyncio.run(_two_huge_ws_requests(gu)))
     assert [e.get("type") for e in ends] == ["done", "done"], ends
     assert pause < took / 4, (pause, took)
+
+
+async def test_a_lone_surrogate_in_a_counted_prompt_is_not_a_500(tmp_path):
+    """A lone surrogate escape ("\\ud800") in a prompt is a str that is no Unicode text: the
+    tokenizer refuses it with a TypeError, which was a 500 (and, as a WebSocket's first message,
+    a closed socket) whenever the gateway counted tokens with --tokenizer, short prompts on the
+    loop and long ones in a thread alike. It goes on to the worker, as without --tokenizer."""
+    worker, wu = start_echo_worker()
+    gateway, gu = start_gateway("--workers", wu, "--tokenizer", _tokenizer(tmp_path))
+    try:
+        long = "the cat " * 2000  # past THREAD_TOKENIZE_CHARS: counted in a thread
+        async with httpx.AsyncClient(timeout=30) as client:
+            for path, body in (
+                ("/v1/completions", '{"model": "m", "prompt": "a\\ud800b", "max_tokens": 2}'),
+                ("/v1/completions", '{"model": "m", "prompt": "' + long + '\\udc00", "max_tokens": 2}'),
+                ("/v1/chat/completions",
+                 '{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+            ):
+                r = await client.post(gu + path, content=body, headers={"Content-Type": "application/json"})
+                assert r.status_code == 200, (path, r.text)
+        async with aiohttp.ClientSession() as s, s.ws_connect(gu + "/v1/ws") as ws:
+            await ws.send_str('{"model": "m", "prompt": "a\\ud800", "max_tokens": 2}')
+            msg = await ws.receive(timeout=30)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg  # the socket was closed, 1000
+        log = gateway.output()
+    finally:
+        gateway.stop()
+        worker.stop()
+    assert "Traceback" not in log and "ERROR" not in log, log
