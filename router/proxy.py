@@ -284,18 +284,21 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         self._live_client_ids.add(client_id)
         return client_id
 
+    def model_label(self, rec: RequestRecord) -> str:
+        """The request's model as router_requests_total labels it. Refused before any worker
+        took it (a malformed body, a full queue), a request's model is the client's word:
+        made-up names would each open a series, until the bound counted the real models' new
+        series as "other". ("-": it names none, as a GET of a stored response.)"""
+        model = rec.model
+        if not (rec.model_known or model == "-" or self.metrics.has_model(model)
+                or model in self.sched.fallback.models()):
+            return "unknown"
+        return model
+
     def _finish(self, rec: RequestRecord) -> None:
         self._live_client_ids.discard(rec.id)
         m = self.metrics
-        model = rec.model
-        # Refused before any worker took it (a malformed body, a full queue), a request's model
-        # is the client's word: made-up names would each open a series, until the bound
-        # counted the real models' new series as "other". ("-": it names none, as a GET of a
-        # stored response.)
-        if not (rec.model_known or model == "-" or m.has_model(model)
-                or model in self.sched.fallback.models()):
-            model = "unknown"
-        m.request_done(model, rec.status, rec.worker)
+        m.request_done(self.model_label(rec), rec.status, rec.worker)
         # A refusal counts in router_requests_total only (see RequestRecord.served); nor
         # does an invented model name open a label set of the per-model series.
         if rec.served and (rec.prompt_tokens or rec.output_tokens or rec.ttft_ms is not None):

@@ -2,12 +2,13 @@
 
 The worker's protocol: each client text message is a completions or chat body; the
 worker answers with chunk objects and a final end message. The gateway places the
-connection when the first message arrives (it names the model), connects to that
-worker, and from then on copies messages both ways untouched (router/ws_relay.py, which
-also moves the socket to another worker when its worker stops). Each request on it holds a
-lease on that worker while it is answered (the first one's places the socket; ws_relay.py). A
-worker that cannot be connected to is excluded and
-the placement retried, like an HTTP request before its first byte. A stopping gateway
+connection when the first message arrives (it names the model; a request it cannot place,
+for an unknown model, no worker or a full queue, gets its error and the socket waits,
+unplaced, for the next), connects to that worker, and from then on copies messages both ways
+untouched (router/ws_relay.py, which also moves the socket to another worker when its worker
+stops). Each request on it holds a lease on that worker while it is answered (the first
+one's places the socket; ws_relay.py). A worker that cannot be connected to is excluded and the
+placement retried, like an HTTP request before its first byte. A stopping gateway
 sends its sockets away once their answers are out (router/ws_sessions.py).
 """
 
@@ -22,7 +23,7 @@ from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy, is_name
 from router.ws_leases import WsTurn
-from router.ws_relay import WsRelay, _is_cancel
+from router.ws_relay import KEY_REVOKED, WsRelay, _is_cancel
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
@@ -74,6 +75,14 @@ async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> t
         return msg.data, body, model
 
 
+def _unplaced(rec: RequestRecord, status: int) -> None:
+    """The socket's record as before a first request whose placement was refused: the socket's
+    line (at its close) tells of the socket, and the next first request starts it afresh."""
+    rec.status, rec.model, rec.model_known, rec.worker = status, "-", False, "-"
+    rec.prompt_tokens, rec.output_tokens, rec.choices, rec.sequences = 0, 0, 1, 1
+    rec.queue_ms, rec.fair_charge, rec.fair_settled = 0.0, None, (0, 0)
+
+
 async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) -> web.StreamResponse:
     offered = _offered_protocols(request)
     authorization = _authorization(request, offered)
@@ -108,27 +117,49 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
         if sessions.closing:
             await session.going_away_if_idle()
             return client
-        first = await _first_request(client, rec)
-        if first is None:
-            return client  # closed before asking anything
-        data, body, model = first
-        rec.model = model
-        if sessions.closing:  # the gateway began to stop while this socket said nothing
-            await client.send_str(SHUTTING_DOWN)
-            await client.close(code=WSCloseCode.GOING_AWAY, message=GOING_AWAY_MESSAGE)
-            return client
-        sched_body = await proxy.schedule_body_off_loop(rec, model, body)
-        # From here the socket is busy: placing it, then its answer.
-        session.pending.append(WsTurn(data, sched_body, rec.prompt_tokens * rec.choices,
-                                      rec.sequences))
-        priority = body.get("priority")  # the first request's, as the connection is placed once
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            priority = 0  # the worker answers a malformed one itself
-        relay = WsRelay(proxy, request, rec, session, sessions, sched_body, priority)
-        failed = await relay.place([])
-        if failed is not None:
+        answers = 0  # refused placements, each an answer with its own access-log line
+        while True:
+            first = await _first_request(client, rec)
+            if first is None:
+                return client  # closed before asking anything (or anything placeable)
+            data, body, model = first
+            if sessions.closing:  # the gateway began to stop while this socket said nothing
+                await client.send_str(SHUTTING_DOWN)
+                await client.close(code=WSCloseCode.GOING_AWAY, message=GOING_AWAY_MESSAGE)
+                return client
+            if not proxy.keys.allows(session.authorization):
+                # Revoked while the socket waited unplaced: refused as on a placed socket.
+                await client.send_str(KEY_REVOKED)
+                continue
+            unplaced = rec.status  # what the socket's line says if it is never placed
+            rec.model = model
+            sched_body = await proxy.schedule_body_off_loop(rec, model, body)
+            # From here the socket is busy: placing it, then its answer.
+            turn = WsTurn(data, sched_body, rec.prompt_tokens * rec.choices, rec.sequences)
+            session.pending.append(turn)
+            priority = body.get("priority")  # the first request's, as the connection is placed once
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                priority = 0  # the worker answers a malformed one itself
+            relay = WsRelay(proxy, request, rec, session, sessions, sched_body, priority, answers)
+            failed = await relay.place([])
+            if failed is None:
+                break
+            # Not placeable now (unknown model, no worker, full queue, ...): the client gets
+            # the error, as before, and the socket stays open, unplaced, as after a message that
+            # is no request (the worker keeps its socket after any refusal). The refusal is one
+            # answer (its line, its status counted once); the next request places the socket
+            # as a first request does: nothing of this one is left to it (no turn owed, no
+            # lease, none of its model, tokens or wait in the socket's record).
             await client.send_str(failed)
-            return client
+            relay.refused(turn, failed)
+            answers = relay.answers
+            await relay.close()  # ends the turn's lease (it holds none: no worker took it)
+            session.pending.clear()
+            relay = None
+            _unplaced(rec, unplaced)
+            if sessions.closing:  # the gateway began to stop while it was being placed
+                await session.going_away_if_idle()
+                return client
         rec.status = 101
         if await relay.send_upstream(data):
             await relay.run()

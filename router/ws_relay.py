@@ -83,13 +83,14 @@ _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
 _MAX_OWED = 64
 _BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
 _TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
-_KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
+KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
                         "invalid_api_key", "authentication_error")
 
 
 class WsRelay:
     def __init__(self, proxy: Proxy, request: web.Request, rec: RequestRecord, session: WsSession,
-                 sessions: WsSessions, sched_body: dict[str, Any], priority: int) -> None:
+                 sessions: WsSessions, sched_body: dict[str, Any], priority: int,
+                 answers: int = 0) -> None:
         self.proxy = proxy
         self.request = request
         self.rec = rec
@@ -109,16 +110,19 @@ class WsRelay:
         # How many of the newest requests in session.pending no worker has (refused, or held).
         self.outside = 0
         self.leases = TurnLeases(proxy, rec)
-        self.answers = 0  # answers ended on this socket: each gets its access-log line
+        # Answers ended on this socket, each with its access-log line (refused placements
+        # before this relay's included: they were answers too).
+        self.answers = answers
 
-    def _answer_ended(self, turn: WsTurn, status: int, error: str | None) -> None:
+    def _answer_ended(self, turn: WsTurn, status: int, error: str | None,
+                      model: str | None = None, queue_ms: float = 0.0) -> None:
         """Each answer counts in router_requests_total with its own status, as an HTTP request
         does: counted once per socket (101), a WebSocket's failed answers were in no error
         rate or alert. And one access-log line per request (DESIGN.md), a socket's too: each
         answer's line as it ends, `id=<socket's id>.<n>`; the socket's own line (status 101,
         its totals) comes at its close."""
         rec = self.rec
-        self.proxy.metrics.request_done(rec.model, status, turn.worker_id or "-")
+        self.proxy.metrics.request_done(model or rec.model, status, turn.worker_id or "-")
         access_log = self.proxy.access_log
         if access_log is None and rec.spans is None:
             return
@@ -128,11 +132,24 @@ class WsRelay:
         line.worker, line.stream = turn.worker_id or "-", True
         line.prompt_tokens, line.output_tokens = turn.prompt_tokens, turn.output_tokens
         line.ttft_ms = turn.first_s * 1000 if turn.first_s is not None else None
-        line.status, line.error = status, error
+        line.status, line.error, line.queue_ms = status, error, queue_ms
         if access_log is not None:
             access_log.add(line)
         if rec.spans is not None and self.proxy.tracing is not None:
             self.proxy.tracing.publish_answer(rec.spans, line)
+
+    def refused(self, turn: WsTurn, failed: str) -> None:
+        """The socket's first request could not be placed (`failed`, the error the client got:
+        unknown model, no worker, full queue, ...): it is one answer, counted and logged as
+        the others (router_requests_total under its status, with the model as a refused HTTP
+        request's is labelled; its own access-log line with its wait in the queue), and the
+        socket stays open, unplaced, for the next request (router/ws_proxy.py)."""
+        rec = self.rec
+        status, error = answer_status(failed)
+        self._answer_ended(turn, status, error, self.proxy.model_label(rec), rec.queue_ms)
+        # Its flow's charge for a placement that reached no worker (a worker acquired, then
+        # unreachable) goes back, as at a refused HTTP request's end.
+        self.proxy.settle_fair(rec)
 
     # ---- placing ----------------------------------------------------------------------
     async def place(self, exclude: list[str], pin: Route | None = None) -> str | None:
@@ -312,7 +329,7 @@ class WsRelay:
                 elif not self.proxy.keys.allows(self.session.authorization):
                     # Revoked since the socket opened: its answers owed still come, as an HTTP
                     # stream accepted under it goes on; a new request is refused as over HTTP.
-                    await self.client.send_str(_KEY_REVOKED)
+                    await self.client.send_str(KEY_REVOKED)
                 else:
                     turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data)
                     self.rec.prompt_tokens += prompt

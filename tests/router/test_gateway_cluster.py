@@ -23,7 +23,8 @@ try:
 except ImportError:
     from backports import zstd
 
-from tests.router.procs import start_gateway, start_scheduler, start_sim_workers
+from tests.router.procs import series_value, start_gateway, start_scheduler, start_sim_workers
+from tests.router.stand_ins import open_leases, until
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +258,51 @@ async def test_websocket_messages_before_the_first_request_leave_the_socket_open
         assert all(set(e) == {"message", "type", "param", "code"} for e in errors)
         chunks = [a for a in answers if a.get("object") == "text_completion"]
         assert chunks and answers[-1]["id"] == chunks[0]["id"], answers
+
+
+async def test_websocket_first_request_not_placeable_leaves_the_socket_open_for_the_next(cluster):
+    """A first request the gateway could not place (here an unknown model, 404; no worker and a
+    full queue take the same path) got its error and the socket was closed, so a client that
+    corrected the model name had to reconnect. Now the error comes as before and the socket
+    stays open, unplaced: the next request places it afresh and is answered. The refusal is one
+    answer of the socket (its own access-log line, counted once in router_requests_total), and
+    no lease is left behind."""
+    gw, sid = cluster["gw"], "ws-refused-then-served"
+    refused = 'router_requests_total{model="unknown",status="404",worker="-"}'
+    refused0 = await asyncio.to_thread(series_value, gw, refused, 0.0)
+    async with aiohttp.ClientSession() as s, s.ws_connect(gw + "/v1/ws",
+                                                          headers={"X-Request-Id": sid}) as ws:
+        await ws.send_str(json.dumps({"model": "no-such-model", "prompt": "hello", "max_tokens": 2}))
+        msg = await ws.receive(timeout=30)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        error = json.loads(msg.data)["error"]
+        assert error["code"] == 404 and "no-such-model" in error["message"], error
+        await until(lambda: open_leases(cluster["scheduler"]) == 0)  # the refusal holds none
+        await ws.send_str(json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3}))
+        answers = []
+        while not answers or answers[-1].get("type") != "done":
+            msg = await ws.receive(timeout=30)
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg  # it used to be closed by now
+            answers.append(json.loads(msg.data))
+        assert not [a for a in answers if "error" in a], answers
+        chunks = [a for a in answers if a.get("object") == "text_completion"]
+        assert len(chunks) == 3 and answers[-1]["id"] == chunks[0]["id"], answers
+        assert not answers[-1].get("cancelled")
+    await until(lambda: open_leases(cluster["scheduler"]) == 0)
+
+    def lines() -> dict[str, str]:
+        found = re.findall(rf"router\.access: id=({re.escape(sid)}(?:\.\d+)?) (.*)",
+                           cluster["gw_proc"].output())
+        return dict(found)
+
+    await until(lambda: sid in lines())  # the socket's line comes at its close
+    logged = lines()
+    assert sorted(logged) == [sid, sid + ".1", sid + ".2"], logged
+    assert "model=no-such-model worker=- status=404 " in logged[sid + ".1"]
+    assert "model=m " in logged[sid + ".2"] and " status=200 " in logged[sid + ".2"]
+    # The socket's line is its placement's: the model and worker of the request that placed it.
+    assert "model=m " in logged[sid] and " status=101 " in logged[sid] and "worker=-" not in logged[sid]
+    assert await asyncio.to_thread(series_value, gw, refused, 0.0) - refused0 == 1
 
 
 async def test_websocket_a_deeply_nested_message_is_answered_and_the_socket_goes_on(cluster):
