@@ -84,7 +84,7 @@ _MAX_OWED = 64
 _BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
 _TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
 KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
-                        "invalid_api_key", "authentication_error")
+                       "invalid_api_key", "authentication_error")
 
 
 class WsRelay:
