@@ -206,7 +206,7 @@ class WorkerTokenizer(Protocol):
 
     eos_token_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -216,6 +216,7 @@ class WorkerTokenizer(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]: ...
 
 

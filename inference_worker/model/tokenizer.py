@@ -23,9 +23,10 @@ class HFTokenizer:
         own = inspect.signature(hf_tokenizer.apply_chat_template).parameters
         self._own_params = frozenset(own) | {"messages"}
 
-    def encode(self, text: str) -> list[int]:
-        # The tokenizer decides about BOS (SmolLM2 adds none), as in vLLM.
-        return list(self.hf.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids; with add_special_tokens (vLLM's completions default) the tokenizer's
+        own special tokens too (a BOS for Llama's; SmolLM2's adds none), as in vLLM."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -36,9 +37,12 @@ class HFTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The chat prompt's token ids. template_kwargs: extra variables for the template
-        (vLLM's chat_template_kwargs); a template that fails on them is a ValueError (a 400)."""
+        (vLLM's chat_template_kwargs); a template that fails on them is a ValueError (a 400).
+        add_special_tokens: the tokenizer's special tokens (BOS) on top of what the template
+        writes, as vLLM tokenizes the rendered prompt (off by default, there too)."""
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template")
         from jinja2 import TemplateError
@@ -47,15 +51,20 @@ class HFTokenizer:
         # would change what it returns or fail the call, so such names are dropped, as vLLM does.
         variables = {k: v for k, v in (template_kwargs or {}).items() if k not in self._own_params}
         try:
-            ids = self.hf.apply_chat_template(
+            # Tokenized by apply_chat_template, the rendered text gets none of the tokenizer's
+            # special tokens; with them, vLLM renders the text and tokenizes it adding them.
+            rendered = self.hf.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                tokenize=True,
+                tokenize=not add_special_tokens,
                 **variables,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template failed: {exc}") from None
+        if add_special_tokens:  # the rendered text
+            return self.encode(rendered, add_special_tokens=True)
+        ids = rendered
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(t) for t in ids]

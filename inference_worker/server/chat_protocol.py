@@ -24,6 +24,9 @@ class _ChatRendering(BaseModel):
     # Leave the last message open for the answer to go on from it (an assistant "prefill").
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) on top of what the template writes. Off by
+    # default, as there: the template writes them (a /tokenize of a prompt defaults to on).
+    add_special_tokens: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -54,6 +57,7 @@ class _ChatRendering(BaseModel):
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
             "template_kwargs": self.chat_template_kwargs,
+            "add_special_tokens": self.add_special_tokens,
         }
 
 
@@ -163,6 +167,11 @@ class TokenizeRequest(_ChatRendering):
             raise invalid_request("messages must not be empty", param="messages")
         self._check_rendering()
         return self
+
+    def prompt_special_tokens(self) -> bool:
+        """add_special_tokens for a `prompt`: on unless sent (vLLM's TokenizeCompletionRequest;
+        its TokenizeChatRequest defaults to off, as chat does)."""
+        return self.add_special_tokens if "add_special_tokens" in self.model_fields_set else True
 
 
 class DetokenizeRequest(BaseModel):

@@ -163,7 +163,7 @@ def _tokens(factory: GenerationFactory, raw: bytes) -> list[int]:
     if body.messages is not None:
         messages = [m.as_template_message() for m in body.messages]
         return tokenizer.apply_chat_template(messages, **body.rendering())
-    return tokenizer.encode(body.prompt or "")
+    return tokenizer.encode(body.prompt or "", add_special_tokens=body.prompt_special_tokens())
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -92,7 +92,7 @@ class GenerationFactory:
     def _completion_prompt(self, request: CompletionRequest, prompt: str | list[int]) -> Prompt:
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         else:
             prompt_ids = list(prompt)
             # An id outside the vocabulary would crash the model's embedding lookup.

@@ -232,6 +232,9 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: a text prompt is tokenized with the tokenizer's special tokens (BOS) unless false.
+    # Token-id prompts are taken as they are.
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:

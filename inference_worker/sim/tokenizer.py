@@ -175,6 +175,7 @@ class SimTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Llama-2 chat format, ending with an open assistant turn.
 
@@ -183,6 +184,8 @@ class SimTokenizer:
         Llama-2's format has no separate generation prompt (add_generation_prompt changes
         nothing) and uses no template variables; continue_final_message leaves a last
         assistant message open (no closing `</s>`), for the answer to go on from it.
+        add_special_tokens puts the tokenizer's <s> before the template's own, as Llama-2's
+        tokenizer does to the rendered text in vLLM (`<s><s>[INST] ...`).
         """
         system = "\n\n".join(_text_of(m) for m in messages if m.get("role") == "system")
         ids: list[int] = []
@@ -203,7 +206,7 @@ class SimTokenizer:
                 pending_user = content if pending_user is None else f"{pending_user}\n\n{content}"
         if pending_user is not None or not ids:
             ids += self._user_turn(pending_user or "", system if not ids else "")
-        return ids
+        return [BOS_ID, *ids] if add_special_tokens else ids
 
     def _user_turn(self, user: str, system: str) -> list[int]:
         if system:

@@ -233,6 +233,51 @@ def test_tokenizing_an_empty_text_gives_no_tokens(worker):
     assert answer["count"] == 0 and answer["tokens"] == []
 
 
+def test_add_special_tokens_decides_the_prompts_bos_as_in_vllm(worker):
+    """vLLM's add_special_tokens: on by default for a completions prompt (the tokenizer's BOS),
+    off for chat (the template writes its own; on, the tokenizer's comes on top of it). The
+    worker took the field and ignored it. The sim's tokenizer adds a BOS as Llama-2's does
+    (SmolLM2's adds none, so the torch worker's answers do not differ): the prompt's tokens,
+    and the usage the answer reports, are with it or without it as asked. /tokenize follows
+    vLLM's defaults too (on for a prompt, off for messages)."""
+    prompt = "The three primary colors are"
+    messages = [{"role": "user", "content": "Name the primary colors."}]
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        def used(path: str, body: dict, **extra) -> int:
+            answer = client.post(path, json={"model": MODEL, **body, "max_tokens": 2, **extra})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["usage"]["prompt_tokens"]
+
+        def tokens(body: dict, **extra) -> list[int]:
+            answer = client.post("/tokenize", json={"model": MODEL, **body, **extra})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["tokens"]
+
+        text = tokens({"prompt": prompt})
+        assert text[0] == 1 and 1 not in text[1:]  # <s>, once
+        assert tokens({"prompt": prompt}, add_special_tokens=False) == text[1:]
+        assert tokens({"prompt": prompt}, add_special_tokens=True) == text
+        assert used("/v1/completions", {"prompt": prompt}) == len(text)
+        assert used("/v1/completions", {"prompt": prompt}, add_special_tokens=True) == len(text)
+        assert used("/v1/completions", {"prompt": prompt}, add_special_tokens=False) == len(text) - 1
+        # Token ids are the prompt as given: no BOS put before them either way.
+        assert used("/v1/completions", {"prompt": text[1:]}) == len(text) - 1
+
+        chat = tokens({"messages": messages})
+        assert chat[0] == 1 and chat[1] != 1  # the template's own <s>
+        assert tokens({"messages": messages}, add_special_tokens=False) == chat
+        assert tokens({"messages": messages}, add_special_tokens=True) == [1, *chat]
+        assert used("/v1/chat/completions", {"messages": messages}) == len(chat)
+        assert used("/v1/chat/completions", {"messages": messages}, add_special_tokens=False) == len(chat)
+        assert used("/v1/chat/completions", {"messages": messages}, add_special_tokens=True) == len(chat) + 1
+        # Not a bool: a 400 naming it, as in vLLM.
+        for path, body in (("/v1/completions", {"prompt": prompt}),
+                           ("/v1/chat/completions", {"messages": messages}),
+                           ("/tokenize", {"prompt": prompt})):
+            answer = client.post(path, json={"model": MODEL, **body, "add_special_tokens": "no"})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "add_special_tokens"
+
+
 def test_prompt_logprobs_depend_on_the_prompt_alone(worker):
     """A model's prompt logprobs are its forward pass over the prompt: the same for every seed
     and every request, through prompt_logprobs and through echo. The seed picks the samples."""

@@ -134,6 +134,24 @@ def test_tokenize_messages_counts_the_chat_prompt(worker, client) -> None:
     assert tok["count"] == chat.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_add_special_tokens_is_taken_and_smollm2_adds_none(worker, client, add_special_tokens) -> None:
+    """vLLM's add_special_tokens, either way, on both endpoints: SmolLM2's tokenizer adds no
+    special tokens, so the prompt is the same tokens (the sim's tokenizer adds a BOS: there the
+    answers differ, tests/sim/test_sim_worker.py)."""
+    extra = {"add_special_tokens": add_special_tokens}
+    tok = httpx.post(f"{worker.base_url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert httpx.post(f"{worker.base_url}/tokenize",
+                      json={"model": MODEL, "prompt": PROMPT, **extra}).json()["tokens"] == tok["tokens"]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
+    assert out.usage.prompt_tokens == tok["count"]
+    chat_tok = httpx.post(f"{worker.base_url}/tokenize", json={"messages": MESSAGES, **extra}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, extra_body=extra)
+    assert chat.usage.prompt_tokens == chat_tok["count"]
+    default = httpx.post(f"{worker.base_url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat_tok["tokens"] == default["tokens"]
+
+
 def test_seeded_sampling_is_reproducible(client) -> None:
     def sample() -> str:
         out = client.completions.create(
