@@ -68,12 +68,60 @@ class TextPart(BaseModel):
     text: str
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class _CalledCustomTool(_Strict):
+    name: str
+    input: str
+
+
+class ToolCall(_Strict):
+    """An assistant message's earlier tool call, as OpenAI's (and vLLM's) message types take
+    it: a function's, or a custom tool's. One model rather than a union of two, so that an
+    error names the field as the client wrote it (messages.1.tool_calls.0.function.name)."""
+
+    id: str
+    type: Literal["function", "custom"]
+    function: _CalledFunction | None = None
+    custom: _CalledCustomTool | None = None
+
+    @model_validator(mode="after")
+    def _its_own_call(self) -> ToolCall:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a tool call of type {self.type!r} needs its {self.type!r}")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Taken and not rendered (this worker serves no tools), as before; declared so that a wrong
+    # type is a 400 naming it, as in vLLM: an assistant's tool calls, a tool's answer's call id.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_where_vllm_reads_them(cls, data: Any) -> Any:
+        """vLLM takes a message as any of OpenAI's message types, each ignoring what is not its
+        own: tool_calls is read on an assistant message and tool_call_id on a tool message only
+        (elsewhere anything goes, as there)."""
+        if not isinstance(data, dict):
+            return data
+        role = data.get("role")
+        drop = [k for k, own in (("tool_calls", "assistant"), ("tool_call_id", "tool"))
+                if k in data and role != own]
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
 
     def as_template_message(self) -> dict[str, str]:
         content = self.content
@@ -95,6 +143,14 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
     tool_choice: str | dict[str, Any] | None = None
     # Taken and not used (no tools here), as vLLM takes it; not a bool is a 400, as there.
     parallel_tool_calls: bool | None = None
+    # vLLM's, taken and not used either (a wrong type is a 400 naming it, as there): documents
+    # for a RAG template (the served templates use none), a multimodal processor's and media
+    # loaders' options (this model takes text), and whether to return the reasoning (no
+    # reasoning parser here: the answer is the content).
+    documents: list[dict[str, str]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

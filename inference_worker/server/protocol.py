@@ -109,6 +109,17 @@ class GenerationRequest(BaseModel):
     # OpenAI's end-user id: taken and not used, as vLLM does; declared so that one that is not
     # text is a 400 naming it, as in vLLM, not passed over as an unknown field.
     user: str | None = None
+    # vLLM's fields this worker takes and does not act on, declared with vLLM's types for the
+    # same reason (a wrong type was passed over as an unknown field, where vLLM answers 400):
+    # beam search's length penalty (beam search is refused above); the detokenizer's spacing
+    # of special tokens (skipped here: skip_special_tokens must be true); the prefix-cache salt
+    # (a salt vLLM refuses empty); disaggregated serving's KV transfer and custom extensions'
+    # arguments.
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1)
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     @field_validator("n", "stream", "min_p", "echo", mode="before", check_fields=False)
     @classmethod

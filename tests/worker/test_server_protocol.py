@@ -298,3 +298,89 @@ def test_null_means_the_default_where_openai_allows_null(field, default) -> None
         req = req_cls.model_validate_json(json.dumps({**body, field: None}))
         assert getattr(req, field) == default
         req.sampling_params(prompt_len=3, max_model_len=100, prompt_param="prompt")
+
+
+_CMPL = {"prompt": "hi"}
+_BOTH = ((CompletionRequest, _CMPL), (ChatCompletionRequest, _CHAT))
+_CHAT_ONLY = ((ChatCompletionRequest, _CHAT),)
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_CUSTOM_CALL = {"id": "call_2", "type": "custom", "custom": {"name": "g", "input": "x"}}
+
+
+def _chat_with(message: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "go on"}]}
+
+
+@pytest.mark.parametrize(
+    ("requests", "field", "wrong", "right"),
+    [
+        (_BOTH, "length_penalty", "long", 0.5),
+        (_BOTH, "length_penalty", None, 2),
+        (_BOTH, "spaces_between_special_tokens", "no", False),
+        (_BOTH, "cache_salt", 42, "a-random-salt"),
+        (_BOTH, "cache_salt", "", None),  # vLLM refuses an empty salt
+        (_BOTH, "kv_transfer_params", ["x"], {"do_remote_prefill": False}),
+        (_BOTH, "vllm_xargs", {"k": {"nested": 1}}, {"k": "v", "n": 2, "f": 0.5, "l": [1, "a"]}),
+        (_BOTH, "add_special_tokens", "yes", False),
+        (_CHAT_ONLY, "documents", [{"title": 5}], [{"title": "A", "text": "B"}]),
+        (_CHAT_ONLY, "documents", "doc", None),
+        (_CHAT_ONLY, "chat_template_kwargs", ["enable_thinking"], {"enable_thinking": False}),
+        (_CHAT_ONLY, "mm_processor_kwargs", "fps=2", {"fps": 2}),
+        (_CHAT_ONLY, "media_io_kwargs", {"video": 5}, {"video": {"num_frames": 4}}),
+        (_CHAT_ONLY, "include_reasoning", "false", False),
+    ],
+)
+def test_vllm_fields_taken_and_not_used_refuse_a_wrong_type(requests, field, wrong, right) -> None:
+    """vLLM declares these fields (this worker does not act on them): a value of the wrong type
+    was passed over as an unknown field and served, where vLLM answers 400. Now a 400 naming the
+    field, in the OpenAI error shape; a value of the right type is taken as before."""
+    for req_cls, body in requests:
+        with pytest.raises(ValidationError) as err:
+            req_cls.model_validate_json(json.dumps({**body, field: wrong}))
+        api_error = exception_to_api_error(err.value)
+        assert (api_error.status, api_error.type) == (400, "invalid_request_error")
+        assert api_error.param is not None and api_error.param.split(".")[0] == field, api_error.param
+        assert set(api_error.body()["error"]) == {"message", "type", "param", "code"}
+        req = req_cls.model_validate_json(json.dumps({**body, field: right}))
+        req.sampling_params(prompt_len=3, max_model_len=100, prompt_param="prompt")
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "assistant", "content": None, "tool_calls": "f()"}, "messages.1.tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, "messages.1.tool_calls.0"),
+        ({"role": "assistant", "tool_calls": [{**_CALL, "function": {"name": "f", "arguments": {}}}]},
+         "messages.1.tool_calls.0.function.arguments"),
+        ({"role": "assistant", "tool_calls": [{**_CALL, "id": 1}]}, "messages.1.tool_calls.0.id"),
+        ({"role": "assistant", "tool_calls": [{**_CALL, "type": "call"}]}, "messages.1.tool_calls.0.type"),
+        ({"role": "assistant", "tool_calls": [{**_CUSTOM_CALL, "custom": {"name": "g"}}]},
+         "messages.1.tool_calls.0.custom.input"),
+        ({"role": "tool", "content": "42", "tool_call_id": 7}, "messages.1.tool_call_id"),
+    ],
+)
+def test_a_messages_tool_calls_of_the_wrong_type_are_refused(message, param) -> None:
+    """An assistant message's tool_calls (and a tool message's tool_call_id) were passed over
+    whatever they held; vLLM validates them as OpenAI's message types and answers 400."""
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate_json(json.dumps(_chat_with(message)))
+    api_error = exception_to_api_error(err.value)
+    assert (api_error.status, api_error.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "assistant", "content": "calling", "tool_calls": [_CALL, _CUSTOM_CALL]},
+        {"role": "assistant", "content": "none", "tool_calls": None},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "42"},
+        # Where vLLM does not read them (OpenAI's user message type ignores them), anything goes.
+        {"role": "user", "content": "x", "tool_calls": "whatever", "tool_call_id": 7},
+        {"role": "assistant", "content": "x", "tool_call_id": 7},
+    ],
+)
+def test_a_messages_tool_calls_of_the_right_type_are_taken_and_not_rendered(message) -> None:
+    req = ChatCompletionRequest.model_validate_json(json.dumps(_chat_with(message)))
+    assert req.template_messages()[1] == {"role": message["role"], "content": message["content"] or ""}
