@@ -91,10 +91,13 @@ def estimate_tokens(text: str, id_tokens: int = 0) -> int:
 
 
 def prefix_hashes(
-    text: str, chunk: int = PREFIX_CHUNK_CHARS, limit: int = MAX_PREFIX_CHUNKS
+    text: str, chunk: int = PREFIX_CHUNK_CHARS, limit: int = MAX_PREFIX_CHUNKS,
+    cache_salt: str | None = None,
 ) -> list[int]:
     """Chained fingerprints of the complete chunks of `text` (a partial last chunk is left out:
-    it is not a prefix another request can share block-for-block)."""
+    it is not a prefix another request can share block-for-block). A request's `cache_salt`
+    (vLLM's) starts the chain, as it does the engine's block hashes: requests of other salts
+    share no cached block, so they share no fingerprint either."""
     n = min(len(text) // chunk, limit)
     if n == 0:
         return []
@@ -103,6 +106,8 @@ def prefix_hashes(
     # otherwise cut the str (rarely needed, slower).
     out: list[int] = []
     crc = 0
+    if cache_salt is not None:
+        crc = zlib.crc32(("cache_salt:" + cache_salt).encode("utf-8", "surrogatepass"))
     if len(data) == n * chunk:
         for i in range(n):
             crc = zlib.crc32(data[i * chunk : (i + 1) * chunk], crc)
@@ -243,7 +248,8 @@ def _schedule_request(model: str, body: dict[str, Any], text: str, prompt: int
     max_tokens = max_tokens_of(body)
     if max_tokens is not None:
         sched["max_tokens"] = max_tokens * choices * batch_size_of(body)
-    hashes = prefix_hashes(text)
+    salt = body.get("cache_salt")
+    hashes = prefix_hashes(text, cache_salt=salt if isinstance(salt, str) and salt else None)
     if hashes:
         sched["prefix_hashes"] = hashes
     return sched, prompt, choices

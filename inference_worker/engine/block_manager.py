@@ -4,7 +4,9 @@ The block manager only does bookkeeping; the K/V tensors live in the model runne
 pool, indexed by the physical block ids handed out here.
 
 Prefix caching (as in vLLM v1): a *full* block is identified by the hash of
-(parent block's hash, this block's token ids), so equal hashes mean equal prefixes.
+(parent block's hash, this block's token ids), so equal hashes mean equal prefixes. A request's
+`cache_salt` goes into its first block's hash, as vLLM's does: only requests with the same salt
+share blocks.
 Full blocks are registered in `_cached` as soon as they are allocated for a step that
 fills them: the runner writes each layer's K/V for the whole batch before attending,
 so even a request scheduled in the same step can read them. A block whose ref count
@@ -60,8 +62,9 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         tokens = seq.token_ids
+        salt = seq.sampling.cache_salt
         for i in range(len(hashes), upto_tokens // bs):
-            parent = hashes[i - 1] if i else 0
+            parent = hashes[i - 1] if i else (0 if salt is None else hash(("cache_salt", salt)))
             hashes.append(hash((parent, *tokens[i * bs : (i + 1) * bs])))
 
     def reads_cache(self, seq: Sequence) -> bool:

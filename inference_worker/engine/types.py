@@ -91,6 +91,9 @@ class SamplingParams:
     # Not sampling: the request's scheduling priority (vLLM's field; lower goes first under
     # --scheduling-policy priority), carried with its other per-request settings.
     priority: int = 0
+    # vLLM's prefix-cache salt: a request's cached blocks are shared only with requests of the
+    # same salt (a tenant's prompts cannot be probed by another's timing). None: unsalted.
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -112,11 +112,12 @@ class GenerationRequest(BaseModel):
     # vLLM's fields this worker takes and does not act on, declared with vLLM's types for the
     # same reason (a wrong type was passed over as an unknown field, where vLLM answers 400):
     # beam search's length penalty (beam search is refused above); the detokenizer's spacing
-    # of special tokens (skipped here: skip_special_tokens must be true); the prefix-cache salt
-    # (a salt vLLM refuses empty); disaggregated serving's KV transfer and custom extensions'
-    # arguments.
+    # of special tokens (skipped here: skip_special_tokens must be true); disaggregated
+    # serving's KV transfer and custom extensions' arguments.
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
+    # The prefix-cache salt, acted on: only requests of the same salt share cached blocks
+    # (engine/block_manager.py). vLLM refuses an empty one.
     cache_salt: str | None = Field(None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
@@ -233,6 +234,7 @@ class GenerationRequest(BaseModel):
             n=self.n,
             max_tokens_param=requested,
             priority=self.priority,
+            cache_salt=self.cache_salt,
         )
 
 

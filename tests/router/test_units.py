@@ -63,6 +63,11 @@ def test_prefix_hashes_share_prefix_and_are_stable():
     # chained: a different first chunk changes every later fingerprint
     c = prefix_hashes("y" + base[1:] + "A" * PREFIX_CHUNK_CHARS)
     assert all(x != y for x, y in zip(a, c, strict=True))
+    # vLLM's cache_salt: another salt (or none) shares no cached block, and so no fingerprint.
+    salted = prefix_hashes(base, cache_salt="tenant-a")
+    assert salted == prefix_hashes(base, cache_salt="tenant-a")
+    assert not set(salted) & set(prefix_hashes(base)) and not set(salted) & set(
+        prefix_hashes(base, cache_salt="tenant-b"))
 
 
 def _ev(obj) -> bytes:

@@ -346,3 +346,22 @@ def test_sim_worker_serves_without_importing_torch(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert "heavy modules: []" in sim.output(), sim.output()[-3000:]
+
+
+def test_cache_salt_keeps_cached_prefixes_apart_as_in_vllm(worker):
+    """vLLM's cache_salt: a repeated prompt is served from the prefix cache only for requests
+    of the same salt (usage.prompt_tokens_details.cached_tokens), so one tenant cannot tell by
+    the timing whether another sent a prompt. The worker took the field and ignored it."""
+    prompt = "Salted: " + " ".join(f"word{i}" for i in range(80))  # several full blocks
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        def cached(**extra) -> int:
+            answer = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                          "max_tokens": 1, **extra})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(cache_salt="tenant-a") == 0  # first sight
+        assert cached(cache_salt="tenant-a") > 0  # its own prefix
+        assert cached(cache_salt="tenant-b") == 0  # the same text, another tenant
+        assert cached() == 0  # nor an unsalted request
+        assert cached() > 0

@@ -98,6 +98,26 @@ def test_prefix_blocks_shared_with_ref_counts():
     assert len(bm.match_prefix(c)) == 1
 
 
+def test_cached_blocks_are_shared_only_under_the_same_cache_salt():
+    """vLLM's cache_salt: a tenant's salted prompt reuses its own cached blocks, never an
+    unsalted or differently salted request's, nor they its (no timing probe across tenants)."""
+    bm = BlockManager(num_blocks=20, block_size=BS)
+    prompt = list(range(1, 12))  # 2 full blocks + 3
+
+    def salted(seq_id: int, salt: str | None) -> Sequence:
+        return Sequence(seq_id, f"r{seq_id}", len(prompt), list(prompt), greedy(4, cache_salt=salt), 0.0)
+
+    a = salted(0, "tenant-a")
+    assert bm.allocate(a, len(prompt))
+    assert bm.match_prefix(salted(1, "tenant-a")) == a.block_table[:2]
+    assert bm.match_prefix(salted(2, "tenant-b")) == []
+    assert bm.match_prefix(salted(3, None)) == []
+    plain = salted(4, None)
+    assert bm.allocate(plain, len(prompt))
+    assert bm.match_prefix(salted(5, None)) == plain.block_table[:2]
+    assert bm.match_prefix(salted(6, "tenant-b")) == []
+
+
 def test_lru_eviction_of_unreferenced_cached_blocks():
     bm = BlockManager(num_blocks=6, block_size=BS)
     old, new = seq_of([1] * 9, 0), seq_of([2] * 9, 1)  # 3 blocks each, the first 2 full (cacheable)
