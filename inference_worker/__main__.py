@@ -103,10 +103,11 @@ async def run_worker(config: WorkerConfig) -> None:
     registry = CollectorRegistry()
     attach_stat_loggers(engine, config, registry)
     await engine.start()
-    app = build_app(engine, config.model_name, registry, config.responses_store_size)
+    receive_timeout_s = config.request_receive_timeout_ms / 1000  # a request's head and body
+    app = build_app(engine, config.model_name, registry, config.responses_store_size, receive_timeout_s)
     # The drain below waits for the requests; what aiohttp then waits for is their last writes.
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                                  **HEADER_LIMITS)
+                                  receive_timeout_s=receive_timeout_s, **HEADER_LIMITS)
     await runner.setup()
     registrar = None
     site = None

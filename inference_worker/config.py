@@ -88,6 +88,14 @@ class WorkerConfig(BaseSettings):
         "get 503) before they are ended with a 503 error; 0: at once (vLLM's default). A second "
         "signal ends them at once",
     )
+    request_receive_timeout_ms: int = Field(
+        60_000, ge=1,
+        description="the longest a client may take to send its request (as nginx's "
+        "client_header_timeout and client_body_timeout, but the whole body, not each pause): its "
+        "headers, from its connecting or the first byte of its next request on a kept-alive "
+        "connection (past it: the connection closed), and its body, from its headers (past it: a "
+        "408 request_timeout, the connection closed); not the answer, however long it streams",
+    )
 
     responses_store_size: int = Field(
         1024,

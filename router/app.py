@@ -354,8 +354,10 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     # Before the port opens: a SIGHUP sent once /health answers must not end the process.
     sighup = _reload_on_sighup(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
+    receive_timeout_s = cfg.request_receive_timeout_ms / 1000  # a request head's; its body's: proxy.py
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
-                                  shutdown_timeout=CUT_AFTER_DEADLINE_S, **HEADER_LIMITS)
+                                  shutdown_timeout=CUT_AFTER_DEADLINE_S, receive_timeout_s=receive_timeout_s,
+                                  **HEADER_LIMITS)
     runners = [runner]
     port = cfg.port
     try:
@@ -364,7 +366,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         await site.start()
         if cfg.allow_metrics and cfg.metrics_port is not None:
             port = cfg.metrics_port
-            mrunner = OpenAIErrorAppRunner(build_metrics_app(gw), access_log=None)
+            mrunner = OpenAIErrorAppRunner(build_metrics_app(gw), access_log=None,
+                                           receive_timeout_s=receive_timeout_s)
             runners.append(mrunner)
             await mrunner.setup()
             # In TLS as well: a scraper's --admin-token must not cross the network in clear.

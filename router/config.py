@@ -166,6 +166,16 @@ class RouterConfig(BaseSettings):
         "less the 5 s preStop sleep)",
     )
 
+    # Client timeout
+    request_receive_timeout_ms: int = Field(
+        60_000, ge=1,
+        description="the longest a client may take to send its request (as nginx's "
+        "client_header_timeout and client_body_timeout, but the whole body, not each pause): its "
+        "headers, from its connecting or the first byte of its next request on a kept-alive "
+        "connection (past it: the connection closed), and its body, from its headers (past it: a "
+        "408 request_timeout, the connection closed); not the answer, however long it streams",
+    )
+
     # Upstream timeouts
     connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")
     first_byte_timeout_ms: int = Field(

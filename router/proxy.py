@@ -58,6 +58,7 @@ from router.tokens import (
 )
 from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
+from scheduler.http_errors import RequestBodyTimeout, read_body_within
 from scheduler.protocol import CLIENT_LEFT
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from router.tracing import Tracing
 
 log = logging.getLogger("router.proxy")
+http_log = logging.getLogger("router.http")  # what clients send on the wire (router/http_errors.py)
 
 # Request headers not sent on to the worker: hop-by-hop ones, those the gateway sets itself,
 # the client's credentials, and the body's framing and encoding (the body sent on is the one
@@ -340,7 +342,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 413, f"request body larger than {max_body} bytes", code="body_too_large"
             )
         try:
-            raw = await request.read()
+            raw = await read_body_within(request, self.cfg.request_receive_timeout_ms / 1000, http_log)
+        except RequestBodyTimeout as exc:  # a slow or stalled client (scheduler/http_errors.py)
+            answer = error_response(408, str(exc), code="request_timeout")
+            answer.force_close()
+            return answer
         except web.HTTPRequestEntityTooLarge:
             return error_response(
                 413, f"request body larger than {max_body} bytes", code="body_too_large"

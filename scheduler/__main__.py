@@ -73,9 +73,12 @@ async def serve(cfg: SchedulerConfig) -> None:
         tasks.append(asyncio.create_task(KubernetesDiscovery(service, cfg).run(), name="k8s"))
     # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
     # Malformed HTTP (a URL or header over 8 KiB, a bad method) in the OpenAI error shape.
+    # A request head not complete within --request-receive-timeout-ms closes its connection (a
+    # body's: scheduler/app.py read_body).
     runner = OpenAIErrorAppRunner(build_app(service, admin_token), answer=connection_error,
                                   log=logging.getLogger("scheduler.http"), access_log=None,
-                                  handler_cancellation=True)
+                                  handler_cancellation=True,
+                                  receive_timeout_s=cfg.request_receive_timeout_ms / 1000)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=server_ssl)
     try:

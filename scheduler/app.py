@@ -33,11 +33,13 @@ from scheduler.discovery.registration import (
     resolve_and_register,
 )
 from scheduler.gateway_auth import TokenRef, require_token
+from scheduler.http_errors import RequestBodyTimeout, read_body_within
 from scheduler.policies import Request
 from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)
+HTTP_LOG = logging.getLogger("scheduler.http")  # what clients send on the wire (scheduler/http_errors.py)
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 SERVICE_KEY = web.AppKey("service", SchedulerService)
@@ -68,9 +70,16 @@ def connection_error(status: int, message: str, type_: str) -> web.Response:
 async def read_body(request: web.Request) -> bytes:
     """The request body; one that cannot be decoded (a Content-Encoding that lies) is the
     client's error, answered 400 in the usual shape (raised: aiohttp sends an HTTPException
-    as the response)."""
+    as the response); one not complete within --request-receive-timeout-ms a 408, the
+    connection closed (scheduler/http_errors.py)."""
+    timeout_s = request.app[SERVICE_KEY].cfg.request_receive_timeout_ms / 1000
     try:
-        return await request.read()
+        return await read_body_within(request, timeout_s, HTTP_LOG)
+    except RequestBodyTimeout as exc:
+        body = _error_body(str(exc), None, "request_timeout", "invalid_request_error")
+        answer = web.HTTPRequestTimeout(body=body, content_type="application/json")
+        answer.force_close()
+        raise answer from None
     except web.RequestPayloadError as exc:
         body = _error_body(f"unreadable request body: {exc}", None, "invalid_body", "invalid_request_error")
         # Marked read, or aiohttp reads the rest after the answer, meets the same error and logs

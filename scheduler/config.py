@@ -31,6 +31,15 @@ class SchedulerConfig(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8090, ge=0, le=65535)
     log_level: str = "info"
+    request_receive_timeout_ms: int = Field(
+        60_000, ge=1,
+        description="the longest a client may take to send its request (as nginx's "
+        "client_header_timeout and client_body_timeout, but the whole body, not each pause): its "
+        "headers, from its connecting or the first byte of its next request on a kept-alive "
+        "connection (past it: the connection closed), and its body, from its headers (past it: a "
+        "408 request_timeout, the connection closed); not the answer (a held /v1/schedule "
+        "call, a channel)",
+    )
 
     # TLS (scheduler/tls.py): serving HTTPS, and calling https:// workers
     ssl_certfile: str | None = Field(None, description=SERVER_HELP["ssl_certfile"])

@@ -13,18 +13,34 @@ is left of it after the answer, meets the decoding error and logged it as an ERR
 exception" with three chained tracebacks. The answer was right; that is now one WARNING line.
 (A route that reads the body answers such a body itself, with a 400 `invalid_body`.)
 
+A client that sends its request slowly is given a time limit, as nginx's client_header_timeout
+and client_body_timeout give one (--request-receive-timeout-ms, 60 s by default; for the whole
+body, not each pause in it); aiohttp has none. Its keep-alive timer (3630 s, one hour, from the
+connection's start or its last answer) was all that ended a connection that sent nothing or part
+of its headers, and a body that stopped short of its Content-Length (or its last chunk, or never
+came after a `100 Continue`) was waited for as long as the connection stayed open. Here:
+- the headers: a connection whose request head is not complete that long after it opened, or
+  after the first byte of its next request on a kept-alive connection, is closed (one WARNING
+  line when it sent part of one; nothing but a DEBUG line when it sent nothing). No answer:
+  the request is unknown. An idle kept-alive connection is aiohttp's keep-alive timer's;
+- the body: `read_body_within`, where every route reads it: not complete that long after the
+  read began (the headers are in), a 408 `request_timeout`, and the connection closed.
+Only receiving the request is timed: an answer (a stream) takes as long as it takes.
+
 The scheduler's API and the gateway (router/http_errors.py) share this; each says how its
 errors are written. The worker has its own copy: it stands alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -32,12 +48,101 @@ from aiohttp.web_server import Server
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
 
+# nginx's client_header_timeout and client_body_timeout.
+DEFAULT_RECEIVE_TIMEOUT_S = 60.0
+
+
+class RequestBodyTimeout(Exception):
+    """The request body was not complete within the receive timeout (read_body_within)."""
+
+
+async def read_body_within(request: web.Request, timeout_s: float, log: logging.Logger) -> bytes:
+    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
+    WARNING line and RequestBodyTimeout: the caller answers 408 and closes the connection
+    (`force_close`). The body is marked read, or aiohttp would wait up to 10 s more after the
+    answer for the rest of it (its lingering read)."""
+    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
+        return await request.read()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        request.content.feed_eof()
+        log.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
+                    "connection closed", request.remote, timeout_s, request.content.total_bytes)
+        raise RequestBodyTimeout(f"request body not complete within {timeout_s:g} s") from None
+
 
 class OpenAIErrorRequestHandler(RequestHandler):
     """A connection's handler; how it answers and where it logs are its server's (below),
-    kept here: the handler outlives its link to the server once the connection is lost."""
+    kept here: the handler outlives its link to the server once the connection is lost.
+    It also times the request head (see the module)."""
 
-    __slots__ = ("_openai_answer", "_openai_log")
+    __slots__ = ("_head_bytes", "_head_timeout_s", "_head_timer", "_last_body", "_openai_answer",
+                 "_openai_log")
+
+    # ---- the time a request head takes to arrive ------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._last_body: StreamReader | None = None  # the last request's body, as the parser fills it
+        super().connection_made(transport)
+        self._arm_head_timer()  # a new connection: its first request, or nothing, is timed
+
+    def data_received(self, data: bytes) -> None:
+        heads = self._request_count
+        # Bytes past the last request's body are the next request's head. (Whether that body's
+        # last bytes came with some of the next head is not known: then the head is timed from
+        # its next bytes, or, if none come, left to aiohttp's keep-alive timer.)
+        next_head = self._last_body is None or self._last_body.is_eof()
+        super().data_received(data)
+        if self._request_count != heads:  # a request head is in (or refused: answered at once)
+            self._stop_head_timer()
+            self._last_body = self._messages[-1][1] if self._messages else None
+        elif (data and next_head and self._head_timer is None
+              and not (self._upgraded or self._close or self._force_close)):
+            self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
+        if self._head_timer is not None:
+            self._head_bytes += len(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _waiting_for_head(self) -> bool:
+        """No request in hand: aiohttp waits for the next one's head (none is queued)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._messages
+
+    def _arm_head_timer(self) -> None:
+        self._head_bytes = 0
+        self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._force_close or self._upgraded:
+            return
+        if not self._waiting_for_head():
+            # A request still being answered, the next one's head part way in behind it
+            # (pipelined): that head is judged once the answer is done, not the answer cut.
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
+            return
+        peer = self.transport.get_extra_info("peername")
+        peer = peer[0] if isinstance(peer, tuple) else peer
+        log, timeout_s = self._openai_log, self._head_timeout_s
+        if self._head_bytes:
+            log.warning("request head from %s not complete within %g s (%d bytes in): connection "
+                        "closed", peer, timeout_s, self._head_bytes)
+        else:  # a TCP probe, a pre-opened connection: nothing to warn about
+            log.debug("connection from %s sent no request within %g s: closed", peer, timeout_s)
+        self.force_close()  # as aiohttp's keep-alive timer closes an idle connection
+
+    # ---- the OpenAI error shape -------------------------------------------------------------
 
     def handle_error(
         self,
@@ -78,22 +183,26 @@ class OpenAIErrorRequestHandler(RequestHandler):
 class _OpenAIErrorServer(Server):
     openai_answer: ErrorAnswer
     openai_log: logging.Logger
+    head_timeout_s: float
 
     def __call__(self) -> RequestHandler:
         handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
         handler._openai_answer, handler._openai_log = self.openai_answer, self.openai_log
+        handler._head_timeout_s = self.head_timeout_s
         return handler
 
 
 class OpenAIErrorAppRunner(web.AppRunner):
     """An AppRunner whose connections answer in the OpenAI error shape (see the module):
-    `answer` writes the service's error body, `log` takes the WARNING lines."""
+    `answer` writes the service's error body, `log` takes the WARNING lines; a request head
+    not complete within `receive_timeout_s` closes its connection."""
 
     def __init__(self, app: web.Application, *, answer: ErrorAnswer, log: logging.Logger,
-                 **kwargs: Any) -> None:
+                 receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._openai_answer = answer
         self._openai_log = log
+        self._receive_timeout_s = receive_timeout_s
 
     async def _make_server(self) -> Server:
         # aiohttp has no setting for the protocol class; the server it builds is re-classed to
@@ -104,4 +213,5 @@ class OpenAIErrorAppRunner(web.AppRunner):
         server.__class__ = _OpenAIErrorServer
         server.openai_answer = self._openai_answer
         server.openai_log = self._openai_log
+        server.head_timeout_s = self._receive_timeout_s
         return server

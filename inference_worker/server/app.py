@@ -1,7 +1,7 @@
 """The worker's aiohttp application: OpenAI API, WebSocket, health, metrics, tokenize, version.
 
-`build_app(engine, model_name, registry, responses_store_size)` wires the routes; the caller owns the
-engine's lifetime (see `inference_worker.__main__`). Run it with
+`build_app(engine, model_name, registry, responses_store_size, receive_timeout_s)` wires the
+routes; the caller owns the engine's lifetime (see `inference_worker.__main__`). Run it with
 `handler_cancellation=True` (as `serve()` does) so that a client disconnect cancels
 its handler and the engine aborts the request at once.
 """
@@ -20,7 +20,15 @@ from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
 from inference_worker.server.response_store import ResponseStore
-from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, REGISTRY, RESPONSES
+from inference_worker.server.state import (
+    BACKGROUND,
+    DRAIN,
+    ENGINE,
+    FACTORY,
+    RECEIVE_TIMEOUT_S,
+    REGISTRY,
+    RESPONSES,
+)
 from inference_worker.server.websocket import websocket_handler
 
 # Long prompts as JSON token-id lists get large; aiohttp's 1 MiB default is too small.
@@ -77,12 +85,14 @@ def build_app(
     model_name: str,
     registry: CollectorRegistry | None = None,
     responses_store_size: int = 0,
+    receive_timeout_s: float = 60.0,
 ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[FACTORY] = GenerationFactory(engine, model_name)
     app[DRAIN] = Drain()
     app[RESPONSES] = ResponseStore(responses_store_size)
+    app[RECEIVE_TIMEOUT_S] = receive_timeout_s  # a request body's (openai_api.read_body)
     app[BACKGROUND] = BackgroundRuns()
     app.on_cleanup.append(_stop_background)
     app.on_response_prepare.append(_close_when_draining)

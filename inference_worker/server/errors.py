@@ -3,7 +3,8 @@
 `error_middleware` turns every exception a handler raises into the right status,
 so a client never sees a traceback or an HTML error page:
 
-- `APIError` (raised by our own checks): its status, type, param and code;
+- `APIError` (raised by our own checks): its status, type, param and code (a body not
+  complete in time, `RequestBodyTimeout`: 408, and the connection closed);
 - pydantic `ValidationError` (bad JSON, wrong types, out-of-range values): 400 with `param`;
 - `ValueError` (the engine's `EngineRequestError`s, e.g. a prompt too long): 400;
 - `EngineDeadError`: 503;
@@ -66,6 +67,14 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class RequestBodyTimeout(APIError):
+    """A request body not complete within --request-receive-timeout-ms (http_errors.py): a 408,
+    and the connection closed (`error_middleware`)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"Request body not complete within {timeout_s:g} s.", code="request_timeout")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -135,6 +144,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(APIError(exc.status, message))
     except web.RequestPayloadError as exc:
         return unreadable_body(request, exception_to_api_error(exc))
+    except RequestBodyTimeout as exc:  # the rest of the body is not waited for: closed too
+        return unreadable_body(request, exc)
     except Exception as exc:
         return json_error(exception_to_api_error(exc))
 

@@ -5,26 +5,122 @@ limit, broken chunking, a Content-Length that is no number) and answers it itsel
 logging an ERROR with a traceback. `error_middleware` never sees these. Here they get the JSON
 every other 4xx has, and one WARNING line: what a scanner sends is not the worker's error.
 So does a body whose Content-Encoding lies on a route that never reads it (log_exception).
+
+A client that sends its request slowly is given --request-receive-timeout-ms (60 s, as nginx's
+client_header_timeout and client_body_timeout, but for the whole body); aiohttp gives none. Its
+keep-alive timer (3630 s from a connection's start or last answer) was all that ended a
+connection that sent nothing or part of its headers, and a body short of its Content-Length (or
+its last chunk, or that never came after a `100 Continue`) was waited for as long as the
+connection stayed open. Here a request
+head not complete that long after the connection opened, or after the first byte of its next
+request on a kept-alive one, closes the connection (one WARNING line if part of one came); a body
+not complete that long after the read began (`read_body_within`, every route's) is a 408
+`request_timeout`, the connection closed. An answer (a stream) is not timed by it.
 (The gateway and the scheduler share scheduler/http_errors.py: the worker stands alone.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from inference_worker.server.errors import error_body
+from inference_worker.server.errors import RequestBodyTimeout, error_body
 
 logger = logging.getLogger("inference_worker.server")
 
+DEFAULT_RECEIVE_TIMEOUT_S = 60.0  # nginx's client_header_timeout and client_body_timeout
+
+
+async def read_body_within(request: web.Request, timeout_s: float) -> bytes:
+    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
+    WARNING line and RequestBodyTimeout (a 408; error_middleware marks the body read, or aiohttp
+    would wait up to 10 s more after the answer for the rest, and closes the connection)."""
+    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
+        return await request.read()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        logger.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
+                       "connection closed", request.remote, timeout_s, request.content.total_bytes)
+        raise RequestBodyTimeout(timeout_s) from None
+
 
 class OpenAIErrorRequestHandler(RequestHandler):
+    """A connection's handler: the OpenAI error shape, and the time a request head has (above)."""
+
+    __slots__ = ("_head_bytes", "_head_timeout_s", "_head_timer", "_last_body")
+
+    # ---- the time a request head takes to arrive ------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._last_body: StreamReader | None = None  # the last request's body, as the parser fills it
+        super().connection_made(transport)
+        self._arm_head_timer()  # a new connection: its first request, or nothing, is timed
+
+    def data_received(self, data: bytes) -> None:
+        heads = self._request_count
+        # Bytes past the last request's body are the next request's head. (Whether that body's
+        # last bytes came with some of the next head is not known: then the head is timed from
+        # its next bytes, or, if none come, left to aiohttp's keep-alive timer.)
+        next_head = self._last_body is None or self._last_body.is_eof()
+        super().data_received(data)
+        if self._request_count != heads:  # a request head is in (or refused: answered at once)
+            self._stop_head_timer()
+            self._last_body = self._messages[-1][1] if self._messages else None
+        elif (data and next_head and self._head_timer is None
+              and not (self._upgraded or self._close or self._force_close)):
+            self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
+        if self._head_timer is not None:
+            self._head_bytes += len(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _waiting_for_head(self) -> bool:
+        """No request in hand: aiohttp waits for the next one's head (none is queued)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._messages
+
+    def _arm_head_timer(self) -> None:
+        self._head_bytes = 0
+        self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._force_close or self._upgraded:
+            return
+        if not self._waiting_for_head():
+            # A request still being answered, the next one's head part way in behind it
+            # (pipelined): that head is judged once the answer is done, not the answer cut.
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
+            return
+        peer = self.transport.get_extra_info("peername")
+        peer = peer[0] if isinstance(peer, tuple) else peer
+        timeout_s = self._head_timeout_s
+        if self._head_bytes:
+            logger.warning("request head from %s not complete within %g s (%d bytes in): connection "
+                           "closed", peer, timeout_s, self._head_bytes)
+        else:  # a TCP probe, a pre-opened connection: nothing to warn about
+            logger.debug("connection from %s sent no request within %g s: closed", peer, timeout_s)
+        self.force_close()  # as aiohttp's keep-alive timer closes an idle connection
+
+    # ---- the OpenAI error shape -------------------------------------------------------------
     def handle_error(
         self,
         request: BaseRequest,
@@ -66,12 +162,22 @@ class OpenAIErrorRequestHandler(RequestHandler):
 
 
 class _OpenAIErrorServer(Server):
+    head_timeout_s: float
+
     def __call__(self) -> RequestHandler:
-        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler._head_timeout_s = self.head_timeout_s
+        return handler
 
 
 class OpenAIErrorAppRunner(web.AppRunner):
-    """An AppRunner whose connections answer in the OpenAI error shape (see the module)."""
+    """An AppRunner whose connections answer in the OpenAI error shape (see the module); a
+    request head not complete within `receive_timeout_s` closes its connection."""
+
+    def __init__(self, app: web.Application, *, receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._receive_timeout_s = receive_timeout_s
 
     async def _make_server(self) -> Server:
         # aiohttp has no setting for the protocol class; the server it builds is re-classed to
@@ -79,4 +185,5 @@ class OpenAIErrorAppRunner(web.AppRunner):
         # aiohttp that builds servers otherwise fails there, not in front of a client.
         server = await super()._make_server()
         server.__class__ = _OpenAIErrorServer
+        server.head_timeout_s = self._receive_timeout_s
         return server

@@ -25,8 +25,9 @@ from inference_worker.server.answer import answer_body, answer_chunks
 from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeRequest
 from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation
+from inference_worker.server.http_errors import read_body_within
 from inference_worker.server.prepare import GenerationFactory, prepared, request_id_base
-from inference_worker.server.state import DRAIN, ENGINE, FACTORY
+from inference_worker.server.state import DRAIN, ENGINE, FACTORY, RECEIVE_TIMEOUT_S
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -40,17 +41,23 @@ _DONE = "data: [DONE]\n\n"
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
+async def read_body(request: web.Request) -> bytes:
+    """Every route's request body, given --request-receive-timeout-ms to arrive (past it a 408,
+    the connection closed: server/http_errors.py)."""
+    return await read_body_within(request, request.app[RECEIVE_TIMEOUT_S])
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
     id_base = request_id_base(request.headers.get("X-Request-Id"))
-    body = await request.read()
+    body = await read_body(request)
     return await serve(request, await prepared(len(body), factory.completion, body, id_base))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
     id_base = request_id_base(request.headers.get("X-Request-Id"))
-    body = await request.read()
+    body = await read_body(request)
     return await serve(request, await prepared(len(body), factory.chat, body, id_base))
 
 
@@ -145,7 +152,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: `{"prompt": str}` or `{"messages": [...]}` -> tokens, count, max_model_len."""
-    raw = await request.read()
+    raw = await read_body(request)
     answer = await prepared(len(raw), _tokenize_answer, request.app[FACTORY], raw)
     return _json_answer(answer)
 
@@ -169,7 +176,7 @@ def _tokens(factory: GenerationFactory, raw: bytes) -> list[int]:
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's /detokenize: `{"tokens": [...]}` -> the text. A large list is parsed, checked and
     decoded in a thread, as vLLM does (4M ids held the loop 2.6 s here, every stream stopped)."""
-    raw = await request.read()
+    raw = await read_body(request)
     return _json_answer(await prepared(len(raw), _detokenize_answer, request.app[FACTORY], raw))
 
 

@@ -33,7 +33,7 @@ from inference_worker.server.answer import engine_error
 from inference_worker.server.background import LIVE_STATUSES, BackgroundRun
 from inference_worker.server.errors import APIError, invalid_request
 from inference_worker.server.generation import Generation
-from inference_worker.server.openai_api import SSE_HEADERS, serve
+from inference_worker.server.openai_api import SSE_HEADERS, read_body, serve
 from inference_worker.server.prepare import GenerationFactory, prepared, request_id_base
 from inference_worker.server.response_store import ResponseStore, StoredResponse
 from inference_worker.server.responses_protocol import ResponsesRequest, parse_request
@@ -41,7 +41,7 @@ from inference_worker.server.state import BACKGROUND, DRAIN, ENGINE, FACTORY, RE
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    raw = await request.read()
+    raw = await read_body(request)
     body = await prepared(len(raw), parse_request, raw)  # a large body in a thread (prepare.py)
     store = request.app[RESPONSES]
     if body.background and store.max_size <= 0:

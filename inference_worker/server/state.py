@@ -1,5 +1,5 @@
 """Typed keys of what the aiohttp app holds (engine, request factory, metrics registry, drain,
-stored responses, background responses)."""
+stored responses, background responses, the time a request body has to arrive)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,4 @@ REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 DRAIN = web.AppKey("drain", Drain)
 RESPONSES = web.AppKey("response_store", ResponseStore)
 BACKGROUND = web.AppKey("background_responses", BackgroundRuns)
+RECEIVE_TIMEOUT_S = web.AppKey("request_receive_timeout_s", float)

@@ -1,0 +1,204 @@
+"""Raw-socket clients that send their request slowly or not at all, for the tests of
+--request-receive-timeout-ms on the gateway (tests/router/test_slow_senders.py), the worker
+(tests/worker/test_server_slow_senders.py) and the scheduler (tests/scheduler/test_slow_senders.py).
+
+Each of them is bounded: every read waits at most a given time, every loop runs a fixed count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+TIMEOUT_MS = 1500  # the services' --request-receive-timeout-ms in these tests
+TIMEOUT_S = TIMEOUT_MS / 1000
+# How long past the timeout a stalled client may wait for its answer or its close: a loaded
+# 2-core machine is slow, but without the timeout the wait would be an hour or for ever.
+SLACK_S = 3.0
+HOST = "127.0.0.1"
+BODY_WARNING = "request body from 127.0.0.1 not complete within"
+HEAD_WARNING = "request head from 127.0.0.1 not complete within"
+
+
+def post_head(path: str, length: int | None, *extra: str, close: bool = False) -> bytes:
+    """A POST's head: Content-Length `length`, or chunked when None."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", "Content-Type: application/json", *extra]
+    lines.append(f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+# A body that stops short, three ways; each on a route that reads its body (`path`).
+def short_content_length(path: str) -> bytes:
+    return post_head(path, 1000) + b'{"model": "m", "messa'
+
+
+def stalled_chunks(path: str) -> bytes:
+    return post_head(path, None) + b'5\r\n{"mod\r\n'
+
+
+def expect_continue(path: str) -> bytes:
+    """`Expect: 100-continue` and a large length, then nothing: aiohttp answers 100 Continue."""
+    return post_head(path, 1_000_000, "Expect: 100-continue")
+
+
+STALLED_BODIES = [short_content_length, stalled_chunks, expect_continue]
+
+# A request head that stops short (path: any route).
+STALLED_HEADS = {
+    "nothing": b"",
+    "part of the request line": b"POST /v1/chat/compl",
+    "part of the headers": f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nX-Slow: ".encode(),
+}
+
+
+@dataclass
+class Stalled:
+    """What a client that sent `data` and then nothing got back."""
+
+    seconds: float  # from the last byte sent to the close, or to the bound
+    raw: bytes  # everything the service sent
+    closed: bool  # the service closed the connection (EOF or reset) within the bound
+    answered_at: float | None  # seconds from the last byte sent to the final answer's first bytes
+
+    def answer(self) -> tuple[int, dict]:
+        """The final answer's status and JSON body (after any 100 Continue)."""
+        status, body = final_answer(self.raw)
+        return status, json.loads(body)
+
+
+async def send_then_stall(port: int, data: bytes, bound_s: float) -> Stalled:
+    """Connect, send `data`, send nothing more, and read until the service closes the connection
+    or `bound_s` passes."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        if data:
+            writer.write(data)
+            await writer.drain()
+        start = time.monotonic()
+        raw = b""
+        answered_at = None
+        closed = False
+        for _ in range(1000):  # reads; each waits for what is left of the bound
+            left = bound_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), left)
+            except TimeoutError:
+                break
+            except ConnectionError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            raw += chunk
+            if answered_at is None and _final_status_line(raw) is not None:
+                answered_at = time.monotonic() - start
+        return Stalled(time.monotonic() - start, raw, closed, answered_at)
+    finally:
+        writer.close()
+
+
+def _final_status_line(raw: bytes) -> bytes | None:
+    rest = raw
+    while rest.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+        rest = rest[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    return rest.split(b"\r\n", 1)[0] if rest.startswith(b"HTTP/1.1 ") else None
+
+
+def final_answer(raw: bytes) -> tuple[int, bytes]:
+    """The status and body of the last answer in `raw` (an interim 100 Continue skipped)."""
+    while raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+        raw = raw[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def assert_request_timeout(stalled: Stalled) -> None:
+    """A 408 in the OpenAI error shape about when the timeout ran out, and the connection closed."""
+    assert stalled.answered_at is not None, f"no answer within {stalled.seconds:.1f} s: {stalled.raw!r}"
+    status, body = stalled.answer()
+    assert status == 408, stalled.raw
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == "request_timeout", body
+    assert f"not complete within {TIMEOUT_S:g} s" in body["error"]["message"], body
+    assert TIMEOUT_S * 0.8 <= stalled.answered_at <= TIMEOUT_S + SLACK_S, stalled.answered_at
+    assert stalled.closed, "the connection stayed open after the 408"
+
+
+def assert_dropped(stalled: Stalled) -> None:
+    """Closed, with nothing sent, about when the timeout ran out."""
+    assert stalled.closed, f"still open after {stalled.seconds:.1f} s"
+    assert stalled.raw == b"", stalled.raw
+    assert TIMEOUT_S * 0.8 <= stalled.seconds <= TIMEOUT_S + SLACK_S, stalled.seconds
+
+
+async def read_answer(reader: asyncio.StreamReader, bound_s: float = 10.0) -> tuple[int, bytes]:
+    """One answer with a Content-Length off a kept-alive connection."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), bound_s)
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await asyncio.wait_for(reader.readexactly(length), bound_s)
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def kept_alive_then_stalled(port: int, path: str, idle_s: float, bound_s: float) -> Stalled:
+    """GET `path` twice on one connection, `idle_s` apart (an idle kept-alive connection is not
+    a slow request: both must be answered), then send part of a third request's head and stall."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    get = f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    try:
+        for i in range(2):
+            if i:
+                await asyncio.sleep(idle_s)
+            writer.write(get)
+            await writer.drain()
+            status, _ = await read_answer(reader)
+            assert status == 200, f"answer {i + 1} on the kept-alive connection: {status}"
+        writer.write(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: ")
+        await writer.drain()
+        start = time.monotonic()
+        try:
+            rest = await asyncio.wait_for(reader.read(65536), bound_s)
+        except TimeoutError:
+            return Stalled(time.monotonic() - start, b"", False, None)
+        except ConnectionError:
+            rest = b""
+        return Stalled(time.monotonic() - start, rest, not rest, None)
+    finally:
+        writer.close()
+
+
+async def send_steadily(port: int, path: str, body: bytes, pieces: int,
+                        gap_s: float) -> tuple[int, bytes, float]:
+    """POST `body` in `pieces` pieces `gap_s` apart (a slow but steady client); the answer's
+    status and body (`Connection: close`: read to the end) and the seconds the body took."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        writer.write(post_head(path, len(body), close=True))
+        await writer.drain()
+        start = time.monotonic()
+        size = -(-len(body) // pieces)
+        for i in range(pieces):
+            if i:
+                await asyncio.sleep(gap_s)
+            writer.write(body[i * size:(i + 1) * size])
+            await writer.drain()
+        took = time.monotonic() - start
+        raw = await asyncio.wait_for(reader.read(), 30)
+        status, answer = final_answer(raw)
+        return status, answer, took
+    finally:
+        writer.close()
+
+
+def log_count(output: str, needle: str) -> int:
+    return sum(1 for line in output.splitlines() if needle in line)
