@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import httpx
 
 TIMEOUT_MS = 1500  # the services' --request-receive-timeout-ms in these tests
 TIMEOUT_S = TIMEOUT_MS / 1000
@@ -19,6 +22,7 @@ TIMEOUT_S = TIMEOUT_MS / 1000
 SLACK_S = 3.0
 HOST = "127.0.0.1"
 BODY_WARNING = "request body from 127.0.0.1 not complete within"
+CHAT = "/v1/chat/completions"
 HEAD_WARNING = "request head from 127.0.0.1 not complete within"
 
 
@@ -202,3 +206,71 @@ async def send_steadily(port: int, path: str, body: bytes, pieces: int,
 
 def log_count(output: str, needle: str) -> int:
     return sum(1 for line in output.splitlines() if needle in line)
+
+
+# ---- the checks each service's test module runs -----------------------------------------------
+async def check_stalled_body(port: int, request: bytes, output: Callable[[], str],
+                             answers: Callable[[], None]) -> None:
+    """A body that stops short gets the 408 and one WARNING line (no traceback; `output`: the
+    service's log so far), and the service still answers (`answers` checks it, in a thread)."""
+    before = log_count(output(), BODY_WARNING)
+    assert_request_timeout(await send_then_stall(port, request, TIMEOUT_S + SLACK_S))
+    out = output()
+    assert log_count(out, BODY_WARNING) == before + 1
+    assert "Traceback" not in out
+    await asyncio.to_thread(answers)
+
+
+async def check_stalled_head(port: int, name: str, output: Callable[[], str],
+                             answers: Callable[[], None]) -> None:
+    """A head that stops short (STALLED_HEADS[name]) is dropped, with one WARNING line when any
+    of it came, and the service still answers."""
+    before = log_count(output(), HEAD_WARNING)
+    assert_dropped(await send_then_stall(port, STALLED_HEADS[name], TIMEOUT_S + SLACK_S))
+    out = output()
+    assert log_count(out, HEAD_WARNING) == before + (1 if STALLED_HEADS[name] else 0)
+    assert "Traceback" not in out
+    await asyncio.to_thread(answers)
+
+
+def _long_stream(base_url: str) -> tuple[list[str], float]:
+    body = {"model": "m", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return events, time.monotonic() - start
+
+
+def _ten_megabytes(base_url: str) -> tuple[int, float]:
+    """10 MB at loopback speed (a model nobody serves: a 404 once it is read)."""
+    body = json.dumps({"model": "none-such", "messages": [{"role": "user", "content": "x" * 10_000_000}]})
+    start = time.monotonic()
+    r = httpx.post(base_url + CHAT, content=body.encode(), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    return r.status_code, time.monotonic() - start
+
+
+async def check_answers_beside_a_stalled_body(base_url: str, port: int) -> None:
+    """An OpenAI server (the gateway, the worker) serving model "m" at ~12 ms a token: a slow
+    but steady body, a 10 MB body and a 300-token stream that outlasts the timeout all pass,
+    beside a stalled body that gets its 408 (without the timeout the test fails there)."""
+    steady = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 600}],
+                         "max_tokens": 2}).encode()
+    stream, big, slow, stalled = await asyncio.gather(
+        asyncio.to_thread(_long_stream, base_url),
+        asyncio.to_thread(_ten_megabytes, base_url),
+        # 6 pieces 0.1 s apart: ~0.5 s, within the 1.5 s
+        send_steadily(port, CHAT, steady, pieces=6, gap_s=0.1),
+        send_then_stall(port, short_content_length(CHAT), TIMEOUT_S + SLACK_S),
+    )
+    assert_request_timeout(stalled)
+    status, answer, took = slow
+    assert status == 200 and json.loads(answer)["choices"], answer
+    assert took > 0.4
+    big_status, big_s = big
+    assert big_status == 404 and big_s < TIMEOUT_S, (big_status, big_s)  # read whole, and quickly
+    events, stream_s = stream
+    assert events[-1] == "[DONE]" and stream_s > TIMEOUT_S * 1.5, (events[-2:], stream_s)
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
+    assert not [e for e in events if '"error"' in e]

@@ -8,33 +8,25 @@ hour (its keep-alive timer)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-
 import httpx
 import pytest
 
 from tests.router.procs import SimStack, sim_stack
 from tests.router.slow_senders import (
-    BODY_WARNING,
-    HEAD_WARNING,
+    CHAT,
     SLACK_S,
     STALLED_BODIES,
     STALLED_HEADS,
     TIMEOUT_MS,
     TIMEOUT_S,
     assert_dropped,
-    assert_request_timeout,
+    check_answers_beside_a_stalled_body,
+    check_stalled_body,
+    check_stalled_head,
     kept_alive_then_stalled,
-    log_count,
-    send_steadily,
-    send_then_stall,
-    short_content_length,
 )
 
 RECEIVE = ("--request-receive-timeout-ms", str(TIMEOUT_MS))
-CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +49,13 @@ def _chat_answers(stack: SimStack) -> None:
 
 @pytest.mark.parametrize("stall", STALLED_BODIES, ids=lambda f: f.__name__)
 async def test_a_stalled_body_gets_a_408_and_the_gateway_answers_after(stack: SimStack, stall) -> None:
-    before = log_count(stack.gateway_proc.output(), BODY_WARNING)
-    stalled = await send_then_stall(_port(stack), stall(CHAT), TIMEOUT_S + SLACK_S)
-    assert_request_timeout(stalled)
-    out = stack.gateway_proc.output()
-    assert log_count(out, BODY_WARNING) == before + 1
-    assert "Traceback" not in out
-    await asyncio.to_thread(_chat_answers, stack)
+    await check_stalled_body(_port(stack), stall(CHAT), stack.gateway_proc.output,
+                             lambda: _chat_answers(stack))
 
 
 @pytest.mark.parametrize("name", list(STALLED_HEADS))
 async def test_a_stalled_head_is_dropped(stack: SimStack, name: str) -> None:
-    before = log_count(stack.gateway_proc.output(), HEAD_WARNING)
-    assert_dropped(await send_then_stall(_port(stack), STALLED_HEADS[name], TIMEOUT_S + SLACK_S))
-    out = stack.gateway_proc.output()
-    assert log_count(out, HEAD_WARNING) == before + (1 if STALLED_HEADS[name] else 0)
-    assert "Traceback" not in out
-    await asyncio.to_thread(_chat_answers, stack)
+    await check_stalled_head(_port(stack), name, stack.gateway_proc.output, lambda: _chat_answers(stack))
 
 
 async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_timed(stack: SimStack) -> None:
@@ -81,41 +63,5 @@ async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_timed(stack
     assert_dropped(stalled)
 
 
-def _long_stream(stack: SimStack) -> tuple[list[str], float]:
-    body = {"model": "m", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    start = time.monotonic()
-    with httpx.stream("POST", stack.gateway + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    return events, time.monotonic() - start
-
-
-def _ten_megabytes(stack: SimStack) -> tuple[int, float]:
-    """10 MB at loopback speed (a model no worker serves: the answer comes once it is read)."""
-    body = json.dumps({"model": "none-such", "messages": [{"role": "user", "content": "x" * 10_000_000}]})
-    start = time.monotonic()
-    r = httpx.post(stack.gateway + CHAT, content=body.encode(), timeout=30,
-                   headers={"Content-Type": "application/json"})
-    return r.status_code, time.monotonic() - start
-
-
 async def test_a_steady_body_a_big_one_and_a_long_stream_pass_beside_a_stalled_body(stack: SimStack) -> None:
-    steady = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 600}],
-                         "max_tokens": 2}).encode()
-    stream, big, slow, stalled = await asyncio.gather(
-        asyncio.to_thread(_long_stream, stack),
-        asyncio.to_thread(_ten_megabytes, stack),
-        # 6 pieces 0.1 s apart: ~0.5 s, within the 1.5 s
-        send_steadily(_port(stack), CHAT, steady, pieces=6, gap_s=0.1),
-        send_then_stall(_port(stack), short_content_length(CHAT), TIMEOUT_S + SLACK_S),
-    )
-    assert_request_timeout(stalled)
-    status, answer, took = slow
-    assert status == 200 and json.loads(answer)["choices"], answer
-    assert took > 0.4
-    big_status, big_s = big
-    assert big_status == 404 and big_s < TIMEOUT_S, (big_status, big_s)  # read whole, and quickly
-    events, stream_s = stream
-    assert events[-1] == "[DONE]" and stream_s > TIMEOUT_S * 1.5, (events[-2:], stream_s)
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
-    assert not [e for e in events if '"error"' in e]
+    await check_answers_beside_a_stalled_body(stack.gateway, _port(stack))

@@ -18,8 +18,6 @@ import pytest
 
 from tests.router.procs import Proc, start_scheduler
 from tests.router.slow_senders import (
-    BODY_WARNING,
-    HEAD_WARNING,
     SLACK_S,
     STALLED_BODIES,
     STALLED_HEADS,
@@ -27,8 +25,9 @@ from tests.router.slow_senders import (
     TIMEOUT_S,
     assert_dropped,
     assert_request_timeout,
+    check_stalled_body,
+    check_stalled_head,
     kept_alive_then_stalled,
-    log_count,
     send_steadily,
     send_then_stall,
     short_content_length,
@@ -63,24 +62,13 @@ async def test_a_stalled_body_gets_a_408_and_the_scheduler_answers_after(
     scheduler: tuple[Proc, str], stall
 ) -> None:
     proc, url = scheduler
-    before = log_count(proc.output(), BODY_WARNING)
-    stalled = await send_then_stall(_port(url), stall(SCHEDULE), TIMEOUT_S + SLACK_S)
-    assert_request_timeout(stalled)
-    out = proc.output()
-    assert log_count(out, BODY_WARNING) == before + 1
-    assert "Traceback" not in out
-    await asyncio.to_thread(_release_answers, url)
+    await check_stalled_body(_port(url), stall(SCHEDULE), proc.output, lambda: _release_answers(url))
 
 
 @pytest.mark.parametrize("name", list(STALLED_HEADS))
 async def test_a_stalled_head_is_dropped(scheduler: tuple[Proc, str], name: str) -> None:
     proc, url = scheduler
-    before = log_count(proc.output(), HEAD_WARNING)
-    assert_dropped(await send_then_stall(_port(url), STALLED_HEADS[name], TIMEOUT_S + SLACK_S))
-    out = proc.output()
-    assert log_count(out, HEAD_WARNING) == before + (1 if STALLED_HEADS[name] else 0)
-    assert "Traceback" not in out
-    await asyncio.to_thread(_release_answers, url)
+    await check_stalled_head(_port(url), name, proc.output, lambda: _release_answers(url))
 
 
 async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_timed(
