@@ -40,17 +40,14 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
-from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from scheduler.head_timer import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
+
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
-
-# nginx's client_header_timeout and client_body_timeout.
-DEFAULT_RECEIVE_TIMEOUT_S = 60.0
-
 
 class RequestBodyTimeout(Exception):
     """The request body was not complete within the receive timeout (read_body_within)."""
@@ -73,74 +70,12 @@ async def read_body_within(request: web.Request, timeout_s: float, log: logging.
         raise RequestBodyTimeout(f"request body not complete within {timeout_s:g} s") from None
 
 
-class OpenAIErrorRequestHandler(RequestHandler):
+class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
     """A connection's handler; how it answers and where it logs are its server's (below),
     kept here: the handler outlives its link to the server once the connection is lost.
-    It also times the request head (see the module)."""
+    It also times the request head (scheduler/head_timer.py)."""
 
-    __slots__ = ("_head_bytes", "_head_timeout_s", "_head_timer", "_last_body", "_openai_answer",
-                 "_openai_log")
-
-    # ---- the time a request head takes to arrive ------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
-        self._last_body: StreamReader | None = None  # the last request's body, as the parser fills it
-        super().connection_made(transport)
-        self._arm_head_timer()  # a new connection: its first request, or nothing, is timed
-
-    def data_received(self, data: bytes) -> None:
-        heads = self._request_count
-        # Bytes past the last request's body are the next request's head. (Whether that body's
-        # last bytes came with some of the next head is not known: then the head is timed from
-        # its next bytes, or, if none come, left to aiohttp's keep-alive timer.)
-        next_head = self._last_body is None or self._last_body.is_eof()
-        super().data_received(data)
-        if self._request_count != heads:  # a request head is in (or refused: answered at once)
-            self._stop_head_timer()
-            self._last_body = self._messages[-1][1] if self._messages else None
-        elif (data and next_head and self._head_timer is None
-              and not (self._upgraded or self._close or self._force_close)):
-            self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
-        if self._head_timer is not None:
-            self._head_bytes += len(data)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._stop_head_timer()
-        super().connection_lost(exc)
-
-    def _waiting_for_head(self) -> bool:
-        """No request in hand: aiohttp waits for the next one's head (none is queued)."""
-        waiter = self._waiter
-        return waiter is not None and not waiter.done() and not self._messages
-
-    def _arm_head_timer(self) -> None:
-        self._head_bytes = 0
-        self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
-
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.transport is None or self._force_close or self._upgraded:
-            return
-        if not self._waiting_for_head():
-            # A request still being answered, the next one's head part way in behind it
-            # (pipelined): that head is judged once the answer is done, not the answer cut.
-            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_timed_out)
-            return
-        peer = self.transport.get_extra_info("peername")
-        peer = peer[0] if isinstance(peer, tuple) else peer
-        log, timeout_s = self._openai_log, self._head_timeout_s
-        if self._head_bytes:
-            log.warning("request head from %s not complete within %g s (%d bytes in): connection "
-                        "closed", peer, timeout_s, self._head_bytes)
-        else:  # a TCP probe, a pre-opened connection: nothing to warn about
-            log.debug("connection from %s sent no request within %g s: closed", peer, timeout_s)
-        self.force_close()  # as aiohttp's keep-alive timer closes an idle connection
+    __slots__ = ("_openai_answer", "_openai_log")
 
     # ---- the OpenAI error shape -------------------------------------------------------------
 
@@ -188,7 +123,7 @@ class _OpenAIErrorServer(Server):
     def __call__(self) -> RequestHandler:
         handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
         handler._openai_answer, handler._openai_log = self.openai_answer, self.openai_log
-        handler._head_timeout_s = self.head_timeout_s
+        handler._head_log, handler._head_timeout_s = self.openai_log, self.head_timeout_s
         return handler
 
 
