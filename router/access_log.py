@@ -50,23 +50,10 @@ class RequestRecord:
         self.method = method
         self.path = path
         self.start = time.perf_counter()
-        self.model = "-"
-        self.choices = 1  # sequences the engine generates (n)
-        # Answers the output tokens are spread over (n x the prompts of a batch): they are
-        # generated side by side, so the time per output token is per answer, not per token
-        # of all of them together.
-        self.sequences = 1
-        self.worker = "-"
         self.status = 0
         self.stream = False
-        self.queue_ms = 0.0
         self.ttft_ms: float | None = None
-        self.prompt_tokens = 0
-        self.output_tokens = 0
         self.retries = 0
-        # The pool serves its model: a worker was found for it, or the scheduler knows the model
-        # but has no healthy worker for it now (a label then, unlike a made-up name).
-        self.model_known = False
         self.error: str | None = None
         self.trace: str | None = None  # the W3C trace id the client sent (traceparent)
         # The gateway's own trace of it (router/trace_collect.py): only with tracing on.
@@ -74,6 +61,24 @@ class RequestRecord:
         # The worker goes on with the request after its answer (a background response).
         self.detached = False
         self.flow = ""  # its tenant in the admission queue (router/fairness.py)
+        self.forget_placement()
+
+    def forget_placement(self) -> None:
+        """What a placement fills in, as before one: also a WebSocket's, whose first request
+        could not be placed and whose next one starts afresh (router/ws_proxy.py)."""
+        self.model = "-"
+        self.choices = 1  # sequences the engine generates (n)
+        # Answers the output tokens are spread over (n x the prompts of a batch): they are
+        # generated side by side, so the time per output token is per answer, not per token
+        # of all of them together.
+        self.sequences = 1
+        self.worker = "-"
+        self.queue_ms = 0.0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        # The pool serves its model: a worker was found for it, or the scheduler knows the model
+        # but has no healthy worker for it now (a label then, unlike a made-up name).
+        self.model_known = False
         # What its flow was charged in the queue's token turns (None: it got no worker), and
         # the (prompt, output) tokens already settled against it (a WebSocket's answers).
         self.fair_charge: float | None = None

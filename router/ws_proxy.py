@@ -75,14 +75,6 @@ async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> t
         return msg.data, body, model
 
 
-def _unplaced(rec: RequestRecord, status: int) -> None:
-    """The socket's record as before a first request whose placement was refused: the socket's
-    line (at its close) tells of the socket, and the next first request starts it afresh."""
-    rec.status, rec.model, rec.model_known, rec.worker = status, "-", False, "-"
-    rec.prompt_tokens, rec.output_tokens, rec.choices, rec.sequences = 0, 0, 1, 1
-    rec.queue_ms, rec.fair_charge, rec.fair_settled = 0.0, None, (0, 0)
-
-
 async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) -> web.StreamResponse:
     offered = _offered_protocols(request)
     authorization = _authorization(request, offered)
@@ -156,7 +148,10 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             await relay.close()  # ends the turn's lease (it holds none: no worker took it)
             session.pending.clear()
             relay = None
-            _unplaced(rec, unplaced)
+            # The socket's record as before that request: its line (at its close) tells of the
+            # socket, and the next first request starts it afresh.
+            rec.forget_placement()
+            rec.status = unplaced
             if sessions.closing:  # the gateway began to stop while it was being placed
                 await session.going_away_if_idle()
                 return client
