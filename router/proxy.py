@@ -58,8 +58,8 @@ from router.tokens import (
 )
 from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
-from scheduler.http_errors import RequestBodyTimeout, read_body_within
 from scheduler.protocol import CLIENT_LEFT
+from scheduler.receive_timeout import RequestBodyTimeout, read_body_within
 
 if TYPE_CHECKING:
     from router.trace_collect import RequestTrace
@@ -343,7 +343,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             )
         try:
             raw = await read_body_within(request, self.cfg.request_receive_timeout_ms / 1000, http_log)
-        except RequestBodyTimeout as exc:  # a slow or stalled client (scheduler/http_errors.py)
+        except RequestBodyTimeout as exc:  # a slow or stalled client (scheduler/receive_timeout.py)
             answer = error_response(408, str(exc), code="request_timeout")
             answer.force_close()
             return answer

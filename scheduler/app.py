@@ -33,9 +33,9 @@ from scheduler.discovery.registration import (
     resolve_and_register,
 )
 from scheduler.gateway_auth import TokenRef, require_token
-from scheduler.http_errors import RequestBodyTimeout, read_body_within
 from scheduler.policies import Request
 from scheduler.protocol import CLIENT_LEFT, ScheduleRequest
+from scheduler.receive_timeout import RequestBodyTimeout, read_body_within
 from scheduler.service import UNKNOWN_MODEL, SchedulerService, Wait
 
 log = logging.getLogger(__name__)

@@ -13,19 +13,9 @@ is left of it after the answer, meets the decoding error and logged it as an ERR
 exception" with three chained tracebacks. The answer was right; that is now one WARNING line.
 (A route that reads the body answers such a body itself, with a 400 `invalid_body`.)
 
-A client that sends its request slowly is given a time limit, as nginx's client_header_timeout
-and client_body_timeout give one (--request-receive-timeout-ms, 60 s by default; for the whole
-body, not each pause in it); aiohttp has none. Its keep-alive timer (3630 s, one hour, from the
-connection's start or its last answer) was all that ended a connection that sent nothing or part
-of its headers, and a body that stopped short of its Content-Length (or its last chunk, or never
-came after a `100 Continue`) was waited for as long as the connection stayed open. Here:
-- the headers: a connection whose request head is not complete that long after it opened, or
-  after the first byte of its next request on a kept-alive connection, is closed (one WARNING
-  line when it sent part of one; nothing but a DEBUG line when it sent nothing). No answer:
-  the request is unknown. An idle kept-alive connection is aiohttp's keep-alive timer's;
-- the body: `read_body_within`, where every route reads it: not complete that long after the
-  read began (the headers are in), a 408 `request_timeout`, and the connection closed.
-Only receiving the request is timed: an answer (a stream) takes as long as it takes.
+A client that sends its request slowly is given --request-receive-timeout-ms (60 s, as nginx's
+client_header_timeout and client_body_timeout): the handler here times the request head, and
+every route's body read is timed (scheduler/receive_timeout.py, which has a worker twin).
 
 The scheduler's API and the gateway (router/http_errors.py) share this; each says how its
 errors are written. The worker has its own copy: it stands alone.
@@ -33,7 +23,6 @@ errors are written. The worker has its own copy: it stands alone.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -44,36 +33,15 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from scheduler.head_timer import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
+from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
 
-class RequestBodyTimeout(Exception):
-    """The request body was not complete within the receive timeout (read_body_within)."""
-
-
-async def read_body_within(request: web.Request, timeout_s: float, log: logging.Logger) -> bytes:
-    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
-    WARNING line and RequestBodyTimeout: the caller answers 408 and closes the connection
-    (`force_close`). The body is marked read, or aiohttp would wait up to 10 s more after the
-    answer for the rest of it (its lingering read)."""
-    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
-        return await request.read()
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except TimeoutError:
-        request.content.feed_eof()
-        log.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
-                    "connection closed", request.remote, timeout_s, request.content.total_bytes)
-        raise RequestBodyTimeout(f"request body not complete within {timeout_s:g} s") from None
-
-
 class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
     """A connection's handler; how it answers and where it logs are its server's (below),
     kept here: the handler outlives its link to the server once the connection is lost.
-    It also times the request head (scheduler/head_timer.py)."""
+    It also times the request head (scheduler/receive_timeout.py)."""
 
     __slots__ = ("_openai_answer", "_openai_log")
 

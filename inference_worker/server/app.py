@@ -19,6 +19,7 @@ from inference_worker.server.background import BackgroundRuns
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, error_middleware, json_error, shutting_down
 from inference_worker.server.prepare import GenerationFactory
+from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S
 from inference_worker.server.response_store import ResponseStore
 from inference_worker.server.state import (
     BACKGROUND,
@@ -85,7 +86,7 @@ def build_app(
     model_name: str,
     registry: CollectorRegistry | None = None,
     responses_store_size: int = 0,
-    receive_timeout_s: float = 60.0,
+    receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
 ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine

@@ -70,7 +70,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class RequestBodyTimeout(APIError):
-    """A request body not complete within --request-receive-timeout-ms (http_errors.py): a 408,
+    """A request body not complete within --request-receive-timeout-ms (receive_timeout.py): a 408,
     and the connection closed (`error_middleware`)."""
 
     def __init__(self, timeout_s: float) -> None:

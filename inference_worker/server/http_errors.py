@@ -7,21 +7,13 @@ every other 4xx has, and one WARNING line: what a scanner sends is not the worke
 So does a body whose Content-Encoding lies on a route that never reads it (log_exception).
 
 A client that sends its request slowly is given --request-receive-timeout-ms (60 s, as nginx's
-client_header_timeout and client_body_timeout, but for the whole body); aiohttp gives none. Its
-keep-alive timer (3630 s from a connection's start or last answer) was all that ended a
-connection that sent nothing or part of its headers, and a body short of its Content-Length (or
-its last chunk, or that never came after a `100 Continue`) was waited for as long as the
-connection stayed open. Here a request
-head not complete that long after the connection opened, or after the first byte of its next
-request on a kept-alive one, closes the connection (one WARNING line if part of one came); a body
-not complete that long after the read began (`read_body_within`, every route's) is a 408
-`request_timeout`, the connection closed. An answer (a stream) is not timed by it.
+client_header_timeout and client_body_timeout): the handler here times the request head, and
+every route's body read is timed (receive_timeout.py, a twin of the scheduler's).
 (The gateway and the scheduler share scheduler/http_errors.py: the worker stands alone.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -31,30 +23,15 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from inference_worker.server.errors import RequestBodyTimeout, error_body
-from inference_worker.server.head_timer import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
+from inference_worker.server.errors import error_body
+from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
 
 logger = logging.getLogger("inference_worker.server")
 
 
-async def read_body_within(request: web.Request, timeout_s: float) -> bytes:
-    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
-    WARNING line and RequestBodyTimeout (a 408; error_middleware marks the body read, or aiohttp
-    would wait up to 10 s more after the answer for the rest, and closes the connection)."""
-    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
-        return await request.read()
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except TimeoutError:
-        logger.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
-                       "connection closed", request.remote, timeout_s, request.content.total_bytes)
-        raise RequestBodyTimeout(timeout_s) from None
-
-
 class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
     """A connection's handler: the OpenAI error shape, and the time a request head has
-    (head_timer.py)."""
+    (receive_timeout.py)."""
 
     __slots__ = ()
 

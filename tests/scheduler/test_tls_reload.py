@@ -27,11 +27,11 @@ import pytest
 from aiohttp import web
 
 from inference_worker.server import file_watch as worker_file_watch
-from inference_worker.server import head_timer as worker_head_timer
+from inference_worker.server import receive_timeout as worker_receive_timeout
 from inference_worker.server import tls as worker_tls
 from inference_worker.server import tls_reload as worker_tls_reload
 from scheduler import file_watch as scheduler_file_watch
-from scheduler import head_timer as scheduler_head_timer
+from scheduler import receive_timeout as scheduler_receive_timeout
 from scheduler import tls as scheduler_tls
 from scheduler import tls_reload as scheduler_tls_reload
 from tests.router.procs import Proc, free_port
@@ -78,7 +78,7 @@ def _same_code(a: Path, b: Path) -> None:
 def test_the_worker_twins_are_the_schedulers():
     _same_code(Path(scheduler_tls_reload.__file__), Path(worker_tls_reload.__file__))
     _same_code(Path(scheduler_file_watch.__file__), Path(worker_file_watch.__file__))
-    _same_code(Path(scheduler_head_timer.__file__), Path(worker_head_timer.__file__))
+    _same_code(Path(scheduler_receive_timeout.__file__), Path(worker_receive_timeout.__file__))
 
 
 class Server:

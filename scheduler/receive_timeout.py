@@ -1,11 +1,18 @@
-"""The time a request head may take to arrive: aiohttp sets none (slowloris).
+"""The time a request may take to arrive: aiohttp sets none (slowloris).
 
 aiohttp's keep-alive timer (3630 s from a connection's start or its last answer) was all that
-ended a connection that sent nothing or part of its headers. Here a request head not complete
-`_head_timeout_s` after the connection opened, or after the first byte of its next request on a
-kept-alive connection, closes the connection: one WARNING line when part of one came, a DEBUG
-line when nothing did (a TCP probe). No answer: the request is unknown. An idle kept-alive
-connection stays aiohttp's keep-alive timer's, and an answer (a stream) is never cut.
+ended a connection that sent nothing or part of its headers, and a body short of its
+Content-Length (or its last chunk, or never sent after a `100 Continue`) was waited for as long
+as the connection stayed open. Here:
+- the head: one not complete `_head_timeout_s` after the connection opened, or after the first
+  byte of its next request on a kept-alive connection, closes the connection
+  (HeadTimedRequestHandler): one WARNING line when part of one came, a DEBUG line when nothing
+  did (a TCP probe).
+  No answer: the request is unknown. An idle kept-alive connection stays aiohttp's keep-alive
+  timer's;
+- the body: `read_body_within`, where every route reads it: not whole that long after the read
+  began, RequestBodyTimeout (the service answers 408 and closes the connection).
+An answer (a stream) is never timed.
 
 The scheduler (and the gateway, through scheduler/http_errors.py) and the worker each have this
 file, the same code (a test keeps them alike): the worker imports nothing of the other parts.
@@ -16,11 +23,37 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 # nginx's client_header_timeout and client_body_timeout.
 DEFAULT_RECEIVE_TIMEOUT_S = 60.0
+
+
+class RequestBodyTimeout(Exception):
+    """The request body was not complete within the receive timeout (read_body_within)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"request body not complete within {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+async def read_body_within(request: web.Request, timeout_s: float, log: logging.Logger) -> bytes:
+    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
+    WARNING line and RequestBodyTimeout: the caller answers 408 and closes the connection
+    (`force_close`). The body is marked read, or aiohttp would wait up to 10 s more after the
+    answer for the rest of it (its lingering read)."""
+    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
+        return await request.read()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        request.content.feed_eof()
+        log.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
+                    "connection closed", request.remote, timeout_s, request.content.total_bytes)
+        raise RequestBodyTimeout(timeout_s) from None
 
 
 class HeadTimedRequestHandler(RequestHandler):
