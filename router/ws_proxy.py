@@ -23,7 +23,7 @@ from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
 from router.proxy import Proxy, is_name
 from router.ws_leases import WsTurn
-from router.ws_relay import KEY_REVOKED, WsRelay, _is_cancel
+from router.ws_relay import KEY_REVOKED, WsRelay, is_cancel
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
@@ -61,7 +61,7 @@ async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> t
             continue
         if msg.type != aiohttp.WSMsgType.TEXT:
             return None
-        if _is_cancel(msg.data):
+        if is_cancel(msg.data):
             continue
         try:
             body = json.loads(msg.data)

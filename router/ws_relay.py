@@ -320,7 +320,7 @@ class WsRelay:
         """The client's messages: requests, and cancels of the one being answered."""
         async for msg in self.client:
             if msg.type == aiohttp.WSMsgType.TEXT:
-                if _is_cancel(msg.data):
+                if is_cancel(msg.data):
                     await self.cancel(msg.data)
                 elif self.sessions.closing:
                     await self.client.send_str(SHUTTING_DOWN)
@@ -461,7 +461,7 @@ async def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
     return WsTurn(data, sched_body, prompt * choices, answers_of(body)), prompt
 
 
-def _is_cancel(text: str) -> bool:
+def is_cancel(text: str) -> bool:
     """The worker's cancel message (`{"type": "cancel"}`): it ends the request being answered.
     Exactly as the worker tells it (its websocket.py): a message with more fields is a request
     to it, answered with an error, and counted as a cancel here that answer ended the wrong
