@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ class DecodeGraphs:
         return len(self._buckets)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
+            context_lens: list[int], block_tables: list[Sequence[int]]) -> torch.Tensor | None:
         """Final hidden states [B, hidden] of one decode-only step (one new token per sequence);
         None when its bucket is beyond the pool's size (the caller runs it eagerly)."""
         b = len(ids)
@@ -109,7 +110,8 @@ class DecodeGraphs:
         table: list[int] = []
         for t in block_tables:
             row = t[: bucket.blocks]
-            table += row + [0] * (bucket.blocks - len(row))
+            table.extend(row)
+            table.extend([0] * (bucket.blocks - len(row)))
         host = torch.tensor(
             ids + [0] * pad + positions + [0] * pad + slots + [self.scratch_slot] * pad
             + context_lens + [1] * pad + table + [0] * (pad * bucket.blocks),

@@ -151,7 +151,7 @@ class TorchModelRunner:
             positions=positions,
             slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)],
             context_lens=[p + 1 for p in positions],
-            block_tables=[list(s.block_table) for s in seqs],
+            block_tables=[s.block_table for s in seqs],
         )
         if hidden is not None:
             self.num_graph_steps += 1
