@@ -40,6 +40,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from router.proxy import MODEL_ENDPOINTS
 from router.stored_responses import STORED_RESPONSE_PATH
 from router.trace_collect import Attempt, Placing, RequestTrace, new_span_id
+from scheduler.clip import MAX_SHOWN_CHARS
 
 if TYPE_CHECKING:
     from router.access_log import RequestRecord
@@ -50,7 +51,8 @@ DEFAULT_SERVICE_NAME = "llm-router-gateway"
 SCOPE = "llm-router.gateway"
 TRACES_PATH = "/v1/traces"
 # Client-chosen strings in attributes (a model name, a path) are cut: a backend indexes them.
-_MAX_VALUE_CHARS = 256
+# As many characters as an error message shows of one (scheduler/clip.py).
+_MAX_VALUE_CHARS = MAX_SHOWN_CHARS
 _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
                "/v1/embeddings": "embeddings"}
 _RESPONSE_ACTIONS = frozenset({"", "/cancel", "/input_items"})
