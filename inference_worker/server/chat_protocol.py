@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from inference_worker.server.clip import clip_repr
 from inference_worker.server.errors import invalid_request
 from inference_worker.server.protocol import MAX_LOGPROBS, GenerationRequest, reject_set, unsupported
 
@@ -40,7 +41,7 @@ class _ChatRendering(BaseModel):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind != "text":
                     raise unsupported(f"messages.{i}.content.{j}.type",
-                                      f"content of type {kind!r} (this model takes text)")
+                                      f"content of type {clip_repr(kind)} (this model takes text)")
         return data
 
     def _check_rendering(self) -> None:
@@ -182,7 +183,7 @@ class ChatCompletionRequest(GenerationRequest, _ChatRendering):
                 param="tool_choice",
             )
         raise invalid_request(
-            f"Invalid value for `tool_choice`: {choice!r}. Only named tools, \"none\", \"auto\" or "
+            f"Invalid value for `tool_choice`: {clip_repr(choice)}. Only named tools, \"none\", \"auto\" or "
             "\"required\" are supported.",
             param="tool_choice",
         )

@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from inference_worker.engine.errors import EngineDeadError, EngineShutdownError
+from inference_worker.server.clip import MAX_SHOWN_CHARS, clip
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -82,7 +83,7 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return APIError(404, f"The model `{clip(model)}` does not exist.", param="model", code="model_not_found")
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
@@ -90,14 +91,25 @@ def from_validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return invalid_request(f"Invalid JSON body: {err['msg']}", code="invalid_json")
-    loc = [str(part) for part in err["loc"]]
-    param = ".".join(loc) or None
-    message = err["msg"]
+    param = ".".join(error_loc(err["loc"])) or None
+    message = error_msg(err["msg"])
     if message.startswith(("Value error, ", "Assertion failed, ")):
         message = message.split(", ", 1)[1]
     if param:
         message = f"{param}: {message}"
     return invalid_request(message, param=param, code="invalid_value" if param else None)
+
+
+def error_loc(loc: tuple[int | str, ...]) -> list[str]:
+    """An error's location, each part cut (clip.py): a dict's keys are the client's
+    (`logit_bias`, `metadata`), and one of 100 KB was the `param` and the message's start."""
+    return [clip(str(part)) for part in loc]
+
+
+def error_msg(msg: str) -> str:
+    """pydantic's message, cut when long. Its own words are short and quote no input, but a
+    validator's ValueError may (ours cut what they quote) and a union's tag error quotes the tag."""
+    return clip(msg, 4 * MAX_SHOWN_CHARS)
 
 
 def exception_to_api_error(exc: BaseException) -> APIError:
@@ -138,9 +150,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         if exc.status == 404:
-            message = f"Not found: {request.method} {request.path}"
+            message = f"Not found: {clip(request.method)} {clip(request.path)}"
         elif exc.status == 405:
-            message = f"Method {request.method} not allowed on {request.path}"
+            message = f"Method {clip(request.method)} not allowed on {clip(request.path)}"
         return json_error(APIError(exc.status, message))
     except web.RequestPayloadError as exc:
         return unreadable_body(request, exception_to_api_error(exc))

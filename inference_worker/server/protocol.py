@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from inference_worker.engine.types import SamplingParams
+from inference_worker.server.clip import clip_repr
 from inference_worker.server.errors import APIError, invalid_request
 
 # OpenAI's limit on choices per request (each is an engine request of its own).
@@ -135,7 +136,7 @@ class GenerationRequest(BaseModel):
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
             if not (key.isascii() and key.isdigit()):  # "²".isdigit(), but int("²") fails
-                raise ValueError(f"logit_bias keys are token ids, not {key!r}")
+                raise ValueError(f"logit_bias keys are token ids, not {clip_repr(key)}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
         return value

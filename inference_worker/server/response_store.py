@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_worker.server.background import LIVE_STATUSES, BackgroundRun
+from inference_worker.server.clip import clip
 from inference_worker.server.errors import APIError, invalid_request
 
 
@@ -72,4 +73,4 @@ class ResponseStore:
 
 
 def not_found(response_id: str, param: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found.", param=param)
+    return APIError(404, f"Response with id '{clip(response_id)}' not found.", param=param)

@@ -31,6 +31,7 @@ from aiohttp import web
 from inference_worker.engine.types import FinishReason, RequestOutput
 from inference_worker.server.answer import engine_error
 from inference_worker.server.background import LIVE_STATUSES, BackgroundRun
+from inference_worker.server.clip import clip_repr
 from inference_worker.server.errors import APIError, invalid_request
 from inference_worker.server.generation import Generation
 from inference_worker.server.openai_api import SSE_HEADERS, read_body, serve
@@ -149,7 +150,7 @@ def _stream_query(request: web.Request) -> bool:
         return False
     if raw.lower() in _QUERY_TRUE:
         return True
-    raise invalid_request(f"stream must be true or false, got {raw!r}", param="stream")
+    raise invalid_request(f"stream must be true or false, got {clip_repr(raw)}", param="stream")
 
 
 def _starting_after(request: web.Request) -> int | None:
@@ -161,7 +162,7 @@ def _starting_after(request: web.Request) -> int | None:
     except ValueError:
         value = None
     if value is None or value < -1:
-        raise invalid_request(f"starting_after must be an event's sequence number, got {raw!r}",
+        raise invalid_request(f"starting_after must be an event's sequence number, got {clip_repr(raw)}",
                               param="starting_after")
     return value
 

@@ -18,7 +18,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from inference_worker.server.chat_protocol import ChatCompletionRequest
-from inference_worker.server.errors import APIError, from_validation_error, invalid_request
+from inference_worker.server.clip import clip_repr
+from inference_worker.server.errors import (
+    APIError,
+    error_loc,
+    error_msg,
+    from_validation_error,
+    invalid_request,
+)
 from inference_worker.server.protocol import reject_set, unsupported
 
 _TEXT_PARTS = {"input_text", "output_text"}
@@ -125,10 +132,11 @@ class ResponsesRequest(BaseModel):
                 continue
             kind = item.get("type", "message")
             if kind != "message":
-                raise unsupported(f"input.{i}.type", f"input items of type {kind!r}")
+                raise unsupported(f"input.{i}.type", f"input items of type {clip_repr(kind)}")
             for j, part in enumerate(item["content"] if isinstance(item.get("content"), list) else ()):
                 if isinstance(part, dict) and part.get("type") not in _TEXT_PARTS:
-                    raise unsupported(f"input.{i}.content.{j}.type", f"content of type {part.get('type')!r}")
+                    raise unsupported(f"input.{i}.content.{j}.type",
+                                      f"content of type {clip_repr(part.get('type'))}")
         return data
 
     @model_validator(mode="after")
@@ -136,7 +144,7 @@ class ResponsesRequest(BaseModel):
         reject_set(self, _UNIMPLEMENTED_RESPONSES)
         text_format = (self.text or {}).get("format")
         if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
-            raise unsupported("text.format", f"text.format of type {text_format.get('type')!r}")
+            raise unsupported("text.format", f"text.format of type {clip_repr(text_format.get('type'))}")
         if self.background and not self.store:
             raise invalid_request("background can only be used when `store` is true", param="background")
         if isinstance(self.input, list) and not self.input:
@@ -218,9 +226,9 @@ def parse_request(raw: bytes) -> ResponsesRequest:
 def to_api_error(exc: ValidationError) -> APIError:
     """errors.from_validation_error, with the `str | list` unions' tags left out of `param`."""
     err = exc.errors(include_url=False)[0]
-    loc = [str(part) for part in err["loc"] if part not in (_TEXT, _LIST)]
+    loc = error_loc(tuple(part for part in err["loc"] if part not in (_TEXT, _LIST)))
     if err["type"] == "json_invalid" or not loc:
         return from_validation_error(exc)
     param = ".".join(loc)
-    message = err["msg"].removeprefix("Value error, ")
+    message = error_msg(err["msg"]).removeprefix("Value error, ")
     return invalid_request(f"{param}: {message}", param=param, code="invalid_value")

@@ -42,6 +42,7 @@ from pydantic_core import from_json
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_chunks
 from inference_worker.server.chat_protocol import ChatCompletionRequest
+from inference_worker.server.clip import clip_repr
 from inference_worker.server.drain import Drain
 from inference_worker.server.errors import APIError, exception_to_api_error, invalid_request, shutting_down
 from inference_worker.server.generation import Generation
@@ -78,7 +79,7 @@ def generation_from_message(factory: GenerationFactory, text: str) -> Generation
     if endpoint in _COMPLETIONS:
         return factory.completion_from(CompletionRequest.model_validate(body))
     raise invalid_request(
-        f"unknown endpoint {endpoint!r}: use 'completions' or 'chat.completions'", param="endpoint"
+        f"unknown endpoint {clip_repr(endpoint)}: use 'completions' or 'chat.completions'", param="endpoint"
     )
 
 
