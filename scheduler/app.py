@@ -24,7 +24,9 @@ from scheduler.channel import (
     request_of,
     run_batch_bytes,
     serve_channel,
+    validation_message,
 )
+from scheduler.clip import clip, clip_repr
 from scheduler.cordons import clean_reason
 from scheduler.discovery.registration import (
     RegistrationError,
@@ -115,7 +117,7 @@ def _validation_error(exc: ValidationError) -> BadRequest:
         return BadRequest("body is not valid JSON")
     if param is None and err.get("type") == "model_type":
         return BadRequest("body must be a JSON object")
-    return BadRequest(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+    return BadRequest(validation_message(param, err.get("msg")), param)
 
 
 def parse_schedule(raw: bytes) -> tuple[Request, int, int]:
@@ -144,7 +146,8 @@ async def schedule(request: web.Request) -> web.Response:
             return web.Response(status=499)
         return web.Response(body=to_json(out), content_type="application/json")
     if out == UNKNOWN_MODEL:
-        return error_response(404, f"no worker serves model {req.model!r}", "model", "model_not_found")
+        return error_response(404, f"no worker serves model {clip_repr(req.model)}", "model",
+                              "model_not_found")
     assert isinstance(out, Wait)
     body = {"wait": True, "retry_after_ms": out.retry_after_ms, "reason": out.reason}
     return web.Response(status=503, body=_dumps(body), content_type="application/json",
@@ -262,7 +265,7 @@ async def cordon_worker(request: web.Request) -> web.Response:
         reason = clean_reason(given)
     # A known worker, or an id cordoned already (its worker left): a typo must not pass silently.
     if worker_id not in svc.registry.workers and worker_id not in svc.cordons:
-        return error_response(404, f"no worker {worker_id!r} (GET /v1/workers lists them)",
+        return error_response(404, f"no worker {clip_repr(worker_id)} (GET /v1/workers lists them)",
                               "worker_id", "worker_not_found")
     changed = svc.cordon(worker_id, reason, by=request.remote) is not None
     return await _cordon_answer(svc, worker_id, changed)
@@ -273,7 +276,7 @@ async def uncordon_worker(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
     worker_id = request.match_info["worker_id"]
     if worker_id not in svc.registry.workers and worker_id not in svc.cordons:
-        return error_response(404, f"no worker {worker_id!r} and no cordon for it",
+        return error_response(404, f"no worker {clip_repr(worker_id)} and no cordon for it",
                               "worker_id", "worker_not_found")
     changed = svc.uncordon(worker_id, by=request.remote) is not None
     return await _cordon_answer(svc, worker_id, changed)
@@ -310,11 +313,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def not_found(request: web.Request) -> web.Response:
-    return error_response(404, f"no route for {request.path}", code="not_found")
+    return error_response(404, f"no route for {clip(request.path)}", code="not_found")
 
 
 async def method_not_allowed(request: web.Request) -> web.Response:
-    message = f"{request.method} is not allowed on {request.path}"
+    message = f"{clip(request.method)} is not allowed on {clip(request.path)}"
     return error_response(405, message, code="method_not_allowed")
 
 

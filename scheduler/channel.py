@@ -36,6 +36,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 
+from scheduler.clip import MAX_SHOWN_CHARS, clip, clip_repr
 from scheduler.policies import Request
 from scheduler.protocol import (
     CLIENT_LEFT,
@@ -57,7 +58,14 @@ def _bad(exc: ValidationError) -> list:
     err = exc.errors()[0]
     loc = err.get("loc") or ()
     param = str(loc[0]) if loc else None
-    return _error(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+    return _error(400, validation_message(param, err.get("msg")), param)
+
+
+def validation_message(param: str | None, msg: object) -> str:
+    """A pydantic error's message as the 400 says it (the HTTP routes' and the batch's): its
+    words are short and quote no input, but cut all the same (clip.py), as the worker cuts them."""
+    text = clip(str(msg), 4 * MAX_SHOWN_CHARS)
+    return f"{param}: {text}" if param else text
 
 
 def request_of(r: ScheduleRequest) -> Request:
@@ -83,7 +91,7 @@ def _schedule(svc: SchedulerService, op: dict) -> list:
     if isinstance(out, dict):
         return [200, out]
     if out == UNKNOWN_MODEL:
-        return _error(404, f"no worker serves model {r.model!r}", "model", "model_not_found")
+        return _error(404, f"no worker serves model {clip_repr(r.model)}", "model", "model_not_found")
     assert isinstance(out, Wait)
     return [503, {"wait": True, "retry_after_ms": out.retry_after_ms, "reason": out.reason}]
 

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from scheduler.clip import clip_repr
 from scheduler.registry import WorkerState, worker_id_for
 from scheduler.running_cap import is_positive_int
 from scheduler.service import SchedulerService
@@ -97,7 +98,7 @@ def _address_problem(url: str, address: Address, allowed: list[Network], resolve
     so a leaked token pointed both at the host's credentials. Outside `allowed` (the
     operator's registration_allowed_networks), likewise."""
     # The operator reads which of a name's addresses was refused (a name may have several).
-    at = f"{url!r} resolves to {address}, which" if resolved else f"{url!r}"
+    at = f"{clip_repr(url)} resolves to {address}, which" if resolved else clip_repr(url)
     if address.is_unspecified:
         return (f"{at} names no address to reach ({address} is every interface of the worker's "
                 "host): register the worker's own address (the worker's --advertise-url)")
@@ -122,8 +123,8 @@ def _unreachable(url: str, allowed: list[Network], resolved: Sequence[Address] |
     if not allowed:
         return None
     if resolved is None:  # an in-process caller that did not resolve it
-        return (f"{url!r} names its host: with registration_allowed_networks, the name must be "
-                "resolved first (resolve_and_register)")
+        return (f"{clip_repr(url)} names its host: with registration_allowed_networks, the name must "
+                "be resolved first (resolve_and_register)")
     return next((p for a in resolved if (p := _address_problem(url, a, allowed, True))), None)
 
 
@@ -136,11 +137,11 @@ async def _resolve(url: str, name: str) -> list[Address]:
             infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
     except TimeoutError:
         # The executor's thread goes on until the resolver gives up; only the wait ends here.
-        raise RegistrationError(400, f"url {url!r}: its host {name!r} did not resolve within "
-                                f"{RESOLVE_TIMEOUT_S:g} s", "url") from None
+        raise RegistrationError(400, f"url {clip_repr(url)}: its host {clip_repr(name)} did not resolve "
+                                f"within {RESOLVE_TIMEOUT_S:g} s", "url") from None
     except (OSError, UnicodeError) as exc:  # socket.gaierror: no such name, no address
-        raise RegistrationError(400, f"url {url!r}: its host {name!r} does not resolve ({exc})",
-                                "url") from None
+        raise RegistrationError(400, f"url {clip_repr(url)}: its host {clip_repr(name)} does not resolve "
+                                f"({exc})", "url") from None
     addresses: dict[Address, None] = {}  # in the resolver's order, each once
     for *_, sockaddr in infos:
         try:
@@ -148,8 +149,8 @@ async def _resolve(url: str, name: str) -> list[Address]:
         except ValueError:  # a family other than IPv4 and IPv6: nothing an http client dials
             continue
     if not addresses:
-        raise RegistrationError(400, f"url {url!r}: its host {name!r} resolves to no IP address",
-                                "url")
+        raise RegistrationError(400, f"url {clip_repr(url)}: its host {clip_repr(name)} resolves to no IP "
+                                "address", "url")
     return list(addresses)
 
 
@@ -236,7 +237,8 @@ def register(service: SchedulerService, body: object,
             # Two ids for one engine would make it two workers, each drawing a full share (a
             # worker back from a crash under a new id: its old registration expires, then
             # this one goes through).
-            raise RegistrationError(409, f"url {url!r} is known as worker {at_url.worker_id!r}", "url")
+            raise RegistrationError(409, f"url {clip_repr(url)} is known as worker {at_url.worker_id!r}",
+                                    "url")
     else:
         # The worker at this URL, under whatever id another source gave it (a pod's name).
         known = at_url or registry.workers.get(worker_id_for(url))
@@ -246,7 +248,7 @@ def register(service: SchedulerService, body: object,
         # while its calls went on to the other URL. Once that registration expires (or leaves)
         # this one goes through.
         raise RegistrationError(409, f"worker {known.worker_id!r} is known at another URL, "
-                                f"{known.url!r}", "url")
+                                f"{clip_repr(known.url)}", "url")
     created = known is None or SOURCE not in known.sources
     if created:
         registered = sum(1 for w in service.registry.workers.values() if SOURCE in w.sources)
