@@ -31,6 +31,7 @@ from router.scheduling import Scheduling
 from router.ws_proxy import handle_ws
 from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
+from scheduler.clip import clip_repr
 from scheduler.tls import TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
@@ -219,7 +220,7 @@ class Gateway:
                 if m["id"] == model_id:
                     return web.json_response(m)
             return error_response(
-                404, f"model {model_id!r} is not served here", code="model_not_found", param="model"
+                404, f"model {clip_repr(model_id)} is not served here", code="model_not_found", param="model"
             )
         return web.Response(body=self._models_cache[1], content_type="application/json")
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from router.errors import error_response
+from scheduler.clip import clip_repr
 
 _ALLOW_METHODS = "GET, POST, OPTIONS"
 _EXPOSE = "x-request-id, x-router-worker, x-router-policy, x-router-queue-ms, Retry-After"
@@ -56,7 +57,8 @@ class CorsPolicy:
         allowed = self.allowed_value(origin)
         if allowed is None:
             return error_response(
-                403, f"origin {origin!r} is not allowed to call this API", code="cors_origin_not_allowed"
+                403, f"origin {clip_repr(origin)} is not allowed to call this API",
+                code="cors_origin_not_allowed",
             )
         answer = {
             "Access-Control-Allow-Origin": allowed,

@@ -7,6 +7,8 @@ import re
 
 from aiohttp import web
 
+from scheduler.clip import clip
+
 
 def error_body(
     message: str, type_: str, code: int | str | None = None, param: str | None = None
@@ -44,10 +46,11 @@ async def no_route(request: web.Request) -> web.Response:
     if allowed:
         methods = ", ".join(sorted(allowed))
         return error_response(
-            405, f"{request.method} is not allowed on {request.path}: use {methods}",
+            405, f"{clip(request.method)} is not allowed on {clip(request.path)}: use {methods}",
             code="method_not_allowed", headers={"Allow": methods},
         )
-    return error_response(404, f"no such endpoint: {request.method} {request.path}", code="not_found")
+    return error_response(404, f"no such endpoint: {clip(request.method)} {clip(request.path)}",
+                          code="not_found")
 
 
 def sse_error_event(message: str, type_: str = "upstream_error", code: int | str = 502) -> bytes:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from scheduler.clip import clip_repr
+
 
 class NoWorkerError(Exception):
     """No usable worker for the model (unknown_model: no known worker serves it at all)."""
@@ -94,7 +96,7 @@ class FallbackRouter:
         if any(w.models is not None for w in ws) and not any(w.models and model in w.models for w in ws):
             # Workers whose models are still unknown (never answered /v1/models) are not
             # taken as proof that someone serves a model no known worker lists.
-            raise NoWorkerError(f"no known worker serves model {model!r}", unknown_model=True)
+            raise NoWorkerError(f"no known worker serves model {clip_repr(model)}", unknown_model=True)
         n = len(ws)
         now = time.monotonic()
         resting: KnownWorker | None = None
@@ -118,10 +120,10 @@ class FallbackRouter:
         if resting is not None:  # everyone is resting: try the one resting longest rather than fail
             return resting
         if serving == 0:
-            raise NoWorkerError(f"no known worker serves model {model!r}", unknown_model=True)
+            raise NoWorkerError(f"no known worker serves model {clip_repr(model)}", unknown_model=True)
         if cordoned == serving:
-            raise NoWorkerError(f"every worker serving model {model!r} is cordoned")
-        raise NoWorkerError(f"every worker serving model {model!r} failed this request")
+            raise NoWorkerError(f"every worker serving model {clip_repr(model)} is cordoned")
+        raise NoWorkerError(f"every worker serving model {clip_repr(model)} failed this request")
 
     def mark_failed(self, url: str) -> None:
         w = self._by_url.get(url.rstrip("/"))

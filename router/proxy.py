@@ -58,6 +58,7 @@ from router.tokens import (
 )
 from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
 from scheduler.client import SchedulerRequestError, UnknownModelError
+from scheduler.clip import clip, clip_repr
 from scheduler.protocol import CLIENT_LEFT
 from scheduler.receive_timeout import RequestBodyTimeout, read_body_within
 
@@ -333,7 +334,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             )
         if path in _POST_ONLY and request.method != "POST":
             return error_response(
-                405, f"{request.method} is not allowed on {path}: use POST",
+                405, f"{clip(request.method)} is not allowed on {path}: use POST",
                 code="method_not_allowed", headers={"Allow": "POST"},
             )
         max_body = self.cfg.max_body_bytes
@@ -470,7 +471,7 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             except UnknownModelError as exc:
                 return error_response(
                     404,
-                    f"model {model!r} is not served here ({exc})",
+                    f"model {clip_repr(model)} is not served here ({exc})",
                     code="model_not_found",
                     param="model",
                 )

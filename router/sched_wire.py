@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import from_json
 
 from scheduler.client import SchedulerAuthError, SchedulerUnavailableError
+from scheduler.clip import MAX_SHOWN_CHARS, clip
 
 if TYPE_CHECKING:
     from router.sched_pipe import SchedulerPipe
@@ -37,15 +38,19 @@ UNCONFIRMED_MAX = 10_000
 
 
 def _error_message(raw: bytes) -> str:
+    """The scheduler's error message, cut when long (as scheduler/client.py's): the gateway
+    quotes it to its client, and a scheduler of before scheduler/clip.py quoted a client's
+    model name whole."""
     try:
-        return str(_loads(raw)["error"]["message"])
+        return clip(str(_loads(raw)["error"]["message"]), 4 * MAX_SHOWN_CHARS)
     except (ValueError, KeyError, TypeError):
         return raw[:200].decode(errors="replace")
 
 
 def _message_of(payload: Any) -> str:
+    """A channel answer's error message, cut as _error_message cuts it."""
     try:
-        return str(payload["error"]["message"])
+        return clip(str(payload["error"]["message"]), 4 * MAX_SHOWN_CHARS)
     except (KeyError, TypeError):
         return repr(payload)[:200]
 

@@ -40,6 +40,7 @@ from scheduler.client import (
     SchedulerUnavailableError,
     UnknownModelError,
 )
+from scheduler.clip import clip_repr
 
 if TYPE_CHECKING:
     from router.trace_collect import RequestTrace
@@ -364,7 +365,7 @@ class Scheduling:
         if reason == "no_routable_worker":
             # Nobody to wait for (every worker of the model is down or already failed this
             # request): answer now rather than hold the client until the queue timeout.
-            raise NoWorkerError(f"no healthy worker serves model {body['model']!r} right now")
+            raise NoWorkerError(f"no healthy worker serves model {clip_repr(body['model'])} right now")
         if reason == "pinned_worker_unavailable":
             raise NoWorkerError(f"worker {body['worker_id']!r}, which holds what this request "
                                 "continues, is not available right now")

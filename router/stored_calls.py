@@ -51,6 +51,7 @@ from router.stored_responses import (
 )
 from router.streaming import UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
+from scheduler.clip import clip, clip_repr
 
 log = logging.getLogger("router.proxy")
 
@@ -221,7 +222,7 @@ class StoredResponseCalls:
             # The client reads what went wrong in words (as a POST stream cut mid-way says it);
             # the exception, which names the HTTP library's internals, goes to the log.
             failure = f"failed mid-stream ({UNREACHABLE[failure_kind(exc)]})"
-            log.warning("replay GET %s from worker %s failed mid-stream: %r", request.path,
+            log.warning("replay GET %s from worker %s failed mid-stream: %r", clip(request.path),
                         owner.worker_id, exc)
         finally:
             down.remove_done_callback(cut)
@@ -249,7 +250,7 @@ def lost_answer(response_id: str, lost: Lost, param: str,
 def unavailable_answer(response_id: str, owner: Owner, reason: str) -> web.Response:
     """503: the worker that stores the response cannot be reached now; retryable."""
     return error_response(
-        503, f"worker {owner.worker_id!r}, which stores response {response_id!r}, cannot be reached "
+        503, f"worker {owner.worker_id!r}, which stores response {clip_repr(response_id)}, cannot be reached "
         f"({UNREACHABLE.get(reason, reason)}); retry later: if it restarted, the response was lost "
         "with it", "service_unavailable", code=UNAVAILABLE, headers={"Retry-After": "1"},
     )

@@ -38,6 +38,7 @@ import aiohttp
 
 from router.sse import usage_of_body
 from router.tokens import RESPONSES_PATH
+from scheduler.clip import clip
 
 # /v1/responses/{id} and what hangs under it (/cancel, /input_items): calls on a stored response.
 STORED_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/[^/]+)?")
@@ -91,7 +92,7 @@ def response_id_in(data: bytes) -> str | None:
 
 def not_found_message(response_id: str) -> str:
     """vLLM's words for a response it does not hold."""
-    return f"Response with id '{response_id}' not found."
+    return f"Response with id '{clip(response_id)}' not found."
 
 
 def lost_message(response_id: str, lost: Lost) -> str:

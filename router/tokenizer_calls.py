@@ -25,6 +25,7 @@ from router.fallback import NoWorkerError
 from router.scheduling import Route, Scheduling
 from router.streaming import READ_TIMEOUT, UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
+from scheduler.clip import clip_repr
 
 log = logging.getLogger("router.proxy")
 
@@ -58,7 +59,7 @@ class TokenizerCalls:
                 route = await self._pick(rec.model, tried)
             except NoWorkerError as exc:
                 if exc.unknown_model:
-                    return error_response(404, f"model {rec.model!r} is not served here ({exc})",
+                    return error_response(404, f"model {clip_repr(rec.model)} is not served here ({exc})",
                                           code="model_not_found", param="model")
                 rec.model_known = True
                 if tried:
@@ -124,10 +125,10 @@ class TokenizerCalls:
             if v["worker_id"] not in tried:
                 return Route(v["worker_id"], v["url"].rstrip("/"), None, "tokenizer_round_robin", {})
         if not self._has_model(model):
-            raise NoWorkerError(f"no worker serves model {model!r}", unknown_model=True)
+            raise NoWorkerError(f"no worker serves model {clip_repr(model)}", unknown_model=True)
         if not views:
-            raise NoWorkerError(f"no healthy worker serves model {model!r} now")
-        raise NoWorkerError(f"every worker serving model {model!r} failed this request")
+            raise NoWorkerError(f"no healthy worker serves model {clip_repr(model)} now")
+        raise NoWorkerError(f"every worker serving model {clip_repr(model)} failed this request")
 
     def _has_model(self, model: str) -> bool:
         """Some worker the scheduler lists, in whatever state, serves the model."""

@@ -31,6 +31,7 @@ import aiohttp
 from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
+from scheduler.clip import MAX_SHOWN_CHARS, clip
 from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerList
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,10 @@ def _wait_payload(raw: bytes) -> dict:
 
 
 def _error_message(raw: bytes) -> str:
+    """The scheduler's error message, cut when long (clip.py): the gateway quotes it to its
+    client, and a scheduler of before clip.py quoted a client's model name whole."""
     try:
-        return str(_loads(raw)["error"]["message"])
+        return clip(str(_loads(raw)["error"]["message"]), 4 * MAX_SHOWN_CHARS)
     except (ValueError, KeyError, TypeError):
         return raw[:200].decode(errors="replace")
 
