@@ -26,7 +26,7 @@ from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeReq
 from inference_worker.server.errors import APIError, RequestBodyTimeout, exception_to_api_error
 from inference_worker.server.generation import Generation
 from inference_worker.server.http_errors import logger as http_logger
-from inference_worker.server.prepare import GenerationFactory, prepared, request_id_base
+from inference_worker.server.prepare import GenerationFactory, caller_id, prepared
 from inference_worker.server.receive_timeout import RequestBodyTimeout as BodyNotReceived
 from inference_worker.server.receive_timeout import read_body_within
 from inference_worker.server.state import DRAIN, ENGINE, FACTORY, RECEIVE_TIMEOUT_S
@@ -54,14 +54,15 @@ async def read_body(request: web.Request) -> bytes:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
-    id_base = request_id_base(request.headers.get("X-Request-Id"))
+    # The header's id; without a usable one, the body's request_id (prepare.py).
+    id_base = caller_id(request.headers.get("X-Request-Id"))
     body = await read_body(request)
     return await serve(request, await prepared(len(body), factory.completion, body, id_base))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     factory: GenerationFactory = request.app[FACTORY]
-    id_base = request_id_base(request.headers.get("X-Request-Id"))
+    id_base = caller_id(request.headers.get("X-Request-Id"))
     body = await read_body(request)
     return await serve(request, await prepared(len(body), factory.chat, body, id_base))
 

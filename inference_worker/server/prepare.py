@@ -22,8 +22,9 @@ from inference_worker.server.generation import Echo, Generation, Prompt
 from inference_worker.server.protocol import CompletionRequest
 
 # A caller's X-Request-Id becomes the request's id, as in vLLM (`chatcmpl-<id>`), so that a
-# gateway's access log, the answer's `id` and this worker name the same request. Only ids of
-# these characters: the id is written into every chunk's JSON as is.
+# gateway's access log, the answer's `id` and this worker name the same request; else the body's
+# `request_id` (vLLM's _base_request_id prefers the header too). Only ids of these characters:
+# the id is written into every chunk's JSON as is.
 _CALLER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # Engine requests one API request may start (prompts of a batch x n): more is a 400.
@@ -47,11 +48,14 @@ async def prepared(size: int, build: Callable[P, T], *args: P.args, **kwargs: P.
     return await asyncio.to_thread(build, *args, **kwargs)
 
 
-def request_id_base(header: str | None) -> str:
+def caller_id(value: str | None) -> str | None:
+    """`value` (an X-Request-Id header, a body's request_id) if it is usable as an id, else None."""
+    return value if value is not None and _CALLER_ID.fullmatch(value) else None
+
+
+def request_id_base(value: str | None) -> str:
     """The caller's id if it is usable as one, else a fresh one."""
-    if header is not None and _CALLER_ID.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
+    return caller_id(value) or uuid.uuid4().hex
 
 
 class GenerationFactory:
@@ -79,7 +83,7 @@ class GenerationFactory:
                 param="prompt",
             )
         prompts = [self._completion_prompt(request, p) for p in texts_or_ids]
-        request_id = f"cmpl-{id_base or uuid.uuid4().hex}"
+        request_id = f"cmpl-{id_base or request_id_base(request.request_id)}"
         choices = len(prompts) * request.n
         return Generation(
             request_id=request_id,
@@ -134,7 +138,7 @@ class GenerationFactory:
         tokenizer = self.engine.tokenizer
         prompt_ids = list(tokenizer.apply_chat_template(request.template_messages(), **request.rendering()))
         params = self._params(request, len(prompt_ids), "messages")
-        request_id = f"chatcmpl-{id_base or uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{id_base or request_id_base(request.request_id)}"
         echoed = request.echoed()
         echo = Echo(echoed) if echoed is not None else None
         return Generation(

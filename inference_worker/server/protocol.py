@@ -122,6 +122,10 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's: the request's id (the answer's is `cmpl-<request_id>`, `chatcmpl-<request_id>`)
+    # where no X-Request-Id header gives one, under the header's rules (prepare.py). A string,
+    # as vLLM's (null too is a 400 there); empty, or unusable as an id: a fresh one.
+    request_id: str = ""
 
     @field_validator("n", "stream", "min_p", "echo", mode="before", check_fields=False)
     @classmethod

@@ -208,10 +208,12 @@ class ResponsesRequest(BaseModel):
 
 
 # Responses fields (or chat-only ones a Responses body has no business setting) that must not
-# reach the chat request built from it.
+# reach the chat request built from it. request_id is ignored, as before: vLLM's names the
+# response (its `resp_...` id), and this worker's response ids are its own, never reused.
 _NOT_FOR_CHAT = frozenset(
     {"messages", "n", "max_tokens", "max_completion_tokens", "logprobs", "echo", "stream_options",
-     "add_generation_prompt", "continue_final_message", "tools", "response_format", "top_logprobs"}
+     "add_generation_prompt", "continue_final_message", "tools", "response_format", "top_logprobs",
+     "request_id"}
 )
 
 

@@ -365,3 +365,42 @@ def test_cache_salt_keeps_cached_prefixes_apart_as_in_vllm(worker):
         assert cached(cache_salt="tenant-b") == 0  # the same text, another tenant
         assert cached() == 0  # nor an unsalted request
         assert cached() > 0
+
+
+def test_the_body_request_id_names_the_answer_unless_the_header_does_as_in_vllm(worker):
+    """vLLM's request_id body field: the answer's id (`cmpl-<id>`, `chatcmpl-<id>`, every chunk
+    too) where no usable X-Request-Id header gives one (vLLM prefers the header), under the
+    header's rules (one that is not a plain token gets a fresh id); not text is a 400 naming it.
+    Unknown to the worker before, it was passed over and every answer got a fresh id."""
+    cmpl = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    with httpx.Client(base_url=worker.base_url, timeout=30) as client:
+        def answer_id(path: str, body: dict, **headers: str) -> str:
+            answer = client.post(path, json=body, headers=headers)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["id"]
+
+        assert answer_id("/v1/completions", {**cmpl, "request_id": "job-7.a"}) == "cmpl-job-7.a"
+        assert answer_id("/v1/chat/completions", {**chat, "request_id": "job-8"}) == "chatcmpl-job-8"
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**chat, "request_id": "job-9", "stream": True}) as r:
+            ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+        assert ids == {"chatcmpl-job-9"}
+        # The header wins; a header that is no plain token leaves the body's; a body's that is
+        # none gets a fresh id, as such a header does.
+        headers = {"X-Request-Id": "gw-1"}
+        assert answer_id("/v1/completions", {**cmpl, "request_id": "job-10"}, **headers) == "cmpl-gw-1"
+        bad = {"X-Request-Id": 'a"b'}
+        assert answer_id("/v1/completions", {**cmpl, "request_id": "job-11"}, **bad) == "cmpl-job-11"
+        fresh = answer_id("/v1/completions", {**cmpl, "request_id": 'x"y' + "z" * 200})
+        assert fresh.startswith("cmpl-") and '"' not in fresh and "zzz" not in fresh
+        assert answer_id("/v1/completions", {**cmpl, "request_id": ""}) != "cmpl-"
+        for body in ({**cmpl, "request_id": 7}, {**chat, "request_id": None}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            refused = client.post(path, json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "request_id"
+        # The Responses API's ids stay its own (vLLM's request_id names a response there).
+        response = client.post("/v1/responses", json={"model": MODEL, "input": "Hello",
+                                                      "max_output_tokens": 2, "request_id": "job-12"})
+        assert response.status_code == 200 and response.json()["id"].startswith("resp_")

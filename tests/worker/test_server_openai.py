@@ -544,6 +544,10 @@ def test_caller_request_id_names_the_request_as_in_vllm(worker) -> None:
     assert ids == {"chatcmpl-trace-1"}
     r = httpx.post(url + "/completions", json=body, headers={"X-Request-Id": 'a"b'}, timeout=60)
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and '"' not in r.json()["id"]
+    # vLLM's request_id body field, where no usable header gives one (the sim worker's tests
+    # go through the other cases).
+    r = httpx.post(url + "/completions", json={**body, "request_id": "body-1"}, timeout=60)
+    assert r.json()["id"] == "cmpl-body-1"
 
 
 @pytest.mark.parametrize("n", [1, 2])

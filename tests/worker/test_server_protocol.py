@@ -322,6 +322,8 @@ def _chat_with(message: dict) -> dict:
         (_BOTH, "kv_transfer_params", ["x"], {"do_remote_prefill": False}),
         (_BOTH, "vllm_xargs", {"k": {"nested": 1}}, {"k": "v", "n": 2, "f": 0.5, "l": [1, "a"]}),
         (_BOTH, "add_special_tokens", "yes", False),
+        (_BOTH, "request_id", 7, "trace-7"),  # acted on: the answer's id (prepare.py)
+        (_BOTH, "request_id", None, "trace-7"),  # vLLM's is a string, never null
         (_CHAT_ONLY, "documents", [{"title": 5}], [{"title": "A", "text": "B"}]),
         (_CHAT_ONLY, "documents", "doc", None),
         (_CHAT_ONLY, "chat_template_kwargs", ["enable_thinking"], {"enable_thinking": False}),
