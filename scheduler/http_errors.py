@@ -16,6 +16,8 @@ exception" with three chained tracebacks. The answer was right; that is now one 
 A client that sends its request slowly is given --request-receive-timeout-ms (60 s, as nginx's
 client_header_timeout and client_body_timeout): the handler here times the request head, and
 every route's body read is timed (scheduler/receive_timeout.py, which has a worker twin).
+An idle kept-alive connection is kept --keepalive-timeout-s (75 s), and at most --max-connections
+are served at once, one more answered 503 (scheduler/connection_limit.py, a twin too).
 
 The scheduler's API and the gateway (router/http_errors.py) share this; each says how its
 errors are written. The worker has its own copy: it stands alone.
@@ -33,15 +35,22 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
+from scheduler.connection_limit import (
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    REFUSED_MESSAGE,
+    CappedRequestHandler,
+    ConnectionCap,
+)
+from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
 
-class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
+class OpenAIErrorRequestHandler(CappedRequestHandler):
     """A connection's handler; how it answers and where it logs are its server's (below),
     kept here: the handler outlives its link to the server once the connection is lost.
-    It also times the request head (scheduler/receive_timeout.py)."""
+    It also times the request head (scheduler/receive_timeout.py) and counts itself against
+    the connection cap (scheduler/connection_limit.py)."""
 
     __slots__ = ("_openai_answer", "_openai_log")
 
@@ -87,25 +96,36 @@ class _OpenAIErrorServer(Server):
     openai_answer: ErrorAnswer
     openai_log: logging.Logger
     head_timeout_s: float
+    connection_cap: ConnectionCap
 
     def __call__(self) -> RequestHandler:
         handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
         handler._openai_answer, handler._openai_log = self.openai_answer, self.openai_log
         handler._head_log, handler._head_timeout_s = self.openai_log, self.head_timeout_s
+        handler._cap, handler._cap_answer = self.connection_cap, self.refusal
         return handler
+
+    def refusal(self) -> web.Response:
+        """The answer on a connection beyond the cap."""
+        return self.openai_answer(503, REFUSED_MESSAGE, "server_error")
 
 
 class OpenAIErrorAppRunner(web.AppRunner):
     """An AppRunner whose connections answer in the OpenAI error shape (see the module):
     `answer` writes the service's error body, `log` takes the WARNING lines; a request head
-    not complete within `receive_timeout_s` closes its connection."""
+    not complete within `receive_timeout_s` closes its connection; an idle kept-alive one is
+    closed after `keepalive_timeout` s; beyond `max_connections` (0: no cap) open at once, one
+    is answered 503 and closed (`connections` counts them)."""
 
     def __init__(self, app: web.Application, *, answer: ErrorAnswer, log: logging.Logger,
-                 receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
+                 receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
+                 keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S, max_connections: int = 0,
+                 **kwargs: Any) -> None:
+        super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._openai_answer = answer
         self._openai_log = log
         self._receive_timeout_s = receive_timeout_s
+        self.connections = ConnectionCap(max_connections, log)
 
     async def _make_server(self) -> Server:
         # aiohttp has no setting for the protocol class; the server it builds is re-classed to
@@ -117,4 +137,5 @@ class OpenAIErrorAppRunner(web.AppRunner):
         server.openai_answer = self._openai_answer
         server.openai_log = self._openai_log
         server.head_timeout_s = self._receive_timeout_s
+        server.connection_cap = self.connections
         return server

@@ -9,6 +9,8 @@ So does a body whose Content-Encoding lies on a route that never reads it (log_e
 A client that sends its request slowly is given --request-receive-timeout-ms (60 s, as nginx's
 client_header_timeout and client_body_timeout): the handler here times the request head, and
 every route's body read is timed (receive_timeout.py, a twin of the scheduler's).
+An idle kept-alive connection is kept --keepalive-timeout-s (75 s), and at most --max-connections
+are served at once, one more answered 503 (connection_limit.py, a twin too).
 (The gateway and the scheduler share scheduler/http_errors.py: the worker stands alone.)
 """
 
@@ -23,15 +25,21 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from inference_worker.server.connection_limit import (
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    REFUSED_MESSAGE,
+    CappedRequestHandler,
+    ConnectionCap,
+)
 from inference_worker.server.errors import error_body
-from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, HeadTimedRequestHandler
+from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S
 
 logger = logging.getLogger("inference_worker.server")
 
 
-class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
-    """A connection's handler: the OpenAI error shape, and the time a request head has
-    (receive_timeout.py)."""
+class OpenAIErrorRequestHandler(CappedRequestHandler):
+    """A connection's handler: the OpenAI error shape, the time a request head has
+    (receive_timeout.py), and its place under the connection cap (connection_limit.py)."""
 
     __slots__ = ()
 
@@ -77,21 +85,33 @@ class OpenAIErrorRequestHandler(HeadTimedRequestHandler):
 
 class _OpenAIErrorServer(Server):
     head_timeout_s: float
+    connection_cap: ConnectionCap
 
     def __call__(self) -> RequestHandler:
         handler = OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
         handler._head_log, handler._head_timeout_s = logger, self.head_timeout_s
+        handler._cap, handler._cap_answer = self.connection_cap, _refusal
         return handler
+
+
+def _refusal() -> web.Response:
+    """The answer on a connection beyond the cap."""
+    return web.json_response(error_body(REFUSED_MESSAGE, "server_error", code="too_many_connections"),
+                             status=503)
 
 
 class OpenAIErrorAppRunner(web.AppRunner):
     """An AppRunner whose connections answer in the OpenAI error shape (see the module); a
-    request head not complete within `receive_timeout_s` closes its connection."""
+    request head not complete within `receive_timeout_s` closes its connection; an idle
+    kept-alive one is closed after `keepalive_timeout` s; beyond `max_connections` (0: no cap)
+    open at once, one is answered 503 and closed (`connections` counts them)."""
 
     def __init__(self, app: web.Application, *, receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
+                 keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S, max_connections: int = 0,
                  **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
+        super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._receive_timeout_s = receive_timeout_s
+        self.connections = ConnectionCap(max_connections, logger)
 
     async def _make_server(self) -> Server:
         # aiohttp has no setting for the protocol class; the server it builds is re-classed to
@@ -100,4 +120,5 @@ class OpenAIErrorAppRunner(web.AppRunner):
         server = await super()._make_server()
         server.__class__ = _OpenAIErrorServer
         server.head_timeout_s = self._receive_timeout_s
+        server.connection_cap = self.connections
         return server

@@ -27,11 +27,13 @@ import pytest
 from aiohttp import web
 
 from inference_worker.server import clip as worker_clip
+from inference_worker.server import connection_limit as worker_connection_limit
 from inference_worker.server import file_watch as worker_file_watch
 from inference_worker.server import receive_timeout as worker_receive_timeout
 from inference_worker.server import tls as worker_tls
 from inference_worker.server import tls_reload as worker_tls_reload
 from scheduler import clip as scheduler_clip
+from scheduler import connection_limit as scheduler_connection_limit
 from scheduler import file_watch as scheduler_file_watch
 from scheduler import receive_timeout as scheduler_receive_timeout
 from scheduler import tls as scheduler_tls
@@ -81,6 +83,7 @@ def test_the_worker_twins_are_the_schedulers():
     _same_code(Path(scheduler_tls_reload.__file__), Path(worker_tls_reload.__file__))
     _same_code(Path(scheduler_file_watch.__file__), Path(worker_file_watch.__file__))
     _same_code(Path(scheduler_receive_timeout.__file__), Path(worker_receive_timeout.__file__))
+    _same_code(Path(scheduler_connection_limit.__file__), Path(worker_connection_limit.__file__))
     _same_code(Path(scheduler_clip.__file__), Path(worker_clip.__file__))
 
 
