@@ -30,6 +30,7 @@ from inference_worker.metrics.log_line import LoggingStatLogger
 from inference_worker.metrics.prometheus import PrometheusStatLogger
 from inference_worker.registration import Registrar
 from inference_worker.server.app import HEADER_LIMITS, build_app
+from inference_worker.server.connection_limit import connection_budget
 from inference_worker.server.drain import Drain
 from inference_worker.server.http_errors import OpenAIErrorAppRunner
 from inference_worker.server.state import DRAIN
@@ -96,6 +97,9 @@ async def run_worker(config: WorkerConfig) -> None:
                                        config.ssl_client_keyfile)
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
+    # The open-file limit raised before the model's files are opened. A worker opens few
+    # connections of its own: the reserve covers them and the GPU driver's device files.
+    budget = connection_budget(config.max_connections, 1)
     try:
         engine = await _build_engine(config)
     except (ValueError, OSError) as exc:  # bad --model / --sim-profile / sizes: one line, no traceback
@@ -106,8 +110,11 @@ async def run_worker(config: WorkerConfig) -> None:
     receive_timeout_s = config.request_receive_timeout_ms / 1000  # a request's head and body
     app = build_app(engine, config.model_name, registry, config.responses_store_size, receive_timeout_s)
     # The drain below waits for the requests; what aiohttp then waits for is their last writes.
+    # Idle kept-alive connections and how many are served: server/connection_limit.py.
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                                  receive_timeout_s=receive_timeout_s, **HEADER_LIMITS)
+                                  receive_timeout_s=receive_timeout_s, max_connections=budget.max_connections,
+                                  keepalive_timeout=config.keepalive_timeout_s, **HEADER_LIMITS)
+    registry.register(runner.connections.collector("worker"))  # not vLLM's names: no clash
     await runner.setup()
     registrar = None
     site = None
@@ -136,6 +143,7 @@ async def run_worker(config: WorkerConfig) -> None:
             config.host,
             config.port,
         )
+        log.info("%s", budget.describe())
         registrar = await _start_registrar(config, engine.max_num_seqs, scheduler_ssl)
         await stop.wait()
         drain = app[DRAIN]

@@ -9,6 +9,11 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inference_worker.server.connection_limit import (
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    KEEPALIVE_HELP,
+    MAX_CONNECTIONS_HELP,
+)
 from inference_worker.server.tls import (
     CLIENT_HELP,
     RELOAD_HELP,
@@ -96,6 +101,10 @@ class WorkerConfig(BaseSettings):
         "connection (past it: the connection closed), and its body, from its headers (past it: a "
         "408 request_timeout, the connection closed); not the answer, however long it streams",
     )
+    # Connections (server/connection_limit.py)
+    keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,
+                                       description=KEEPALIVE_HELP)
+    max_connections: int | None = Field(None, ge=0, description=MAX_CONNECTIONS_HELP)
 
     responses_store_size: int = Field(
         1024,

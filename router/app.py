@@ -32,6 +32,7 @@ from router.ws_proxy import handle_ws
 from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
 from scheduler.clip import clip_repr
+from scheduler.connection_limit import connection_budget
 from scheduler.tls import TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
@@ -351,14 +352,21 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         gw = Gateway(cfg, server_ssl)
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
+    # The open-file limit raised before anything opens connections. Each client request holds
+    # a connection to its worker too (2 descriptors): at the default cap, the gateway's own
+    # connections still get theirs, so requests in flight are not lost to EMFILE.
+    budget = connection_budget(cfg.max_connections, 2)
     app = build_app(gw)
     # Before the port opens: a SIGHUP sent once /health answers must not end the process.
     sighup = _reload_on_sighup(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
     receive_timeout_s = cfg.request_receive_timeout_ms / 1000  # a request head's; its body's: proxy.py
+    keepalive_s = cfg.keepalive_timeout_s  # idle kept-alive connections: scheduler/connection_limit.py
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
                                   shutdown_timeout=CUT_AFTER_DEADLINE_S, receive_timeout_s=receive_timeout_s,
+                                  keepalive_timeout=keepalive_s, max_connections=budget.max_connections,
                                   **HEADER_LIMITS)
+    gw.metrics.registry.register(runner.connections.collector("router"))
     runners = [runner]
     port = cfg.port
     try:
@@ -367,8 +375,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         await site.start()
         if cfg.allow_metrics and cfg.metrics_port is not None:
             port = cfg.metrics_port
+            # Not under the API port's cap: an overloaded gateway can still be scraped.
             mrunner = OpenAIErrorAppRunner(build_metrics_app(gw), access_log=None,
-                                           receive_timeout_s=receive_timeout_s)
+                                           receive_timeout_s=receive_timeout_s, keepalive_timeout=keepalive_s)
             runners.append(mrunner)
             await mrunner.setup()
             # In TLS as well: a scraper's --admin-token must not cross the network in clear.
@@ -393,6 +402,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
         cfg.scheduler or "none",
         len(cfg.worker_urls),
     )
+    log.info("%s", budget.describe())
     if not gw.keys.enabled and not _loopback(cfg.host):
         # Not refused (a proxy in front may authenticate), but said: every client that reaches
         # this address can use the workers.

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
+from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S, KEEPALIVE_HELP, MAX_CONNECTIONS_HELP
 from scheduler.settings_loader import clean_secret, known_log_level
 from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
@@ -175,6 +176,13 @@ class RouterConfig(BaseSettings):
         "connection (past it: the connection closed), and its body, from its headers (past it: a "
         "408 request_timeout, the connection closed); not the answer, however long it streams",
     )
+    # Client connections (scheduler/connection_limit.py); --metrics-port is not capped, so an
+    # overloaded gateway can still be scraped.
+    keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,
+                                       description=KEEPALIVE_HELP)
+    max_connections: int | None = Field(
+        None, ge=0, description=MAX_CONNECTIONS_HELP + ", halved: each client request also holds a "
+        "connection to its worker")
 
     # Upstream timeouts
     connect_timeout_ms: int = Field(2000, ge=1, description="connecting to a worker")

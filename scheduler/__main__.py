@@ -12,6 +12,7 @@ from aiohttp import web
 from scheduler.admin_auth import AdminTokenFile
 from scheduler.app import build_app, connection_error
 from scheduler.config import SchedulerConfig, load_scheduler_config
+from scheduler.connection_limit import connection_budget
 from scheduler.cordon_file import CordonFileError
 from scheduler.discovery.static import add_static_workers
 from scheduler.gateway_auth import TokenRef
@@ -30,6 +31,10 @@ async def serve(cfg: SchedulerConfig) -> None:
         worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
+    # The open-file limit raised before anything opens files or connections. Its own calls are
+    # a few per worker (scrapes, health checks): the reserve covers tens of workers; with more
+    # and a small hard limit, set --max-connections.
+    budget = connection_budget(cfg.max_connections, 1)
     service = SchedulerService(cfg)
     try:  # before anything decides: no request may reach a worker an operator cordoned
         service.restore_cordons()
@@ -74,11 +79,15 @@ async def serve(cfg: SchedulerConfig) -> None:
     # handler_cancellation: a held /v1/schedule whose caller disconnects stops holding.
     # Malformed HTTP (a URL or header over 8 KiB, a bad method) in the OpenAI error shape.
     # A request head not complete within --request-receive-timeout-ms closes its connection (a
-    # body's: scheduler/app.py read_body).
+    # body's: scheduler/app.py read_body). Idle kept-alive connections and how many are served:
+    # scheduler/connection_limit.py.
     runner = OpenAIErrorAppRunner(build_app(service, admin_token), answer=connection_error,
                                   log=logging.getLogger("scheduler.http"), access_log=None,
                                   handler_cancellation=True,
-                                  receive_timeout_s=cfg.request_receive_timeout_ms / 1000)
+                                  receive_timeout_s=cfg.request_receive_timeout_ms / 1000,
+                                  keepalive_timeout=cfg.keepalive_timeout_s,
+                                  max_connections=budget.max_connections)
+    service.metrics.registry.register(runner.connections.collector("scheduler"))
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=server_ssl)
     try:
@@ -93,6 +102,7 @@ async def serve(cfg: SchedulerConfig) -> None:
     port = site._server.sockets[0].getsockname()[1] if site._server else cfg.port
     log.info("scheduler listening on %s://%s:%d policy=%s workers=%d", scheme(server_ssl), cfg.host, port,
              cfg.policy, len(cfg.worker_urls))
+    log.info("%s", budget.describe())
     print(f"scheduler ready on {scheme(server_ssl)}://{cfg.host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S, KEEPALIVE_HELP, MAX_CONNECTIONS_HELP
 from scheduler.running_cap import is_positive_int
 from scheduler.settings_loader import clean_secret, known_log_level, load_settings
 from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
@@ -40,6 +41,10 @@ class SchedulerConfig(BaseSettings):
         "408 request_timeout, the connection closed); not the answer (a held /v1/schedule "
         "call, a channel)",
     )
+    # Connections (scheduler/connection_limit.py): its clients are the gateways and workers.
+    keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,
+                                       description=KEEPALIVE_HELP)
+    max_connections: int | None = Field(None, ge=0, description=MAX_CONNECTIONS_HELP)
 
     # TLS (scheduler/tls.py): serving HTTPS, and calling https:// workers
     ssl_certfile: str | None = Field(None, description=SERVER_HELP["ssl_certfile"])
