@@ -24,8 +24,9 @@ from router.fallback import FallbackRouter
 from router.http_errors import OpenAIErrorAppRunner
 from router.key_reload import KeyFileWatcher
 from router.metrics import RouterMetrics
-from router.proxy import ROOT_PATHS, Proxy
+from router.proxy import Proxy
 from router.queue import AdmissionQueue
+from router.request_checks import ROOT_PATHS
 from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
 from router.ws_proxy import handle_ws

@@ -4,6 +4,10 @@ before the first byte, release the lease with what happened.
 Hot path rules: the body is parsed once with json.loads and only a few fields are
 read; it is forwarded as the client's original bytes (or with stream_options
 spliced in); answers are written through chunk by chunk; no pydantic.
+
+The parts of `Proxy` kept in their own modules: what is read and checked of a request before
+it is placed (router/request_checks.py), streamed answers (router/streaming.py), whole answers
+(router/whole_answers.py), calls on stored responses (router/stored_calls.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Coroutine
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
@@ -24,30 +27,17 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.down_watch import WorkerDown, unless_down
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.in_flight import SHUTTING_DOWN, InFlight
 from router.metrics import RouterMetrics
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
+from router.request_checks import STREAMABLE, delivery, is_name, model_request, read_request_body
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
-from router.sse import usage_of_body
 from router.stored_calls import UNREACHABLE, StoredResponseCalls
-from router.stored_responses import (
-    STORED_RESPONSE_PATH,
-    Owner,
-    ResponseOwners,
-    response_id_in,
-)
-from router.streaming import (
-    OVERLOADED,
-    READ_TIMEOUT,
-    UPSTREAM_ERRORS,
-    RetryElsewhere,
-    StreamForwarding,
-    failure_kind,
-)
+from router.stored_responses import STORED_RESPONSE_PATH, Owner, ResponseOwners
+from router.streaming import RetryElsewhere, StreamForwarding
 from router.tokenizer_calls import TOKENIZER_PATHS, TokenizerCalls
 from router.tokens import (
     RESPONSES_PATH,
@@ -56,18 +46,17 @@ from router.tokens import (
     schedule_request,
     schedule_request_off_loop,
 )
-from router.upstream_errors import answer_status, error_code_of, read_bounded, relayed_error
+from router.upstream_errors import error_code_of
+from router.whole_answers import AnswerTimedOut, WholeForwarding
 from scheduler.client import SchedulerRequestError, UnknownModelError
-from scheduler.clip import clip, clip_repr
+from scheduler.clip import clip_repr
 from scheduler.protocol import CLIENT_LEFT
-from scheduler.receive_timeout import RequestBodyTimeout, read_body_within
 
 if TYPE_CHECKING:
     from router.trace_collect import RequestTrace
     from router.tracing import Tracing
 
 log = logging.getLogger("router.proxy")
-http_log = logging.getLogger("router.http")  # what clients send on the wire (router/http_errors.py)
 
 # Request headers not sent on to the worker: hop-by-hop ones, those the gateway sets itself,
 # the client's credentials, and the body's framing and encoding (the body sent on is the one
@@ -104,50 +93,11 @@ _WS_HANDSHAKE_PREFIX = "sec-websocket-"
 # headers are otherwise rebuilt, so that an engine that traces (vLLM's --otlp-traces-endpoint)
 # puts its spans in the client's trace.
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
-_STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
-# OpenAI endpoints that only take POST: another method gets 405 here instead of a confusing
-# "'model' is required" (other /v1 paths pass through to the workers, which answer for them).
-# vLLM's pooling endpoints at the root run the model as /v1/embeddings does: routed like it
-# (a lease, the queue). Its /tokenize and /detokenize, also at the root, generate nothing and
-# take no lease (router/tokenizer_calls.py).
-POOLING_PATHS = frozenset({"/pooling", "/classify", "/score", "/rerank", "/v2/rerank"})
-ROOT_PATHS = POOLING_PATHS | TOKENIZER_PATHS  # served at the root, as vLLM serves them
-_POST_ONLY = _STREAMABLE | {"/v1/embeddings", "/v1/responses"} | ROOT_PATHS
-# Endpoints (of OpenAI and of the engines we front) whose request names a model. A request to
-# any other /v1 path without a model is a wrong path, not a missing field: it gets a 404.
-MODEL_ENDPOINTS = _POST_ONLY | {
-    "/v1/rerank",
-    "/v1/score",
-    "/v1/moderations",
-    "/v1/audio/speech",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-    "/v1/images/generations",
-}
-_INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 # A client's X-Request-Id is kept when it is this plain (it is logged and sent on as is).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-class AnswerTimedOut(Exception):
-    """A non-stream answer took longer than --request-timeout-ms: a 504, not retried (it would
-    take as long on another worker)."""
-
-
-def is_name(value: Any) -> bool:
-    """A usable model name or response id: a non-empty string that is text. JSON's escapes can
-    spell a lone surrogate ("\\ud800"), which no UTF-8 encoder takes: as a model it would fail the
-    scheduler call and the /metrics page (a label) from then on, as an id the owner lookup."""
-    if not isinstance(value, str) or not value:
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class Proxy(StreamForwarding, StoredResponseCalls):
+class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
     def __init__(
         self,
         cfg: RouterConfig,
@@ -332,89 +282,29 @@ class Proxy(StreamForwarding, StoredResponseCalls):
             return error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
-        if path in _POST_ONLY and request.method != "POST":
-            return error_response(
-                405, f"{clip(request.method)} is not allowed on {path}: use POST",
-                code="method_not_allowed", headers={"Allow": "POST"},
-            )
-        max_body = self.cfg.max_body_bytes
-        if (request.content_length or 0) > max_body:
-            return error_response(
-                413, f"request body larger than {max_body} bytes", code="body_too_large"
-            )
-        try:
-            raw = await read_body_within(request, self.cfg.request_receive_timeout_ms / 1000, http_log)
-        except RequestBodyTimeout as exc:  # a slow or stalled client (scheduler/receive_timeout.py)
-            answer = error_response(408, str(exc), code="request_timeout")
-            answer.force_close()
-            return answer
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                413, f"request body larger than {max_body} bytes", code="body_too_large"
-            )
-        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
-            # Marked read, or aiohttp reads the rest after the answer, meets the same error and
-            # logs it with a traceback; and the connection closes (its framing is in doubt).
-            request.content.feed_eof()
-            answer = error_response(400, f"unreadable request body: {exc}", code="invalid_body")
-            answer.force_close()
-            return answer
+        raw = await read_request_body(request, path, self.cfg)
+        if isinstance(raw, web.Response):
+            return raw
 
         stored = STORED_RESPONSE_PATH.fullmatch(path)
         if stored is not None:  # GET or cancel on a stored response: to its worker, no model
             return await self.stored_response_call(request, rec, path, stored.group(1), raw)
 
-        body: dict[str, Any] = {}
-        if raw:
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                return error_response(400, f"request body is not valid JSON: {exc}")
-            except RecursionError:  # nesting deeper than the parser's stack: no request does that
-                return error_response(400, "request body is not valid JSON: nested too deeply")
-            if not isinstance(body, dict):
-                return error_response(400, "request body must be a JSON object")
-        model = body.get("model", request.query.get("model"))
-        if model is None and path not in MODEL_ENDPOINTS:
+        req = model_request(request, path, raw)
+        if req is None:
             return await no_route(request)
-        if not raw and request.method == "POST":
-            return error_response(400, "request body is required")
-        if not is_name(model):
-            return error_response(
-                400, "'model' is required and must be a non-empty string", param="model"
-            )
-        rec.model = model
+        if isinstance(req, web.Response):
+            return req
+        rec.model = model = req.model
+        body = req.body
         if path in TOKENIZER_PATHS:
             return await self.tokenizer.relay(request, rec, path, raw,
                                               self._upstream_headers(request, rec.id, path, rec.spans))
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool) and stream is not None:
-            return error_response(400, "'stream' must be a boolean", param="stream")
-        # Any POST that asks for a stream is streamed through (chat, completions, the Responses
-        # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
-        stream = bool(stream) and request.method == "POST"
+        how = delivery(request, path, req)
+        if isinstance(how, web.Response):
+            return how
+        raw, stream, priority, strip_usage = how.raw, how.stream, how.priority, how.strip_usage
         rec.stream = stream
-        priority = body.get("priority")
-        if priority is None:
-            priority = 0
-        elif not isinstance(priority, int) or isinstance(priority, bool):
-            return error_response(400, "'priority' must be an integer (lower is served first)",
-                                  param="priority")
-
-        strip_usage = False
-        if stream and path in _STREAMABLE:
-            opts = body.get("stream_options")
-            if opts is not None and not isinstance(opts, dict):
-                return error_response(400, "'stream_options' must be an object", param="stream_options")
-            for key in ("include_usage", "continuous_usage_stats"):
-                # Checked here: _with_usage below overwrites them, and would turn a value the
-                # worker refuses (400) into one it takes, hiding usage from a client that asked.
-                if opts and opts.get(key) is not None and not isinstance(opts[key], bool):
-                    return error_response(400, f"'stream_options.{key}' must be a boolean",
-                                          param=f"stream_options.{key}")
-            if not (opts and opts.get("include_usage") is True):
-                strip_usage = True  # ask the worker for usage; hide it from the client
-                raw = self._with_usage(raw, body)
 
         sched_body = await self.schedule_body_off_loop(rec, model, body)
         # A background response goes on in the worker after its answer (`queued`) is out.
@@ -606,29 +496,11 @@ class Proxy(StreamForwarding, StoredResponseCalls):
                 rec.queue_ms += waited * 1000
                 self.metrics.queue_wait.observe(waited)
 
-    @staticmethod
-    def _with_usage(raw: bytes, body: dict) -> bytes:
-        """Ask the worker for usage. Splicing bytes avoids re-encoding the body."""
-        if "stream_options" not in body:
-            end = raw.rstrip()
-            if end.endswith(b"}"):
-                inner = end[:-1].rstrip()
-                if inner.endswith(b"{"):  # "{}" cannot happen (model is set) but stay correct
-                    return inner + _INJECT_USAGE[1:]
-                return inner + _INJECT_USAGE
-        new = dict(body)
-        opts = new["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        if opts.get("continuous_usage_stats"):
-            # It takes effect only with include_usage (vLLM): the usage asked for here must not
-            # put usage into every chunk for a client that did not ask for usage at all.
-            opts["continuous_usage_stats"] = False
-        return json.dumps(new).encode()
-
     def _upstream_headers(self, request: web.Request, req_id: str, path: str,
                           spans: RequestTrace | None = None) -> dict[str, str]:
         """The headers a worker is sent. `spans` (tracing on): its trace context names the
         gateway's span as the parent instead of the client's."""
-        if path in _STREAMABLE:
+        if path in STREAMABLE:
             headers = {"Content-Type": "application/json"}
             for name in TRACE_HEADERS:
                 value = request.headers.get(name)
@@ -740,79 +612,3 @@ class Proxy(StreamForwarding, StoredResponseCalls):
         a half-open worker's trial."""
         self._release(route, rec, ok=True, handed_off=rec.detached,
                       error=None if rec.detached else CLIENT_LEFT)
-
-    # ---- non-stream -----------------------------------------------------------------------
-    async def _fetch_whole(self, method: str, url: str, raw: bytes,
-                           headers: dict[str, str]) -> tuple[int, bytes, str]:
-        """(status, body, content type) of a worker's whole answer. Raises RetryElsewhere
-        when it failed before answering, AnswerTimedOut past --request-timeout-ms."""
-        try:
-            async with self.session.request(
-                method, url, data=raw or None, headers=headers, timeout=self.whole_timeout
-            ) as up:
-                # An error answer is read bounded: only its message is relayed (see
-                # router/upstream_errors.py), and some workers echo the whole prompt in it.
-                data = await (read_bounded(up) if up.status >= 400 else up.read())
-                return up.status, data, up.headers.get("Content-Type", "application/json")
-        except READ_TIMEOUT as exc:
-            raise AnswerTimedOut(repr(exc)) from None
-        except UPSTREAM_ERRORS as exc:
-            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
-
-    async def _unless_down(self, fetch: Coroutine[Any, Any, tuple[int, bytes, str]],
-                           worker_id: str) -> tuple[int, bytes, str]:
-        """`fetch`, given up (and retried elsewhere) if the scheduler reports its worker down
-        meanwhile (router/down_watch.py): a hung worker would hold it until the request
-        timeout, 30 minutes by default."""
-        with self.sched.down_watch.watching(worker_id) as down:
-            try:
-                return await unless_down(fetch, down)
-            except WorkerDown:
-                raise RetryElsewhere("worker_down", "the scheduler reports the worker down") from None
-
-    def _whole_answer(self, route: Route, rec: RequestRecord, path: str, status: int, data: bytes,
-                      ctype: str) -> tuple[bytes, str]:
-        """What a worker's whole answer (`status`: answer_status's) counts for, streamed requests'
-        included (a worker may answer one with plain JSON): its usage, the lease, the stored
-        response's owner. Returns the body and content type to relay (an error's in the OpenAI
-        shape). Raises RetryElsewhere when another worker may serve it."""
-        if status >= 500 or status == OVERLOADED:
-            raise RetryElsewhere(
-                f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
-            )
-        p, c = usage_of_body(data) if status == 200 else (None, None)
-        if status == 200 and path == RESPONSES_PATH:
-            self.owners.learn(response_id_in(data), route.worker_id, route.url, (p or 0) + (c or 0))
-        if p is not None:
-            rec.prompt_tokens = p
-        rec.output_tokens = c or 0
-        rec.status = status
-        self._release(route, rec, ok=status < 400, handed_off=rec.detached and status == 200)
-        if route.fallback:
-            self.sched.fallback.mark_ok(route.url)
-        if status >= 400:
-            return relayed_error(status, data, ctype)
-        return data, ctype
-
-    async def _forward(
-        self,
-        request: web.Request,
-        rec: RequestRecord,
-        route: Route,
-        path: str,
-        raw: bytes,
-        headers: dict[str, str],
-    ) -> web.Response:
-        url = route.url + path
-        if request.query_string:
-            url += "?" + request.query_string
-        fetch = self._fetch_whole(request.method, url, raw, headers)
-        if route.fallback:  # no scheduler to say the worker is down
-            status, data, ctype = await fetch
-        else:
-            status, data, ctype = await self._unless_down(fetch, route.worker_id)
-        status = answer_status(status, data)
-        data, ctype = self._whole_answer(route, rec, path, status, data, ctype)
-        headers_out = self._response_headers(route, rec)
-        headers_out["Content-Type"] = ctype
-        return web.Response(status=status, body=data, headers=headers_out)

@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from router.proxy import MODEL_ENDPOINTS
+from router.request_checks import MODEL_ENDPOINTS
 from router.stored_responses import STORED_RESPONSE_PATH
 from router.trace_collect import Attempt, Placing, RequestTrace, new_span_id
 from scheduler.clip import MAX_SHOWN_CHARS

@@ -21,7 +21,8 @@ from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
-from router.proxy import Proxy, is_name
+from router.proxy import Proxy
+from router.request_checks import is_name
 from router.ws_leases import WsTurn
 from router.ws_relay import KEY_REVOKED, WsRelay, is_cancel
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks.echo_worker import EchoWorker
-from router import proxy
+from router import whole_answers
 from router.app import Gateway, build_app
 from router.config import RouterConfig
 from tests.router.procs import free_port
@@ -38,7 +38,7 @@ async def test_an_unexpected_error_before_any_byte_is_an_openai_shaped_500(gatew
     def broken(_body: bytes):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(proxy, "usage_of_body", broken)  # read in every non-streamed answer
+    monkeypatch.setattr(whole_answers, "usage_of_body", broken)  # read in every non-streamed answer
     async with aiohttp.ClientSession() as s:
         async with s.post(gateway + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
             assert r.status == 500

@@ -112,10 +112,10 @@ def test_stream_tap_counts_the_events_of_a_stream_cut_short():
 
 
 def test_usage_the_gateway_asks_for_never_turns_on_a_clients_continuous_usage():
-    from router.proxy import Proxy
+    from router.request_checks import with_usage
 
     def sent(body: dict) -> dict:
-        return json.loads(Proxy._with_usage(json.dumps(body).encode(), body))["stream_options"]
+        return json.loads(with_usage(json.dumps(body).encode(), body))["stream_options"]
 
     assert sent({"model": "m", "stream": True}) == {"include_usage": True}
     # continuous_usage_stats takes effect with include_usage only: the client asked for none.
