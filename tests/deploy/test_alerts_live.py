@@ -4,12 +4,15 @@ states the local stack test cannot reach (it runs a healthy stack).
 A scheduler that knows no worker at all (in Kubernetes: every worker pod not ready, so its
 EndpointSlice has no ready endpoint) exports no scheduler_worker_healthy series; the alert
 "The scheduler has no healthy worker" must still go off there. A scheduler whose admin token
-file has become unreadable keeps its token and says so on /metrics, which the alert reads.
+file has become unreadable keeps its token and says so on /metrics, which the alert reads. A
+gateway at its cap of connections refuses the next one, which the connection alerts read.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,9 +34,9 @@ pytestmark = [
 
 
 @contextmanager
-def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
+def process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             yield proc
         finally:
@@ -69,12 +72,17 @@ def rule_state(api: httpx.Client, name: str) -> str | None:
     return None
 
 
-def scheduler_up(api: httpx.Client) -> bool:
+def query_values(api: httpx.Client, expr: str) -> list[str]:
+    """The values of an instant query ([] while Prometheus is still starting)."""
     try:
-        result = api.get("/query", params={"query": 'up{job="llm-scheduler"}'}).json()["data"]["result"]
+        result = api.get("/query", params={"query": expr}).json()["data"]["result"]
     except (httpx.HTTPError, ValueError, KeyError):
-        return False
-    return [r["value"][1] for r in result] == ["1"]
+        return []
+    return [r["value"][1] for r in result]
+
+
+def scheduler_up(api: httpx.Client) -> bool:
+    return query_values(api, 'up{job="llm-scheduler"}') == ["1"]
 
 
 def test_no_worker_alert_goes_off_when_the_scheduler_knows_no_worker(tmp_path):
@@ -133,3 +141,38 @@ def test_admin_token_file_alert_goes_off_when_the_file_is_emptied(tmp_path):
         # pending: the expression holds; the rule's `for: 5m` is too long to wait for firing.
         assert wait_until(lambda: rule_state(api, name) in ("pending", "firing"), 30, 0.5), \
             (rule_state(api, name), (tmp_path / "scheduler.log").read_text())
+
+
+def test_connection_alerts_go_off_when_the_gateway_refuses_at_its_cap(tmp_path):
+    """A gateway run with --max-connections 2, scraped on its --metrics-port (not under the cap):
+    two connections held open fill the cap (LLMConnectionsNearCap: 100 %), and a third one is
+    answered 503 and counted, which LLMConnectionsRefused reads as the real gateway exposes it."""
+    gw_port, metrics_port, worker_port = free_ports(3)  # no worker listens: none is needed here
+    gateway = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(gw_port),
+               "--metrics-port", str(metrics_port), "--workers", f"http://127.0.0.1:{worker_port}",
+               "--max-connections", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "ROUTER_ADMIN_TOKEN"}  # /metrics without a token
+    (tmp_path / "gateway-admin-token").write_text("")  # the shipped gateway job's token file: none
+    log = tmp_path / "gateway.log"
+    with process(gateway, log, env), \
+            prometheus_with_shipped_rules({"llm-gateway": [f"127.0.0.1:{metrics_port}"]}, tmp_path) as api:
+        # Scraped before any refusal: increase() needs the count at 0 to see it grow.
+        assert wait_until(lambda: query_values(api, "router_connections_refused_total") == ["0"], 60, 0.5), \
+            log.read_text()
+        assert rule_state(api, "LLMConnectionsRefused") in ("inactive", None)
+        held = [socket.create_connection(("127.0.0.1", gw_port), timeout=5) for _ in range(2)]
+        try:
+            assert wait_until(lambda: query_values(api, "router_connections_open") == ["2"], 30, 0.5), \
+                log.read_text()
+            for _ in range(3):
+                with socket.create_connection(("127.0.0.1", gw_port), timeout=5) as extra:
+                    extra.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+                    assert extra.recv(4096).startswith(b"HTTP/1.1 503 "), log.read_text()
+            # pending: the expressions hold; the rules' `for` is too long to wait for firing.
+            active = ("pending", "firing")
+            for name in ("LLMConnectionsRefused", "LLMConnectionsNearCap"):
+                assert wait_until(lambda name=name: rule_state(api, name) in active, 30, 0.5), \
+                    (name, rule_state(api, name), query_values(api, "router_connections_refused_total"))
+        finally:
+            for sock in held:
+                sock.close()
