@@ -16,6 +16,8 @@ from pathlib import Path
 OUT_DIR = Path(__file__).resolve().parent / "dashboards"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
+# The metric prefixes of the gateway, the scheduler and the worker.
+SERVICES = ("router", "scheduler", "worker")
 
 
 def target(expr: str, legend: str, ref: str) -> dict:
@@ -103,6 +105,12 @@ def max_avg_min(metric: str, sel: str) -> list[tuple[str, str]]:
         (f"histogram_quantile(0.5, {agg})", "p50"),
         (f"histogram_quantile(0.99, {agg})", "p99"),
     ]
+
+
+def every_service(template: str) -> str:
+    """One query over a metric the three services each export under their prefix: `template`
+    with {s} for the prefix, the three joined by `or` (their series differ by job)."""
+    return " or ".join(template.format(s=s) for s in SERVICES)
 
 
 def variable(name: str, label: str, query: str, include_all: bool = True) -> dict:
@@ -250,6 +258,26 @@ def router_dashboard() -> dict:
             "request's lease, renewed by its gateway (router --lease-renew-ms) so that it does "
             "not expire while the request runs; renewed unknown: its lease had expired (renewals "
             "further apart than the scheduler's --lease-ttl-s) or the scheduler restarted"),
+        row("Client connections (every service)"),
+        panel(ts, "Client connections: open and cap", [
+            (f"sum by (job, instance) ({every_service('{s}_connections_open')})",
+             "open {{job}} {{instance}}"),
+            (f"max by (job, instance) (({every_service('{s}_connections_max')}) > 0)",
+             "cap {{job}} {{instance}}")], width=8,
+              description="Client connections each gateway, scheduler and worker serves at once "
+              "(streams, held calls, WebSockets, and idle kept-alive ones until "
+              "--keepalive-timeout-s), and its cap (--max-connections; none drawn for 0: no cap)"),
+        panel(ts, "Share of the connection cap in use", [
+            (f"max by (job, instance) ({every_service('{s}_connections_open / ({s}_connections_max > 0)')})",
+             "{{job}} {{instance}}")], "percentunit", width=8, min=0, max=1,
+              description="Open / cap of each service that has a cap; alert LLMConnectionsNearCap "
+              "past 90 % for 5 minutes"),
+        panel(ts, "Connections refused at the cap", [
+            (f"sum by (job, instance) ({every_service('rate({s}_connections_refused_total[' + RATE + '])')})",
+             "{{job}} {{instance}}")], "cps", width=8,
+              description="New connections answered 503 (Retry-After: 1) and closed, their service "
+              "at its cap: alert LLMConnectionsRefused. Raise the open-file limit and with it "
+              "--max-connections, or add replicas"),
         row("Credentials"),
         panel(ts, "TLS certificates: days left", [
             ("min by (job, instance, certificate) ((router_tls_certificate_expiry_seconds or "
