@@ -17,7 +17,11 @@ Two wire forms, picked at connect time:
   allows), the answers parsed with a few bytes operations.
 - "http": HTTP/1.1 pipelining of `POST /v1/schedule` and `POST /v1/release` on one
   keep-alive connection, for a scheduler without the channel (it answers the upgrade
-  with 404); answers are matched to calls in order.
+  with 404); answers are matched to calls in order. Idle for IDLE_CLOSE_S, the connection is
+  closed here, and the next call opens another: the scheduler closes an idle kept-alive
+  connection itself (--keepalive-timeout-s, 75 s), and a call written as it did so failed.
+  The channel is not closed when idle: a WebSocket is no kept-alive HTTP connection, the
+  scheduler's keep-alive never closes it.
 `channel="auto"` (the default; `--scheduler-channel` / ROUTER_SCHEDULER_CHANNEL choose
 one, e.g. for A/B measurements) tries "ws" and falls back to "http".
 
@@ -72,6 +76,13 @@ CHANNELS = ("auto", "ws", "http")
 # Lease operations held while no connection to the scheduler can be made, at most: about
 # 150 bytes each, 15 MB at most; past it the oldest go (their leases expire in the scheduler).
 MAX_HELD_LAZY = 100_000
+# Seconds a pipelined HTTP connection may stay idle (no call awaiting its answer) before it is
+# closed here. The scheduler closes an idle kept-alive connection after --keepalive-timeout-s
+# (75 s); a call written just as it does is lost with the connection (a failed schedule call:
+# its request retried, or sent round robin). Closing first, the client never writes on a
+# connection the server is closing. 30 s, as the gateway's pool of connections to workers: far
+# below 75 s, and below any keep-alive the scheduler should have (above load balancers' 60 s).
+IDLE_CLOSE_S = 30.0
 
 
 def orphan_release(lease_id: str) -> dict:
@@ -83,7 +94,8 @@ def orphan_release(lease_id: str) -> dict:
 
 class SchedulerPipe:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto",
-                 token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+                 token: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                 idle_close_s: float = IDLE_CLOSE_S) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the pipelined channel needs an http(s):// scheduler URL, got {base_url!r}")
@@ -98,6 +110,11 @@ class SchedulerPipe:
             self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
         prefix = u.path.rstrip("/").encode()
         self.timeout_s = timeout_s
+        self.idle_close_s = idle_close_s
+        # The watchdog's period: a call past its timeout is noticed within a quarter of it, an
+        # idle HTTP connection closed within a quarter of IDLE_CLOSE_S past it (still far from
+        # the scheduler's keep-alive, however long the calls' timeout).
+        self._tick_s = min(timeout_s, idle_close_s) / 4
         # An IPv6 literal goes in brackets in Host, as in the URL (RFC 9110).
         host = f"[{self.host}]" if ":" in self.host else self.host
         host_hdr = f"{host}:{self.port}".encode()
@@ -179,7 +196,7 @@ class SchedulerPipe:
             raise SchedulerUnavailableError(f"scheduler {self.host}:{self.port}: {exc!r}") from exc
         self._pipe = pipe
         if self._watchdog is None:
-            self._watchdog = self.loop.call_later(self.timeout_s / 4, self._check_timeouts)
+            self._watchdog = self.loop.call_later(self._tick_s, self._check_timeouts)
         if self._held:
             self._send_held(pipe)
         return pipe
@@ -218,11 +235,16 @@ class SchedulerPipe:
 
     def _check_timeouts(self) -> None:
         """One timer for every call: a call older than the timeout poisons the pipeline
-        (later answers would be matched to the wrong calls), so the connection is dropped."""
+        (later answers would be matched to the wrong calls), so the connection is dropped.
+        And an HTTP connection idle for idle_close_s is closed before the scheduler closes it."""
         pipe = self._pipe
-        if pipe is not None and pipe.pending and time.monotonic() - pipe.pending[0][1] > self.timeout_s:
+        now = time.monotonic()
+        if pipe is not None and pipe.pending and now - pipe.pending[0][1] > self.timeout_s:
             pipe.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
-        self._watchdog = self.loop.call_later(self.timeout_s / 4, self._check_timeouts)
+        elif isinstance(pipe, _Pipe) and not pipe.pending and now - pipe.idle_since >= self.idle_close_s:
+            self._pipe = None
+            pipe.close_idle()  # the next call opens another
+        self._watchdog = self.loop.call_later(self._tick_s, self._check_timeouts)
 
     @staticmethod
     def _frame(head: bytes, body: bytes) -> bytes:
@@ -330,4 +352,4 @@ class SchedulerPipe:
             self._pipe.abort(SchedulerUnavailableError("closed"))
 
 
-__all__ = ["CHANNELS", "RELEASE_DELAY_S", "SchedulerPipe", "_Pipe", "_WsPipe", "ws_frame"]
+__all__ = ["CHANNELS", "IDLE_CLOSE_S", "RELEASE_DELAY_S", "SchedulerPipe", "_Pipe", "_WsPipe", "ws_frame"]

@@ -289,6 +289,9 @@ class _Pipe(_ChannelProtocol):
 
     def __init__(self, owner: SchedulerPipe) -> None:
         super().__init__(owner)
+        # Since when no call awaits an answer (its owner closes the connection idle too long,
+        # before the scheduler's keep-alive does): the connection's start, then the last answer.
+        self.idle_since = time.monotonic()
         # (future or None for fire-and-forget, time sent)
         self.pending: deque[tuple[asyncio.Future | None, float]] = deque()
         self.out: list[bytes] = []
@@ -357,6 +360,17 @@ class _Pipe(_ChannelProtocol):
             if b"\r\nconnection: close" in head:
                 self.abort(SchedulerUnavailableError("scheduler closed the connection"))
                 return
+            if not self.pending:
+                self.idle_since = time.monotonic()
+
+    def close_idle(self) -> None:
+        """Close the connection, no call awaiting an answer: gracefully (a FIN, not a reset),
+        so the scheduler reads a client that left, not an error."""
+        if not self.closed:
+            self.closed = True
+            self._cancel_lazy_timer()
+            if self.transport is not None:
+                self.transport.close()
 
     def abort(self, exc: Exception) -> None:
         self._close_transport()

@@ -1,18 +1,30 @@
 """The gateway's scheduler channel, both wire forms (the scheduler's WebSocket batch channel
 and HTTP/1.1 pipelining): against the real scheduler process (with stand-in echo workers),
-plus its failure modes (refused, silent peer, no channel on the peer) and its parsers."""
+plus its failure modes (refused, silent peer, no channel on the peer, a peer that closes idle
+connections) and its parsers."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from router.sched_pipe import SchedulerPipe, _Pipe, _WsPipe, ws_frame
+from router.sched_pipe import IDLE_CLOSE_S, SchedulerPipe, _Pipe, _WsPipe, ws_frame
 from scheduler.client import SchedulerUnavailableError, UnknownModelError
-from tests.router.procs import Proc, free_port, scheduler_over_two_echo_workers, start_echo_worker, wait_http
+from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S
+from tests.router.procs import (
+    Proc,
+    free_port,
+    scheduler_over_two_echo_workers,
+    start_echo_worker,
+    start_scheduler,
+    wait_http,
+)
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +303,110 @@ async def test_the_host_header_brackets_an_ipv6_address():
         pipe.close()
         server.close()
     assert f"\r\nHost: [::1]:{port}\r\n".encode() in heads[0]
+
+
+@dataclass
+class _Conn:
+    last_answer: float  # when the stand-in last answered on it (or accepted it)
+    client_closed: float | None = None  # when it read the client's end of the connection
+
+
+class IdleClosingScheduler:
+    """A stand-in scheduler for the HTTP wire form whose keep-alive closes an idle connection
+    after `keepalive_s` at the worst moment: as the client's next call crosses the close on the
+    wire. So a call arriving on a connection idle that long is read by no one: the connection
+    is dropped unanswered. Each call is answered `answer_delay_s` after it is read."""
+
+    def __init__(self, keepalive_s: float) -> None:
+        self.keepalive_s = keepalive_s
+        self.answer_delay_s = 0.0
+        self.conns: list[_Conn] = []
+        self.dropped = 0
+        self.url = ""
+
+    async def __aenter__(self) -> IdleClosingScheduler:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(time.monotonic())
+        self.conns.append(conn)
+        body = b'{"lease_id":"l1","worker_id":"w","worker_url":"http://127.0.0.1:9"}'
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    conn.client_closed = time.monotonic()
+                    return
+                length = re.search(rb"content-length: (\d+)", head.lower())
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if time.monotonic() - conn.last_answer >= self.keepalive_s:
+                    self.dropped += 1
+                    return  # closed by the keep-alive as the call came in
+                await asyncio.sleep(self.answer_delay_s)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                conn.last_answer = time.monotonic()
+        finally:
+            writer.close()
+
+
+def test_the_idle_close_is_well_below_the_schedulers_keepalive():
+    assert IDLE_CLOSE_S <= DEFAULT_KEEPALIVE_TIMEOUT_S / 2
+
+
+async def test_an_idle_http_connection_is_closed_here_before_the_scheduler_closes_it():
+    """The scheduler closes an idle kept-alive connection after --keepalive-timeout-s; a call
+    written as it did so failed (once: then retried, or round robin). The pipe closes its own
+    idle connection first, so a call after any idle time goes out on a fresh connection and is
+    answered at the first try. A call awaiting a slow answer is not idle: never closed."""
+    async with IdleClosingScheduler(keepalive_s=0.5) as scheduler:
+        pipe = SchedulerPipe(scheduler.url, timeout_s=5, channel="http", idle_close_s=0.2)
+        try:
+            scheduler.answer_delay_s = 0.4  # twice the idle close: a busy connection is kept
+            assert (await pipe.schedule_raw({"model": "m"}))[0] == 200
+            scheduler.answer_delay_s = 0.0
+            await asyncio.sleep(0.8)  # idle longer than the scheduler's keep-alive
+            status, payload = await pipe.schedule_raw({"model": "m"})
+            assert status == 200 and payload["lease_id"] == "l1"
+            assert pipe.kind == "http"
+        finally:
+            pipe.close()
+        assert scheduler.dropped == 0
+        assert len(scheduler.conns) == 2
+        first = scheduler.conns[0]
+        # Closed by the pipe about idle_close_s after its answer (a watchdog tick later at most),
+        # before the scheduler's keep-alive.
+        assert first.client_closed is not None
+        assert 0.2 <= first.client_closed - first.last_answer < 0.5
+
+
+async def test_the_batch_channel_outlives_the_schedulers_keepalive():
+    """The WebSocket channel is no kept-alive HTTP connection: the scheduler's keep-alive never
+    closes it, so the pipe keeps it however long it is idle (no idle close there)."""
+    w, wu = start_echo_worker()
+    try:
+        s, su = start_scheduler([wu], "--keepalive-timeout-s", "0.3", "--scrape-interval-ms", "100")
+    except BaseException:
+        w.stop()
+        raise
+    pipe = SchedulerPipe(su, timeout_s=5, channel="ws", idle_close_s=0.2)
+    try:
+        status, payload = await pipe.schedule_raw({"model": "m"})
+        assert status == 200 and pipe.kind == "ws"
+        pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+        channel = pipe._pipe
+        await asyncio.sleep(1.0)  # three keep-alives of the scheduler, five idle closes
+        assert pipe._pipe is channel and channel is not None and not channel.closed
+        status, payload = await pipe.schedule_raw({"model": "m"})
+        assert status == 200 and pipe._pipe is channel
+        pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+    finally:
+        pipe.close()
+        s.stop()
+        w.stop()
