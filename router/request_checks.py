@@ -62,8 +62,8 @@ def is_name(value: Any) -> bool:
 
 async def read_request_body(request: web.Request, path: str, cfg: RouterConfig) -> bytes | web.Response:
     """The request's body, or the answer that refuses it: a method the path does not take, a
-    body over --max-body-bytes, one not whole within --request-receive-timeout-ms, one that
-    cannot be decoded."""
+    body over --max-body-bytes, one stalled for --request-receive-timeout-ms or too slow past
+    it, one that cannot be decoded."""
     if path in _POST_ONLY and request.method != "POST":
         return error_response(
             405, f"{clip(request.method)} is not allowed on {path}: use POST",

@@ -72,8 +72,8 @@ def connection_error(status: int, message: str, type_: str) -> web.Response:
 async def read_body(request: web.Request) -> bytes:
     """The request body; one that cannot be decoded (a Content-Encoding that lies) is the
     client's error, answered 400 in the usual shape (raised: aiohttp sends an HTTPException
-    as the response); one not complete within --request-receive-timeout-ms a 408, the
-    connection closed (scheduler/http_errors.py)."""
+    as the response); one stalled for --request-receive-timeout-ms or too slow past it a 408,
+    the connection closed (scheduler/receive_timeout.py)."""
     timeout_s = request.app[SERVICE_KEY].cfg.request_receive_timeout_ms / 1000
     try:
         return await read_body_within(request, timeout_s, HTTP_LOG)

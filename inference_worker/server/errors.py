@@ -71,11 +71,12 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class RequestBodyTimeout(APIError):
-    """A request body not complete within --request-receive-timeout-ms (receive_timeout.py): a 408,
-    and the connection closed (`error_middleware`)."""
+    """A request body stalled for --request-receive-timeout-ms, or too slow past it
+    (receive_timeout.py, whose `reason` says which): a 408, and the connection closed
+    (`error_middleware`)."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"Request body not complete within {timeout_s:g} s.", code="request_timeout")
+    def __init__(self, reason: str) -> None:
+        super().__init__(408, f"Request body not complete: {reason}.", code="request_timeout")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

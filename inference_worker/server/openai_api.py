@@ -44,12 +44,13 @@ MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
 async def read_body(request: web.Request) -> bytes:
-    """Every route's request body, given --request-receive-timeout-ms to arrive (past it a 408,
-    the connection closed: server/receive_timeout.py, errors.py error_middleware)."""
+    """Every route's request body, read with no pause of --request-receive-timeout-ms and no
+    slower than a floor past it (else a 408, the connection closed: server/receive_timeout.py,
+    errors.py error_middleware)."""
     try:
         return await read_body_within(request, request.app[RECEIVE_TIMEOUT_S], http_logger)
     except BodyNotReceived as exc:
-        raise RequestBodyTimeout(exc.timeout_s) from None
+        raise RequestBodyTimeout(exc.reason) from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

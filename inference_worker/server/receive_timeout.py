@@ -10,8 +10,20 @@ as the connection stayed open. Here:
   did (a TCP probe).
   No answer: the request is unknown. An idle kept-alive connection stays aiohttp's keep-alive
   timer's;
-- the body: `read_body_within`, where every route reads it: not whole that long after the read
-  began, RequestBodyTimeout (the service answers 408 and closes the connection).
+- the body: `read_body_within`, where every route reads it, times its pauses, not the whole
+  upload (nginx's client_body_timeout: "only for a period between two successive read
+  operations"), so that a large body on a slow link is not refused although it never stalled.
+  Two rules, past either RequestBodyTimeout (the service answers 408 and closes the
+  connection):
+  - no byte for `timeout_s` (a stall);
+  - a minimum average rate once the body has taken longer than `timeout_s`: at any time t after
+    the read began, n bytes received (decoded, for a compressed body), t <= timeout_s +
+    n / MIN_BODY_RATE (Apache mod_reqtimeout's `body=timeout_s,MinRate=...`). Each byte earns
+    1 / MIN_BODY_RATE s, so a client that keeps up MIN_BODY_RATE, never pausing `timeout_s`, is
+    never cut, one trickling a byte per pause is cut about `timeout_s` in, and a body of
+    Content-Length L is whole within timeout_s + L / MIN_BODY_RATE at the latest. Only bytes
+    that came count, not a declared length: a client announcing 8 MB and trickling buys nothing,
+    and a chunked body is judged alike.
 An answer (a stream) is never timed.
 
 The scheduler (and the gateway, through scheduler/http_errors.py) and the worker each have this
@@ -29,31 +41,67 @@ from aiohttp.web_protocol import RequestHandler
 
 # nginx's client_header_timeout and client_body_timeout.
 DEFAULT_RECEIVE_TIMEOUT_S = 60.0
+# The slowest average a body may keep once it has taken longer than the receive timeout:
+# 8 KiB/s = 64 kbit/s, a 2G (EDGE) uplink; 3G uplinks give 384 kbit/s and more, so a mobile
+# client on a poor link still passes, while a connection held that way costs its client real
+# upload (a thousand held connections: 64 Mbit/s), not a byte a minute. The largest gateway body
+# (8 MiB) may then take 60 s + ~17 min. A client sending r below it is cut after about
+# timeout_s * MIN_BODY_RATE / (MIN_BODY_RATE - r).
+MIN_BODY_RATE = 8 * 1024  # bytes per second
 
 
 class RequestBodyTimeout(Exception):
-    """The request body was not complete within the receive timeout (read_body_within)."""
+    """The request body stalled for the receive timeout, or came slower than MIN_BODY_RATE once
+    it took longer than that (read_body_within). `reason` says which, for the answer."""
 
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"request body not complete within {timeout_s:g} s")
+    def __init__(self, timeout_s: float, reason: str) -> None:
+        super().__init__(f"request body not complete: {reason}")
         self.timeout_s = timeout_s
+        self.reason = reason
 
 
 async def read_body_within(request: web.Request, timeout_s: float, log: logging.Logger) -> bytes:
-    """`request.read()`, the body given `timeout_s` from now to arrive whole. Past it, one
-    WARNING line and RequestBodyTimeout: the caller answers 408 and closes the connection
-    (`force_close`). The body is marked read, or aiohttp would wait up to 10 s more after the
-    answer for the rest of it (its lingering read)."""
-    if request.content.is_eof():  # all in, as most bodies come with their head: no timer to set
+    """`request.read()`, with no pause of `timeout_s` and, past `timeout_s`, at least
+    MIN_BODY_RATE on average (the module's docstring). Past either, one WARNING line and
+    RequestBodyTimeout: the caller answers 408 and closes the connection (`force_close`). The
+    body is marked read, or aiohttp would wait up to 10 s more after the answer for the rest of
+    it (its lingering read).
+
+    The body is read here chunk by chunk, as `request.read()` does (its client_max_size check,
+    its HTTPRequestEntityTooLarge), each read timed: aiohttp tells no one else when bytes come.
+    So `request.read()` is not to be called after it: the caller keeps the bytes returned."""
+    stream = request.content
+    if stream.is_eof():  # all in, as most bodies come with their head: no timer to set
         return await request.read()
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except TimeoutError:
-        request.content.feed_eof()
-        log.warning("request body from %s not complete within %g s (%d bytes in): answered 408, "
-                    "connection closed", request.remote, timeout_s, request.content.total_bytes)
-        raise RequestBodyTimeout(timeout_s) from None
+    limit = request.client_max_size
+    set_chunk_size = getattr(stream, "set_read_chunk_size", None)  # aiohttp >= 3.14
+    if limit and set_chunk_size is not None:  # as request.read(): a compressed body inflated in larger steps
+        set_chunk_size(limit)
+    loop = asyncio.get_running_loop()
+    start = last = loop.time()  # the read's start, the last byte's arrival
+    body = bytearray()
+    while True:
+        stall_at = last + timeout_s
+        slow_at = start + timeout_s + len(body) / MIN_BODY_RATE
+        try:
+            async with asyncio.timeout_at(min(stall_at, slow_at)):
+                chunk = await stream.readany()  # at once if bytes are buffered, even past a deadline
+        except TimeoutError:
+            stream.feed_eof()
+            if stall_at <= slow_at:
+                reason = f"nothing received for {timeout_s:g} s ({len(body)} bytes in)"
+            else:
+                reason = (f"{len(body)} bytes in {loop.time() - start:.1f} s, under {MIN_BODY_RATE} "
+                          f"bytes/s after the first {timeout_s:g} s")
+            log.warning("request body from %s not complete: %s: answered 408, connection closed",
+                        request.remote, reason)
+            raise RequestBodyTimeout(timeout_s, reason) from None
+        if not chunk:
+            return bytes(body)
+        body.extend(chunk)
+        if limit and len(body) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+        last = loop.time()
 
 
 class HeadTimedRequestHandler(RequestHandler):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -21,7 +21,10 @@ TIMEOUT_S = TIMEOUT_MS / 1000
 # 2-core machine is slow, but without the timeout the wait would be an hour or for ever.
 SLACK_S = 3.0
 HOST = "127.0.0.1"
-BODY_WARNING = "request body from 127.0.0.1 not complete within"
+BODY_WARNING = "request body from 127.0.0.1 not complete: "
+STALLED = f"nothing received for {TIMEOUT_S:g} s"  # in the 408's message and the WARNING line
+TOO_SLOW = f"bytes/s after the first {TIMEOUT_S:g} s"  # the same, for a body under the rate floor
+MIN_BODY_RATE = 8 * 1024  # the services' floor past the timeout (scheduler/receive_timeout.py)
 CHAT = "/v1/chat/completions"
 HEAD_WARNING = "request head from 127.0.0.1 not complete within"
 
@@ -123,16 +126,22 @@ def final_answer(raw: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-def assert_request_timeout(stalled: Stalled) -> None:
-    """A 408 in the OpenAI error shape about when the timeout ran out, and the connection closed."""
-    assert stalled.answered_at is not None, f"no answer within {stalled.seconds:.1f} s: {stalled.raw!r}"
-    status, body = stalled.answer()
-    assert status == 408, stalled.raw
+def assert_408(raw: bytes, closed: bool, why: str) -> None:
+    """A 408 in the OpenAI error shape whose message says `why`, and the connection closed."""
+    status, answer = final_answer(raw)
+    body = json.loads(answer)
+    assert status == 408, raw
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["code"] == "request_timeout", body
-    assert f"not complete within {TIMEOUT_S:g} s" in body["error"]["message"], body
+    assert why in body["error"]["message"], body
+    assert closed, "the connection stayed open after the 408"
+
+
+def assert_request_timeout(stalled: Stalled) -> None:
+    """A 408 for a stall, about when the timeout ran out after the last byte."""
+    assert stalled.answered_at is not None, f"no answer within {stalled.seconds:.1f} s: {stalled.raw!r}"
+    assert_408(stalled.raw, stalled.closed, STALLED)
     assert TIMEOUT_S * 0.8 <= stalled.answered_at <= TIMEOUT_S + SLACK_S, stalled.answered_at
-    assert stalled.closed, "the connection stayed open after the 408"
 
 
 def assert_dropped(stalled: Stalled) -> None:
@@ -201,6 +210,85 @@ async def send_steadily(port: int, path: str, body: bytes, pieces: int,
         status, answer = final_answer(raw)
         return status, answer, took
     finally:
+        writer.close()
+
+
+@dataclass
+class Paced:
+    """What a client that sent its body in pieces, some time apart, got back."""
+
+    raw: bytes  # everything the service sent
+    closed: bool  # the service closed the connection within the bound
+    answered_at: float | None  # seconds from the head sent to the final answer's first bytes
+    sent: list[tuple[float, int]]  # after each piece: seconds from the head sent, body bytes by then
+
+    def sent_before_answer(self) -> tuple[float, int]:
+        """The last piece sent before the answer came: when, and the body bytes sent by then."""
+        before = [s for s in self.sent if self.answered_at is None or s[0] <= self.answered_at]
+        return before[-1] if before else (0.0, 0)
+
+
+def pieces_of(body: bytes, count: int) -> list[bytes]:
+    size = -(-len(body) // count)
+    return [body[i:i + size] for i in range(0, len(body), size)]
+
+
+def padded(doc: dict, size: int) -> bytes:
+    """`doc` as JSON, padded with spaces to `size` bytes: still the same JSON."""
+    text = json.dumps(doc).encode()
+    return text + b" " * (size - len(text))
+
+
+async def send_paced(port: int, path: str, pieces: Sequence[bytes], gap_s: float, bound_s: float,
+                     *, length: int | None, last_chunk: bool = True) -> Paced:
+    """POST a body in `pieces`, `gap_s` apart (Content-Length `length`; chunked when None, each
+    piece a chunk, and the last chunk after them when `last_chunk`), reading what the service
+    sends meanwhile. Sending stops once an answer comes or the connection closes; reading once
+    the connection closes or `bound_s` after the head was sent."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    sent: list[tuple[float, int]] = []
+    start = time.monotonic()
+
+    async def send() -> None:
+        writer.write(post_head(path, length, close=True))
+        total = 0
+        for i, piece in enumerate(pieces):
+            if i:
+                await asyncio.sleep(gap_s)
+            writer.write(piece if length is not None else b"%x\r\n%s\r\n" % (len(piece), piece))
+            if length is None and last_chunk and i == len(pieces) - 1:
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            total += len(piece)
+            sent.append((time.monotonic() - start, total))
+
+    sending = asyncio.create_task(send())
+    raw = b""
+    answered_at = None
+    closed = False
+    try:
+        for _ in range(1000):  # reads; each waits for what is left of the bound
+            left = bound_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), left)
+            except TimeoutError:
+                break
+            except ConnectionError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            raw += chunk
+            if answered_at is None and _final_status_line(raw) is not None:
+                answered_at = time.monotonic() - start
+                sending.cancel()  # the service has answered: the rest is not wanted
+        return Paced(raw, closed, answered_at, sent)
+    finally:
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)  # a write to a closed connection fails
         writer.close()
 
 
@@ -274,3 +362,57 @@ async def check_answers_beside_a_stalled_body(base_url: str, port: int) -> None:
     assert events[-1] == "[DONE]" and stream_s > TIMEOUT_S * 1.5, (events[-2:], stream_s)
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]
     assert not [e for e in events if '"error"' in e]
+
+
+# ---- the body's rate: pauses are timed, and a floor past the timeout ----------------------------
+async def check_steady_body_outlasting_the_timeout(port: int, path: str, doc: dict,
+                                                   answered: Callable[[int, bytes], None]) -> None:
+    """A body of `doc` padded to 32 KiB, sent in 8 pieces 0.4 s apart: each pause well under the
+    timeout, the whole upload (~2.8 s) longer than it, ~10 KiB/s above the floor. It is all
+    sent and answered as usual (`answered` checks the status and body)."""
+    body = padded(doc, 32 * 1024)
+    paced = await send_paced(port, path, pieces_of(body, 8), 0.4, 30, length=len(body))
+    last_at, total = paced.sent_before_answer()
+    assert total == len(body), f"answered after {total} of {len(body)} bytes: {paced.raw[:300]!r}"
+    assert last_at > TIMEOUT_S * 1.5, paced.sent  # the upload outlasted the timeout
+    assert paced.answered_at is not None, paced.raw
+    answered(*final_answer(paced.raw))
+
+
+async def check_stall_after_progress(port: int, path: str, output: Callable[[], str]) -> None:
+    """36 KiB sent steadily for longer than the timeout (6 pieces 0.4 s apart, ~15 KiB/s), then
+    nothing, short of its Content-Length: the 408 for the stall comes about the timeout after
+    the last byte (not counted from the start), with one WARNING line."""
+    before = log_count(output(), BODY_WARNING)
+    sent = padded({"model": "m"}, 36 * 1024)
+    paced = await send_paced(port, path, pieces_of(sent, 6), 0.4, 2.0 + TIMEOUT_S + SLACK_S,
+                             length=len(sent) + 1024)
+    last_at, total = paced.sent_before_answer()
+    assert total == len(sent), f"answered after {total} of {len(sent)} bytes: {paced.raw[:300]!r}"
+    assert paced.answered_at is not None, f"no answer: {paced.raw!r}"
+    assert_408(paced.raw, paced.closed, STALLED)
+    assert TIMEOUT_S * 0.8 <= paced.answered_at - last_at <= TIMEOUT_S + SLACK_S, (paced.answered_at, last_at)
+    out = output()
+    assert log_count(out, BODY_WARNING) == before + 1
+    assert "Traceback" not in out
+
+
+async def check_body_under_the_rate_floor(port: int, path: str, output: Callable[[], str],
+                                          *, chunked: bool) -> None:
+    """16 KiB at once, then 64 bytes every 0.3 s (~210 bytes/s, far under the floor; each pause
+    well under the timeout): a 408 once the time passes the timeout plus the bytes received
+    over the floor, not before (the 16 KiB earned 2 s past the timeout) nor much after."""
+    before = log_count(output(), BODY_WARNING)
+    burst = padded({"model": "m"}, 16 * 1024)
+    pieces = [burst] + [b" " * 64] * 40  # 12 s of them at most: far past the bound below
+    earliest = TIMEOUT_S + len(burst) / MIN_BODY_RATE
+    paced = await send_paced(port, path, pieces, 0.3, earliest + 1 + SLACK_S, last_chunk=False,
+                             length=None if chunked else len(burst) + 64 * 41)
+    assert paced.answered_at is not None, f"no answer within {earliest + 1 + SLACK_S:g} s: {paced.sent[-1]}"
+    _, total = paced.sent_before_answer()
+    latest = TIMEOUT_S + total / MIN_BODY_RATE
+    assert earliest <= paced.answered_at <= latest + SLACK_S, (paced.answered_at, earliest, latest)
+    assert_408(paced.raw, paced.closed, TOO_SLOW)
+    out = output()
+    assert log_count(out, BODY_WARNING) == before + 1
+    assert "Traceback" not in out

@@ -2,11 +2,14 @@
 scheduler and sim worker, all on 127.0.0.1) run with --request-receive-timeout-ms 1500: a body
 that stops short (of its Content-Length, its last chunk, or after `Expect: 100-continue`) gets
 a 408 in the OpenAI shape and the connection is closed; a head that stops short is dropped; an
-idle kept-alive connection, a slow but steady body, a 10 MB body and a long stream are not cut.
-aiohttp alone waited for the body as long as the connection stayed open, and for the head an
-hour (its keep-alive timer)."""
+idle kept-alive connection, a slow but steady body (even one that takes longer than the timeout
+to come), a 10 MB body and a long stream are not cut; a body that stalls after some progress, or
+comes under the rate floor, gets the 408. aiohttp alone waited for the body as long as the
+connection stayed open, and for the head an hour (its keep-alive timer)."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -21,8 +24,11 @@ from tests.router.slow_senders import (
     TIMEOUT_S,
     assert_dropped,
     check_answers_beside_a_stalled_body,
+    check_body_under_the_rate_floor,
+    check_stall_after_progress,
     check_stalled_body,
     check_stalled_head,
+    check_steady_body_outlasting_the_timeout,
     kept_alive_then_stalled,
 )
 
@@ -65,3 +71,21 @@ async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_timed(stack
 
 async def test_a_steady_body_a_big_one_and_a_long_stream_pass_beside_a_stalled_body(stack: SimStack) -> None:
     await check_answers_beside_a_stalled_body(stack.gateway, _port(stack))
+
+
+def _chat_answered(status: int, answer: bytes) -> None:
+    assert status == 200 and json.loads(answer)["choices"], (status, answer)
+
+
+async def test_a_steady_body_may_take_longer_than_the_timeout(stack: SimStack) -> None:
+    doc = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    await check_steady_body_outlasting_the_timeout(_port(stack), CHAT, doc, _chat_answered)
+
+
+async def test_a_body_that_stalls_after_progress_gets_a_408(stack: SimStack) -> None:
+    await check_stall_after_progress(_port(stack), CHAT, stack.gateway_proc.output)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
+async def test_a_body_under_the_rate_floor_gets_a_408(stack: SimStack, chunked: bool) -> None:
+    await check_body_under_the_rate_floor(_port(stack), CHAT, stack.gateway_proc.output, chunked=chunked)

@@ -2,9 +2,10 @@
 --request-receive-timeout-ms 1500: a body that stops short (of its Content-Length, its last
 chunk, or after `Expect: 100-continue`) gets a 408 in the OpenAI shape and the connection is
 closed; a head that stops short is dropped; an idle kept-alive connection, a slow but steady
-body, a body at the 1 MiB limit, a held /v1/schedule call and an idle channel are not cut.
-aiohttp alone waited for the body as long as the connection stayed open, and for the head an
-hour (its keep-alive timer)."""
+body (even one that takes longer than the timeout to come), a body at the 1 MiB limit, a held
+/v1/schedule call and an idle channel are not cut; a body that stalls after some progress, or
+comes under the rate floor, gets the 408. aiohttp alone waited for the body as long as the
+connection stayed open, and for the head an hour (its keep-alive timer)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from tests.router.slow_senders import (
     TIMEOUT_S,
     assert_dropped,
     assert_request_timeout,
+    check_body_under_the_rate_floor,
+    check_stall_after_progress,
     check_stalled_body,
     check_stalled_head,
+    check_steady_body_outlasting_the_timeout,
     kept_alive_then_stalled,
     send_steadily,
     send_then_stall,
@@ -123,3 +127,23 @@ async def test_a_steady_body_a_big_one_a_held_call_and_a_channel_pass_beside_a_s
     held_status, held_body, held_s = held
     assert held_status == 503 and held_body["wait"] is True and held_s > TIMEOUT_S * 2, (held_body, held_s)
     assert channel[0][0] == 503, channel
+
+
+def _wait_answered(status: int, answer: bytes) -> None:
+    assert status == 503 and json.loads(answer)["wait"] is True, (status, answer)  # read whole: answered
+
+
+async def test_a_steady_body_may_take_longer_than_the_timeout(scheduler: tuple[Proc, str]) -> None:
+    _, url = scheduler
+    doc = {"model": "m", "prompt_tokens": 5}
+    await check_steady_body_outlasting_the_timeout(_port(url), SCHEDULE, doc, _wait_answered)
+
+
+async def test_a_body_that_stalls_after_progress_gets_a_408(scheduler: tuple[Proc, str]) -> None:
+    proc, url = scheduler
+    await check_stall_after_progress(_port(url), SCHEDULE, proc.output)
+
+
+async def test_a_body_under_the_rate_floor_gets_a_408(scheduler: tuple[Proc, str]) -> None:
+    proc, url = scheduler
+    await check_body_under_the_rate_floor(_port(url), SCHEDULE, proc.output, chunked=True)

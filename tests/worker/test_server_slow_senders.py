@@ -2,13 +2,15 @@
 --request-receive-timeout-ms 1500: a body that stops short (of its Content-Length, its last
 chunk, or after `Expect: 100-continue`) gets a 408 in the OpenAI shape and the connection is
 closed, on every route that reads a body; a head that stops short is dropped; an idle
-kept-alive connection, a slow but steady body, a 10 MB body and a long stream are not cut.
-aiohttp alone waited for the body as long as the connection stayed open, and for the head an
-hour (its keep-alive timer)."""
+kept-alive connection, a slow but steady body (even one that takes longer than the timeout to
+come), a 10 MB body and a long stream are not cut; a body that stalls after some progress, or
+comes under the rate floor, gets the 408. aiohttp alone waited for the body as long as the
+connection stayed open, and for the head an hour (its keep-alive timer)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -23,8 +25,11 @@ from tests.router.slow_senders import (
     assert_dropped,
     assert_request_timeout,
     check_answers_beside_a_stalled_body,
+    check_body_under_the_rate_floor,
+    check_stall_after_progress,
     check_stalled_body,
     check_stalled_head,
+    check_steady_body_outlasting_the_timeout,
     kept_alive_then_stalled,
     send_then_stall,
     short_content_length,
@@ -82,3 +87,21 @@ async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_timed(worke
 
 async def test_a_steady_body_a_big_one_and_a_long_stream_pass_beside_a_stalled_body(worker: Worker) -> None:
     await check_answers_beside_a_stalled_body(worker.base_url, _port(worker))
+
+
+def _completion_answered(status: int, answer: bytes) -> None:
+    assert status == 200 and json.loads(answer)["choices"], (status, answer)
+
+
+async def test_a_steady_body_may_take_longer_than_the_timeout(worker: Worker) -> None:
+    doc = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    await check_steady_body_outlasting_the_timeout(_port(worker), "/v1/completions", doc,
+                                                   _completion_answered)
+
+
+async def test_a_body_that_stalls_after_progress_gets_a_408(worker: Worker) -> None:
+    await check_stall_after_progress(_port(worker), CHAT, worker.output)
+
+
+async def test_a_body_under_the_rate_floor_gets_a_408(worker: Worker) -> None:
+    await check_body_under_the_rate_floor(_port(worker), CHAT, worker.output, chunked=False)
