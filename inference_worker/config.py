@@ -95,11 +95,12 @@ class WorkerConfig(BaseSettings):
     )
     request_receive_timeout_ms: int = Field(
         60_000, ge=1,
-        description="the longest a client may take to send its request (as nginx's "
-        "client_header_timeout and client_body_timeout, but the whole body, not each pause): its "
+        description="the longest a client may take to send its request's headers, and pause in "
+        "its body (as nginx's client_header_timeout and client_body_timeout): its "
         "headers, from its connecting or the first byte of its next request on a kept-alive "
-        "connection (past it: the connection closed), and its body, from its headers (past it: a "
-        "408 request_timeout, the connection closed); not the answer, however long it streams",
+        "connection (past it: the connection closed), and each pause in its body (past it, or a "
+        "body under 8 KiB/s once it has taken that long: a 408 request_timeout, the connection "
+        "closed); not the answer, however long it streams",
     )
     # Connections (server/connection_limit.py)
     keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,

@@ -34,11 +34,12 @@ class SchedulerConfig(BaseSettings):
     log_level: str = "info"
     request_receive_timeout_ms: int = Field(
         60_000, ge=1,
-        description="the longest a client may take to send its request (as nginx's "
-        "client_header_timeout and client_body_timeout, but the whole body, not each pause): its "
+        description="the longest a client may take to send its request's headers, and pause in "
+        "its body (as nginx's client_header_timeout and client_body_timeout): its "
         "headers, from its connecting or the first byte of its next request on a kept-alive "
-        "connection (past it: the connection closed), and its body, from its headers (past it: a "
-        "408 request_timeout, the connection closed); not the answer (a held /v1/schedule "
+        "connection (past it: the connection closed), and each pause in its body (past it, or a "
+        "body under 8 KiB/s once it has taken that long: a 408 request_timeout, the connection "
+        "closed); not the answer (a held /v1/schedule "
         "call, a channel)",
     )
     # Connections (scheduler/connection_limit.py): its clients are the gateways and workers.
