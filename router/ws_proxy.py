@@ -26,6 +26,7 @@ from router.request_checks import is_name
 from router.ws_leases import WsTurn
 from router.ws_relay import KEY_REVOKED, WsRelay, is_cancel
 from router.ws_sessions import GOING_AWAY_MESSAGE, SHUTTING_DOWN, WsSession, WsSessions, ws_error
+from scheduler.clip import MAX_SHOWN_CHARS, clip
 
 # Browsers cannot set headers on a WebSocket, only subprotocols: a page passes its API key as
 # the subprotocol `openai-insecure-api-key.<key>` (OpenAI's convention for its Realtime API).
@@ -93,8 +94,11 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
     try:
         await client.prepare(request)
     except web.HTTPException as exc:  # not a WebSocket handshake: aiohttp's answer is plain text
+        # aiohttp's words quote the client's header whole (Upgrade, Sec-WebSocket-Key or
+        # -Version, up to 32 KiB): cut, as other echoes are (scheduler/clip.py).
+        words = clip(" ".join((exc.text or "").split()), 4 * MAX_SHOWN_CHARS)
         return error_response(
-            exc.status, f"/v1/ws takes a WebSocket handshake: {' '.join((exc.text or '').split())}",
+            exc.status, f"/v1/ws takes a WebSocket handshake: {words}",
             code="invalid_websocket_handshake",
         )
     rec = RequestRecord(proxy.request_id(request, "ws"), "WS", "/v1/ws")

@@ -150,6 +150,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        # aiohttp's words may quote a client's header whole (a refused WebSocket handshake's
+        # Upgrade, Sec-WebSocket-Key or -Version, up to 32 KiB): cut as other echoes are.
+        message = clip(message, 4 * MAX_SHOWN_CHARS)
         if exc.status == 404:
             message = f"Not found: {clip(request.method)} {clip(request.path)}"
         elif exc.status == 405:

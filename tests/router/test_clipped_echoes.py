@@ -145,6 +145,28 @@ async def test_a_long_origin_refused_is_quoted_cut(gateway):
     _clipped(error)
 
 
+@pytest.mark.parametrize(("headers", "words"), [
+    (lambda v: {"Upgrade": v}, "No WebSocket UPGRADE hdr: "),
+    (lambda v: {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": v},
+     "Unsupported version: "),
+], ids=["upgrade", "version"])
+async def test_a_long_websocket_handshake_header_is_quoted_cut(gateway, headers, words):
+    """/v1/ws relays aiohttp's refusal of a bad handshake, which quotes the client's header
+    whole (up to the 32 KiB a header may have on the gateway): cut, the rest as a short one's."""
+    url, _ = gateway
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/ws", headers=headers("x")) as r:
+            assert r.status == 400
+            short = await _error(r)
+        async with s.get(url + "/v1/ws", headers=headers(LONG)) as r:
+            assert r.status == 400
+            error = await _error(r)
+    assert short["message"].startswith(f"/v1/ws takes a WebSocket handshake: {words}x")
+    assert {**error, "message": ""} == {**short, "message": ""}
+    _clipped(error)
+    assert error["message"].startswith(f"/v1/ws takes a WebSocket handshake: {words}bbb")
+
+
 async def test_the_fallback_gateway_quotes_a_huge_model_cut():
     """Without a scheduler (round robin over --workers): its own "no known worker" 404."""
     echo = EchoWorker("m", 0.0, "w")

@@ -134,3 +134,19 @@ def test_a_huge_endpoint_on_the_websocket_is_cut(worker):
     error = asyncio.run(ask())["error"]
     assert error["param"] == "endpoint" and len(error["message"]) < BOUND
     assert error["message"].startswith(f"unknown endpoint '{HEAD}…' (100000 chars): use")
+
+
+@pytest.mark.parametrize(("headers", "words"), [
+    (lambda v: {"Upgrade": v}, "No WebSocket UPGRADE hdr: "),
+    (lambda v: {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": v},
+     "Unsupported version: "),
+], ids=["upgrade", "version"])
+def test_a_long_websocket_handshake_header_is_cut(worker, headers, words):
+    """aiohttp refuses a bad WebSocket handshake quoting the client's header whole (up to the
+    32 KiB a header may have): the 400 is a short value's, its message cut."""
+    url = worker.base_url + "/v1/ws"
+    small = _error(httpx.get(url, headers=headers("x"), timeout=30), 400)
+    big = _error(httpx.get(url, headers=headers(LONG), timeout=30), 400)
+    assert small["message"].startswith(words + "x")
+    assert {**big, "message": ""} == {**small, "message": ""}
+    assert big["message"].startswith(words + "bbb") and re.search(r"… \(\d+ chars\)", big["message"])
