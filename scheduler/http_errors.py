@@ -35,6 +35,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from scheduler.clip import clip
 from scheduler.connection_limit import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     REFUSED_MESSAGE,
@@ -67,6 +68,9 @@ class OpenAIErrorRequestHandler(CappedRequestHandler):
             # The parser's message goes on to echo the refused bytes under a caret: the first
             # line says what was wrong.
             reason = (str(message or exc.message).splitlines() or [""])[0].rstrip(": ")
+            # That line may quote the client's bytes (a CONNECT's whole request target, a
+            # header): cut, as other echoes are (clip.py).
+            reason = clip(reason)
             # TLS or another protocol on the HTTP port: aiohttp, too, keeps that out of the log.
             level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.WARNING
             self._openai_log.log(level, "malformed HTTP request from %s: %s", request.remote, reason)

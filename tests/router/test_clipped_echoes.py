@@ -8,7 +8,10 @@ front of it, its access log read from a buffer; the fallback gateway (no schedul
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
+import logging
 import re
 
 import aiohttp
@@ -18,6 +21,7 @@ from aiohttp import web
 from benchmarks.echo_worker import EchoWorker
 from router.app import Gateway, build_app
 from router.config import RouterConfig
+from router.http_errors import OpenAIErrorAppRunner
 from scheduler.app import build_app as build_scheduler_app
 from scheduler.clip import MAX_SHOWN_CHARS
 from tests.router.procs import free_port
@@ -185,3 +189,35 @@ async def test_the_fallback_gateway_quotes_a_huge_model_cut():
     assert (error["code"], error["param"]) == ("model_not_found", "model")
     _clipped(error)
     _log_bounded(gw)
+
+
+async def test_a_request_the_http_parser_refuses_is_answered_and_logged_with_its_words_cut(caplog):
+    """aiohttp's parser refuses a CONNECT whose authority is no host:port quoting the whole
+    request target in its first line, which the gateway's 400 and WARNING line (router/
+    http_errors.py, on scheduler/http_errors.py) showed whole: cut, the answer otherwise a
+    short one's."""
+    caplog.set_level(logging.WARNING, logger="router.http")
+    runner = OpenAIErrorAppRunner(build_app(Gateway(RouterConfig(workers="http://127.0.0.1:9"))))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        errors = []
+        for target in ("b:99999999", LONG + ":99999999"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = await asyncio.wait_for(reader.read(), 10)  # closed after it
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 400"), head
+            errors.append(json.loads(body)["error"])
+    finally:
+        await runner.cleanup()
+    short, error = errors
+    assert short["message"] == "malformed HTTP request: b:99999999"
+    assert {**error, "message": ""} == {**short, "message": ""}
+    _clipped(error)
+    assert error["message"].startswith("malformed HTTP request: bbb")
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.http"]
+    assert len(lines) == 2 and all(len(line) < LOG_BOUND for line in lines), [len(line) for line in lines]

@@ -5,14 +5,18 @@ in process (tests/scheduler/helpers.py), with its log read by caplog."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from scheduler.app import build_app
+from scheduler.app import build_app, connection_error
 from scheduler.clip import MAX_SHOWN_CHARS, clip, clip_repr
+from scheduler.http_errors import OpenAIErrorAppRunner
 from tests.scheduler.helpers import make_service
 
 HUGE = "a" * 100_000
@@ -104,3 +108,35 @@ async def test_a_registration_with_a_huge_url_is_a_400_quoting_it_cut(client):
         assert (error["param"], error["type"]) == ("url", "invalid_request_error")
     assert error["message"].endswith("…' (100006 chars) does not start with http:// or https://")
     _clipped(error["message"])
+
+
+async def test_a_request_the_http_parser_refuses_is_answered_and_logged_with_its_words_cut(caplog):
+    """aiohttp's parser refuses a CONNECT whose authority is no host:port quoting the whole
+    request target in its first line, which the runner's 400 and WARNING line (scheduler/
+    http_errors.py, the gateway's too) showed whole: cut, the answer otherwise a short one's."""
+    caplog.set_level(logging.WARNING, logger="scheduler.http")
+    runner = OpenAIErrorAppRunner(build_app(make_service(n=1)), answer=connection_error,
+                                  log=logging.getLogger("scheduler.http"))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        errors = []
+        for target in ("b:99999999", LONG + ":99999999"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = await asyncio.wait_for(reader.read(), 10)  # closed after it
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 400"), head
+            errors.append(json.loads(body)["error"])
+    finally:
+        await runner.cleanup()
+    short, error = errors
+    assert short["message"] == "malformed HTTP request: b:99999999"
+    assert {**error, "message": ""} == {**short, "message": ""}
+    _clipped(error["message"])
+    assert error["message"].startswith("malformed HTTP request: bbb")
+    lines = [r.getMessage() for r in caplog.records if r.name == "scheduler.http"]
+    assert len(lines) == 2 and all(len(line) < BOUND for line in lines), [len(line) for line in lines]

@@ -7,7 +7,9 @@ worker's log stays bounded too. A real `python -m inference_worker --backend sim
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 
 import aiohttp
 import httpx
@@ -150,3 +152,25 @@ def test_a_long_websocket_handshake_header_is_cut(worker, headers, words):
     assert small["message"].startswith(words + "x")
     assert {**big, "message": ""} == {**small, "message": ""}
     assert big["message"].startswith(words + "bbb") and re.search(r"… \(\d+ chars\)", big["message"])
+
+
+def test_a_request_the_http_parser_refuses_is_answered_with_its_words_cut(worker):
+    """aiohttp's parser refuses a CONNECT whose authority is no host:port quoting the whole
+    request target in its first line, which the worker's 400 (server/http_errors.py) and its
+    WARNING line showed whole: cut (the fixture bounds the log), the answer otherwise a short one's."""
+    port = int(worker.base_url.rsplit(":", 1)[1])
+    errors = []
+    for target in ("b:99999999", LONG + ":99999999"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(65536):  # the worker closes after a request it could not parse
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400"), head
+        errors.append(json.loads(body)["error"])
+    short, error = errors
+    assert short["message"] == "malformed HTTP request: b:99999999"
+    assert {**error, "message": ""} == {**short, "message": ""}
+    assert len(error["message"]) < BOUND and error["message"].startswith("malformed HTTP request: bbb")
+    assert re.search(r"… \(\d+ chars\)", error["message"]), error["message"][:300]
