@@ -300,11 +300,10 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         if path in TOKENIZER_PATHS:
             return await self.tokenizer.relay(request, rec, path, raw,
                                               self._upstream_headers(request, rec.id, path, rec.spans))
-        how = delivery(request, path, req)
+        how = delivery(request, path, req, rec)
         if isinstance(how, web.Response):
             return how
         raw, stream, priority, strip_usage = how.raw, how.stream, how.priority, how.strip_usage
-        rec.stream = stream
 
         sched_body = await self.schedule_body_off_loop(rec, model, body)
         # A background response goes on in the worker after its answer (`queued`) is out.

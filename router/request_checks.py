@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.access_log import RequestRecord
 from router.config import RouterConfig
 from router.errors import error_response
 from router.tokenizer_calls import TOKENIZER_PATHS
@@ -132,8 +133,10 @@ class Delivery:
     strip_usage: bool  # usage asked of the worker for the gateway's counts, hidden from the client
 
 
-def delivery(request: web.Request, path: str, req: ModelRequest) -> Delivery | web.Response:
-    """The request's stream, priority and stream_options, or the 400 that refuses one."""
+def delivery(request: web.Request, path: str, req: ModelRequest,
+             rec: RequestRecord) -> Delivery | web.Response:
+    """The request's stream (noted in `rec` as soon as it is known: a stream refused for a later
+    field is logged as one), priority and stream_options, or the 400 that refuses one."""
     body, raw = req.body, req.raw
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
@@ -141,6 +144,7 @@ def delivery(request: web.Request, path: str, req: ModelRequest) -> Delivery | w
     # Any POST that asks for a stream is streamed through (chat, completions, the Responses
     # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
     stream = bool(stream) and request.method == "POST"
+    rec.stream = stream
     priority = body.get("priority")
     if priority is None:
         priority = 0

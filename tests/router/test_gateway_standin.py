@@ -287,6 +287,21 @@ def test_access_log_line_per_request(stack):
         assert field in line, (field, line)
 
 
+@pytest.mark.parametrize("refused", [{"priority": "high"}, {"stream_options": 3},
+                                     {"stream_options": {"include_usage": "yes"}}],
+                         ids=["priority", "stream_options", "include_usage"])
+def test_a_stream_refused_for_a_later_field_is_logged_as_a_stream(stack, refused):
+    """A stream request answered 400 for its priority or stream_options: its access line (and
+    span) says stream=1, as before router/request_checks.py, which checks those after the
+    stream flag is known."""
+    rid = f"refused-stream-{next(iter(refused))}-{len(str(refused))}"
+    r = httpx.post(stack["gw"] + "/v1/completions", headers={"X-Request-Id": rid},
+                   json={"model": "m", "prompt": "x", "stream": True, **refused})
+    assert r.status_code == 400, r.text
+    line = _access_line(stack, rid)
+    assert "status=400" in line and "stream=1" in line, line
+
+
 async def _ws_answers_then_a_bad_message(gw: str) -> None:
     import aiohttp
 
