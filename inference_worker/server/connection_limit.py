@@ -49,6 +49,11 @@ DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 # that do not scale with its clients (the scheduler channel and pool, a worker's registration,
 # scrapes of tens of workers) and a GPU driver's device files. A quarter of a small limit.
 RESERVED_FDS = 256
+# Soft limits tried, largest first, where the hard limit is unlimited: macOS's default is a
+# soft 256 under an unlimited hard one, which would cap a gateway at 96 connections. The
+# kernel takes none above its own per-process maximum (macOS: kern.maxfilesperproc, and
+# OPEN_MAX, 10240, for setrlimit), so the first one it takes is kept.
+UNLIMITED_HARD_SOFT_LIMITS = (1 << 20, 65_536, 10_240)
 REFUSED_HEAD_TIMEOUT_S = 2.0
 REFUSED_LOG_INTERVAL_S = 10.0
 REFUSED_MESSAGE = ("too many connections: the server is at its cap of open connections "
@@ -68,18 +73,23 @@ MAX_CONNECTIONS_HELP = (
 
 def raise_fd_limit() -> tuple[int, int]:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit; (before, now), -1 for none
-    (unlimited, or no such call here). An unlimited hard limit leaves the soft one: some systems
-    refuse that as a soft limit."""
+    (unlimited, or no such call here). Under an unlimited hard limit, to the first of
+    UNLIMITED_HARD_SOFT_LIMITS the system takes (some refuse an unlimited soft limit)."""
     if resource is None:
         return -1, -1
     soft, hard = (-1 if n == resource.RLIM_INFINITY else n
                   for n in resource.getrlimit(resource.RLIMIT_NOFILE))
-    if 0 <= soft < hard:
+    if soft < 0:
+        return soft, soft
+    for target in (hard,) if hard >= 0 else UNLIMITED_HARD_SOFT_LIMITS:
+        if target <= soft:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (OSError, ValueError):  # a sandbox that forbids it: the soft limit stays
-            return soft, soft
-        return soft, hard
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (target, hard if hard >= 0 else resource.RLIM_INFINITY))
+        except (OSError, ValueError):  # over the system's maximum, or a sandbox that forbids it
+            continue
+        return soft, target
     return soft, soft
 
 

@@ -62,6 +62,45 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one(mod):
         assert got == [min(256, hard), hard] and now == [hard, hard], out.stdout
 
 
+class _FakeResource:
+    """A stand-in for the resource module where the hard open-file limit is unlimited (macOS's
+    default), which an unprivileged process on Linux cannot set up: a soft limit over `maximum`
+    (the kernel's own per-process bound) is refused, as setrlimit refuses it there."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, maximum: int) -> None:
+        self.limits = (soft, self.RLIM_INFINITY)
+        self.maximum = maximum
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == self.RLIMIT_NOFILE and limits[1] == self.RLIM_INFINITY  # the hard one kept
+        if limits[0] > self.maximum:
+            raise ValueError("current limit exceeds maximum limit")
+        self.limits = limits
+
+
+@twins
+@pytest.mark.parametrize(("maximum", "raised"), [(10_240, 10_240), (100_000, 65_536), (2_000_000, 1 << 20)])
+def test_under_an_unlimited_hard_limit_the_soft_one_is_raised_as_far_as_the_system_takes(
+        mod, monkeypatch, maximum, raised):
+    fake = _FakeResource(256, maximum)
+    monkeypatch.setattr(mod, "resource", fake)
+    assert mod.raise_fd_limit() == (256, raised)
+    assert fake.limits == (raised, fake.RLIM_INFINITY)
+    # A soft limit already above every try, or a system that takes none of them: left as it is.
+    monkeypatch.setattr(mod, "resource", _FakeResource(2_000_000, 10**9))
+    assert mod.raise_fd_limit() == (2_000_000, 2_000_000)
+    stuck = _FakeResource(256, 1024)
+    monkeypatch.setattr(mod, "resource", stuck)
+    assert mod.raise_fd_limit() == (256, 256) and stuck.limits == (256, stuck.RLIM_INFINITY)
+
+
 @twins
 def test_the_start_up_cap_is_the_given_one_or_drawn_from_the_raised_limit(mod, monkeypatch):
     monkeypatch.setattr(mod, "raise_fd_limit", lambda: (1024, 4096))
