@@ -17,7 +17,10 @@ nginx's worker_rlimit_nofile do: the soft 1024 is a default for select()-era pro
 cap is answered, once its request head is in, with a 503 in the service's OpenAI error shape,
 `Retry-After: 1` and `Connection: close`, and closed: no route runs. Its head gets at most
 REFUSED_HEAD_TIMEOUT_S, so a flood of connections that send nothing does not hold descriptors
-for the whole receive timeout. A WARNING says so at most once per REFUSED_LOG_INTERVAL_S.
+for the whole receive timeout; and at most MAX_REFUSING refused connections are answered at
+once (each may hold its descriptor a few seconds more, while aiohttp reads the rest of a body
+before it closes): past them a new one is dropped unanswered (a reset), so refusals cannot
+take the descriptors the cap keeps. A WARNING says so at most once per REFUSED_LOG_INTERVAL_S.
 
 The scheduler (and the gateway, through scheduler/http_errors.py) and the worker each have this
 file, the same code (a test keeps them alike): the worker imports nothing of the other parts.
@@ -55,6 +58,9 @@ RESERVED_FDS = 256
 # OPEN_MAX, 10240, for setrlimit), so the first one it takes is kept.
 UNLIMITED_HARD_SOFT_LIMITS = (1 << 20, 65_536, 10_240)
 REFUSED_HEAD_TIMEOUT_S = 2.0
+# Refused connections answered at once, at most: a quarter of RESERVED_FDS, the descriptors
+# they may hold besides the cap's.
+MAX_REFUSING = 64
 REFUSED_LOG_INTERVAL_S = 10.0
 REFUSED_MESSAGE = ("too many connections: the server is at its cap of open connections "
                    "(--max-connections); retry on a new connection")
@@ -136,6 +142,9 @@ class ConnectionCap:
         self.max = max_connections
         self.open = 0
         self.refused = 0
+        self.refusing = 0  # refused connections still open (being answered)
+        self.max_refusing = MAX_REFUSING
+        self.dropped = 0  # refused unanswered: max_refusing were being answered
         self._log = log
         self._warned_at = -REFUSED_LOG_INTERVAL_S
         self._warned_refused = 0
@@ -147,8 +156,10 @@ class ConnectionCap:
             now = time.monotonic()
             if now - self._warned_at >= REFUSED_LOG_INTERVAL_S:  # a flood must not flood the log
                 self._log.warning("%d connections open, the cap (--max-connections): new ones are "
-                                  "answered 503 (%d refused since the last such line)",
-                                  self.open, self.refused - self._warned_refused)
+                                  "answered 503, or dropped while %d are being answered (%d "
+                                  "refused since the last such line, %d dropped in all)",
+                                  self.open, self.max_refusing, self.refused - self._warned_refused,
+                                  self.dropped)
                 self._warned_at, self._warned_refused = now, self.refused
             return False
         self.open += 1
@@ -156,6 +167,18 @@ class ConnectionCap:
 
     def release(self) -> None:
         self.open -= 1
+
+    def answer_refusal(self) -> bool:
+        """A refused connection: True if it is answered (then `refusal_done` when it ends),
+        False if it is to be dropped (max_refusing are being answered)."""
+        if self.refusing >= self.max_refusing:
+            self.dropped += 1
+            return False
+        self.refusing += 1
+        return True
+
+    def refusal_done(self) -> None:
+        self.refusing -= 1
 
     def collector(self, prefix: str) -> ConnectionCollector:
         return ConnectionCollector(self, prefix)
@@ -176,33 +199,42 @@ class ConnectionCollector:
                                 "Client connections served at once, --max-connections (0: no cap)",
                                 value=self.cap.max)
         yield CounterMetricFamily(f"{self.prefix}_connections_refused",
-                                  "Client connections refused at the cap: answered 503 and closed",
+                                  "Client connections refused at the cap: answered 503 and "
+                                  "closed, or dropped unanswered past MAX_REFUSING at once",
                                   value=self.cap.refused)
 
 
 class CappedRequestHandler(HeadTimedRequestHandler):
     """A connection's handler that counts itself in `_cap` (set by the server that makes it);
     beyond the cap, every request on it is answered `_cap_answer()` (the service's 503), made
-    final: `Retry-After: 1`, `Connection: close`."""
+    final: `Retry-After: 1`, `Connection: close`; or, with max_refusing such answers under way,
+    dropped at once."""
 
-    __slots__ = ("_cap", "_cap_answer", "_counted")
+    __slots__ = ("_cap", "_cap_answer", "_counted", "_refusing")
     _cap: ConnectionCap
     _cap_answer: Callable[[], web.StreamResponse]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._counted = self._cap.admit()
+        self._refusing = False
         if not self._counted:
             # aiohttp reads the request head, answers with this in place of the app's routes,
             # and reads what is left of a body before it closes (the client then reads the 503
             # rather than a reset). A refused client is not waited for long.
+            self._refusing = self._cap.answer_refusal()
             self._request_handler = self._refuse
             self._head_timeout_s = min(self._head_timeout_s, REFUSED_HEAD_TIMEOUT_S)
         super().connection_made(transport)
+        if not (self._counted or self._refusing):
+            transport.abort()  # connection_lost follows, from the loop
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._counted:
             self._counted = False
             self._cap.release()
+        elif self._refusing:
+            self._refusing = False
+            self._cap.refusal_done()
         super().connection_lost(exc)
 
     async def _refuse(self, request: BaseRequest) -> web.StreamResponse:

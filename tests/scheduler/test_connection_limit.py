@@ -141,8 +141,8 @@ def test_the_cap_counts_open_and_refused_and_warns_once_an_interval(mod, monkeyp
         assert not cap.admit()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert "(1 refused since the last such line)" in lines[0]
-    assert "(50 refused since the last such line)" in lines[1]
+    assert "(1 refused since the last such line, 0 dropped in all)" in lines[0]
+    assert "(50 refused since the last such line, 0 dropped in all)" in lines[1]
     assert (cap.open, cap.refused) == (2, 52)
 
 
@@ -202,6 +202,64 @@ async def test_a_refused_connection_that_sends_nothing_is_not_waited_for_long(mo
         served_w.close()
         refused_w.close()
         await runner.cleanup()
+
+
+@twins
+async def test_refusals_answered_at_once_are_bounded_and_past_them_a_connection_is_dropped(mod):
+    """A refused connection may hold its descriptor a few seconds while it is answered: past
+    max_refusing of them at once, a new one is dropped unanswered, so a flood of refused
+    connections cannot take the descriptors the cap keeps; the answers resume as they end."""
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    runner = _runner(mod, app, max_connections=1, receive_timeout_s=60.0, keepalive_timeout=60.0)
+    await runner.setup()
+    cap = runner.connections
+    cap.max_refusing = 2
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    opened: list[asyncio.StreamWriter] = []
+
+    async def connect() -> asyncio.StreamReader:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opened.append(writer)
+        return reader
+
+    try:
+        await connect()  # served: the cap
+        silent = [await connect() for _ in range(2)]  # refused, waiting for a head (2 s)
+        for _ in range(100):  # bounded: until the server has seen both
+            if cap.refusing == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (cap.open, cap.refusing, cap.dropped) == (1, 2, 0)
+        dropped = await connect()
+        start = time.monotonic()
+        try:
+            said = await asyncio.wait_for(dropped.read(), 5)
+        except ConnectionResetError:
+            said = b""
+        assert said == b"" and time.monotonic() - start < 1.5  # at once, not after a head's wait
+        assert (cap.refused, cap.dropped) == (3, 1)
+        for reader in silent:  # their heads' time runs out: closed, and no longer being answered
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        for _ in range(100):
+            if cap.refusing == 0:
+                break
+            await asyncio.sleep(0.02)
+        answered = await connect()  # answered again
+        opened[-1].write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(answered.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 503")
+        assert cap.dropped == 1
+    finally:
+        for writer in opened:
+            writer.close()
+        await runner.cleanup()
+    assert (cap.open, cap.refusing) == (0, 0)
 
 
 LOADERS = {
