@@ -3,8 +3,9 @@
 `error_middleware` turns every exception a handler raises into the right status,
 so a client never sees a traceback or an HTML error page:
 
-- `APIError` (raised by our own checks): its status, type, param and code (a body not
-  complete in time, `RequestBodyTimeout`: 408, and the connection closed);
+- `APIError` (raised by our own checks): its status, type, param and code;
+- `RequestBodyTimeout` (a body not complete in time, receive_timeout.py): 408, and the
+  connection closed;
 - pydantic `ValidationError` (bad JSON, wrong types, out-of-range values): 400 with `param`;
 - `ValueError` (the engine's `EngineRequestError`s, e.g. a prompt too long): 400;
 - `EngineDeadError`: 503;
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from inference_worker.engine.errors import EngineDeadError, EngineShutdownError
 from inference_worker.server.clip import MAX_SHOWN_CHARS, clip
+from inference_worker.server.receive_timeout import RequestBodyTimeout
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -68,15 +70,6 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-class RequestBodyTimeout(APIError):
-    """A request body stalled for --request-receive-timeout-ms, or too slow past it
-    (receive_timeout.py, whose `reason` says which): a 408, and the connection closed
-    (`error_middleware`)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(408, f"Request body not complete: {reason}.", code="request_timeout")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -161,7 +154,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.RequestPayloadError as exc:
         return unreadable_body(request, exception_to_api_error(exc))
     except RequestBodyTimeout as exc:  # the rest of the body is not waited for: closed too
-        return unreadable_body(request, exc)
+        return unreadable_body(request, APIError(408, f"Request body not complete: {exc.reason}.",
+                                                 code="request_timeout"))
     except Exception as exc:
         return json_error(exception_to_api_error(exc))
 

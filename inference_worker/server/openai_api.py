@@ -23,11 +23,10 @@ from aiohttp import web
 from inference_worker.engine.types import AsyncEngineClient
 from inference_worker.server.answer import answer_body, answer_chunks
 from inference_worker.server.chat_protocol import DetokenizeRequest, TokenizeRequest
-from inference_worker.server.errors import APIError, RequestBodyTimeout, exception_to_api_error
+from inference_worker.server.errors import APIError, exception_to_api_error
 from inference_worker.server.generation import Generation
 from inference_worker.server.http_errors import logger as http_logger
 from inference_worker.server.prepare import GenerationFactory, caller_id, prepared
-from inference_worker.server.receive_timeout import RequestBodyTimeout as BodyNotReceived
 from inference_worker.server.receive_timeout import read_body_within
 from inference_worker.server.state import DRAIN, ENGINE, FACTORY, RECEIVE_TIMEOUT_S
 
@@ -47,10 +46,7 @@ async def read_body(request: web.Request) -> bytes:
     """Every route's request body, read with no pause of --request-receive-timeout-ms and no
     slower than a floor past it (else a 408, the connection closed: server/receive_timeout.py,
     errors.py error_middleware)."""
-    try:
-        return await read_body_within(request, request.app[RECEIVE_TIMEOUT_S], http_logger)
-    except BodyNotReceived as exc:
-        raise RequestBodyTimeout(exc.reason) from None
+    return await read_body_within(request, request.app[RECEIVE_TIMEOUT_S], http_logger)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
