@@ -14,6 +14,7 @@ from inference_worker.server.connection_limit import (
     KEEPALIVE_HELP,
     MAX_CONNECTIONS_HELP,
 )
+from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, receive_timeout_help
 from inference_worker.server.tls import (
     CLIENT_HELP,
     RELOAD_HELP,
@@ -94,13 +95,8 @@ class WorkerConfig(BaseSettings):
         "signal ends them at once",
     )
     request_receive_timeout_ms: int = Field(
-        60_000, ge=1,
-        description="the longest a client may take to send its request's headers, and pause in "
-        "its body (as nginx's client_header_timeout and client_body_timeout): its "
-        "headers, from its connecting or the first byte of its next request on a kept-alive "
-        "connection (past it: the connection closed), and each pause in its body (past it, or a "
-        "body under 8 KiB/s once it has taken that long: a 408 request_timeout, the connection "
-        "closed); not the answer, however long it streams",
+        int(DEFAULT_RECEIVE_TIMEOUT_S * 1000), ge=1,
+        description=receive_timeout_help(", however long it streams"),
     )
     # Connections (server/connection_limit.py)
     keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,

@@ -361,7 +361,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     # Before the port opens: a SIGHUP sent once /health answers must not end the process.
     sighup = _reload_on_sighup(gw)
     # aiohttp's shutdown only cuts what the deadline below left (see router/in_flight.py).
-    receive_timeout_s = cfg.request_receive_timeout_ms / 1000  # a request head's; its body's: request_checks.py
+    receive_timeout_s = cfg.request_receive_timeout_ms / 1000  # the head's; the body's: request_checks.py
     keepalive_s = cfg.keepalive_timeout_s  # idle kept-alive connections: scheduler/connection_limit.py
     runner = OpenAIErrorAppRunner(app, handler_cancellation=True, access_log=None,
                                   shutdown_timeout=CUT_AFTER_DEADLINE_S, receive_timeout_s=receive_timeout_s,

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.fairness import DEFAULT_FAIRNESS_HEADER
 from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S, KEEPALIVE_HELP, MAX_CONNECTIONS_HELP
+from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, receive_timeout_help
 from scheduler.settings_loader import clean_secret, known_log_level
 from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
@@ -169,13 +170,8 @@ class RouterConfig(BaseSettings):
 
     # Client timeout
     request_receive_timeout_ms: int = Field(
-        60_000, ge=1,
-        description="the longest a client may take to send its request's headers, and pause in "
-        "its body (as nginx's client_header_timeout and client_body_timeout): its "
-        "headers, from its connecting or the first byte of its next request on a kept-alive "
-        "connection (past it: the connection closed), and each pause in its body (past it, or a "
-        "body under 8 KiB/s once it has taken that long: a 408 request_timeout, the connection "
-        "closed); not the answer, however long it streams",
+        int(DEFAULT_RECEIVE_TIMEOUT_S * 1000), ge=1,
+        description=receive_timeout_help(", however long it streams"),
     )
     # Client connections (scheduler/connection_limit.py); --metrics-port is not capped, so an
     # overloaded gateway can still be scraped.

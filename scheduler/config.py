@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S, KEEPALIVE_HELP, MAX_CONNECTIONS_HELP
+from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, receive_timeout_help
 from scheduler.running_cap import is_positive_int
 from scheduler.settings_loader import clean_secret, known_log_level, load_settings
 from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
@@ -33,14 +34,8 @@ class SchedulerConfig(BaseSettings):
     port: int = Field(8090, ge=0, le=65535)
     log_level: str = "info"
     request_receive_timeout_ms: int = Field(
-        60_000, ge=1,
-        description="the longest a client may take to send its request's headers, and pause in "
-        "its body (as nginx's client_header_timeout and client_body_timeout): its "
-        "headers, from its connecting or the first byte of its next request on a kept-alive "
-        "connection (past it: the connection closed), and each pause in its body (past it, or a "
-        "body under 8 KiB/s once it has taken that long: a 408 request_timeout, the connection "
-        "closed); not the answer (a held /v1/schedule "
-        "call, a channel)",
+        int(DEFAULT_RECEIVE_TIMEOUT_S * 1000), ge=1,
+        description=receive_timeout_help(" (a held /v1/schedule call, a channel)"),
     )
     # Connections (scheduler/connection_limit.py): its clients are the gateways and workers.
     keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0, le=86_400, allow_inf_nan=False,

@@ -50,6 +50,17 @@ DEFAULT_RECEIVE_TIMEOUT_S = 60.0
 MIN_BODY_RATE = 8 * 1024  # bytes per second
 
 
+def receive_timeout_help(not_timed: str) -> str:
+    """--request-receive-timeout-ms's description, in each service's configuration; `not_timed`
+    ends it with what of that service is never timed."""
+    return ("the longest a client may take to send its request's headers, and pause in its body "
+            "(as nginx's client_header_timeout and client_body_timeout): its headers, from its "
+            "connecting or the first byte of its next request on a kept-alive connection (past "
+            "it: the connection closed), and each pause in its body (past it, or a body under "
+            f"{MIN_BODY_RATE // 1024} KiB/s once it has taken that long: a 408 request_timeout, "
+            f"the connection closed); not the answer{not_timed}")
+
+
 class RequestBodyTimeout(Exception):
     """The request body stalled for the receive timeout, or came slower than MIN_BODY_RATE once
     it took longer than that (read_body_within). `reason` says which, for the answer."""
