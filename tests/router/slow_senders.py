@@ -86,29 +86,38 @@ async def send_then_stall(port: int, data: bytes, bound_s: float) -> Stalled:
             writer.write(data)
             await writer.drain()
         start = time.monotonic()
-        raw = b""
-        answered_at = None
-        closed = False
-        for _ in range(1000):  # reads; each waits for what is left of the bound
-            left = bound_s - (time.monotonic() - start)
-            if left <= 0:
-                break
-            try:
-                chunk = await asyncio.wait_for(reader.read(65536), left)
-            except TimeoutError:
-                break
-            except ConnectionError:
-                closed = True
-                break
-            if not chunk:
-                closed = True
-                break
-            raw += chunk
-            if answered_at is None and _final_status_line(raw) is not None:
-                answered_at = time.monotonic() - start
+        raw, closed, answered_at = await _read_until_closed(reader, start, bound_s)
         return Stalled(time.monotonic() - start, raw, closed, answered_at)
     finally:
         writer.close()
+
+
+async def _read_until_closed(reader: asyncio.StreamReader, start: float, bound_s: float,
+                             on_answer: Callable[[], object] | None = None
+                             ) -> tuple[bytes, bool, float | None]:
+    """Read what the service sends until it closes the connection (EOF or reset) or `bound_s`
+    after `start`: (everything read, whether it closed, seconds from `start` to the final
+    answer's first bytes). `on_answer` is called once those bytes are in."""
+    raw = b""
+    answered_at = None
+    for _ in range(1000):  # reads; each waits for what is left of the bound
+        left = bound_s - (time.monotonic() - start)
+        if left <= 0:
+            break
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), left)
+        except TimeoutError:
+            break
+        except ConnectionError:
+            return raw, True, answered_at
+        if not chunk:
+            return raw, True, answered_at
+        raw += chunk
+        if answered_at is None and _final_status_line(raw) is not None:
+            answered_at = time.monotonic() - start
+            if on_answer is not None:
+                on_answer()
+    return raw, False, answered_at
 
 
 def _final_status_line(raw: bytes) -> bytes | None:
@@ -263,28 +272,9 @@ async def send_paced(port: int, path: str, pieces: Sequence[bytes], gap_s: float
             sent.append((time.monotonic() - start, total))
 
     sending = asyncio.create_task(send())
-    raw = b""
-    answered_at = None
-    closed = False
     try:
-        for _ in range(1000):  # reads; each waits for what is left of the bound
-            left = bound_s - (time.monotonic() - start)
-            if left <= 0:
-                break
-            try:
-                chunk = await asyncio.wait_for(reader.read(65536), left)
-            except TimeoutError:
-                break
-            except ConnectionError:
-                closed = True
-                break
-            if not chunk:
-                closed = True
-                break
-            raw += chunk
-            if answered_at is None and _final_status_line(raw) is not None:
-                answered_at = time.monotonic() - start
-                sending.cancel()  # the service has answered: the rest is not wanted
+        # Once the service has answered, the rest of the body is not wanted.
+        raw, closed, answered_at = await _read_until_closed(reader, start, bound_s, sending.cancel)
         return Paced(raw, closed, answered_at, sent)
     finally:
         sending.cancel()
