@@ -8,9 +8,7 @@ front of it, its access log read from a buffer; the fallback gateway (no schedul
 
 from __future__ import annotations
 
-import asyncio
 import io
-import json
 import logging
 import re
 
@@ -26,7 +24,7 @@ from scheduler.app import build_app as build_scheduler_app
 from scheduler.clip import MAX_SHOWN_CHARS
 from tests.router.procs import free_port
 from tests.router.stand_ins import serve_stand_in
-from tests.scheduler.helpers import make_service
+from tests.scheduler.helpers import make_service, parser_refusals
 
 HUGE = "a" * 100_000
 # What aiohttp takes of a request line or a header value (8190 bytes): a path or a header
@@ -198,23 +196,7 @@ async def test_a_request_the_http_parser_refuses_is_answered_and_logged_with_its
     short one's."""
     caplog.set_level(logging.WARNING, logger="router.http")
     runner = OpenAIErrorAppRunner(build_app(Gateway(RouterConfig(workers="http://127.0.0.1:9"))))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        errors = []
-        for target in ("b:99999999", LONG + ":99999999"):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            answer = await asyncio.wait_for(reader.read(), 10)  # closed after it
-            writer.close()
-            head, _, body = answer.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.0 400"), head
-            errors.append(json.loads(body)["error"])
-    finally:
-        await runner.cleanup()
-    short, error = errors
+    short, error = await parser_refusals(runner, ("b:99999999", LONG + ":99999999"))
     assert short["message"] == "malformed HTTP request: b:99999999"
     assert {**error, "message": ""} == {**short, "message": ""}
     _clipped(error)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from collections.abc import Iterable
+
+from aiohttp import web
 
 from scheduler.config import SchedulerConfig
 from scheduler.registry import WorkerState
@@ -35,3 +40,26 @@ def feed(svc: SchedulerService, w: WorkerState, running=0.0, waiting=0.0, kv=0.0
 
 def worker(svc: SchedulerService, wid: str) -> WorkerState:
     return svc.registry.workers[wid]
+
+
+async def parser_refusals(runner: web.AppRunner, targets: Iterable[str]) -> list[dict]:
+    """Serve `runner` on 127.0.0.1 and send, each on its own connection, a CONNECT to each of
+    `targets` (an authority that is no host:port: aiohttp's parser refuses it); the OpenAI
+    error of each 400, in order. The runner is cleaned up."""
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    errors = []
+    try:
+        for target in targets:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = await asyncio.wait_for(reader.read(), 10)  # closed after it
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 400"), head
+            errors.append(json.loads(body)["error"])
+    finally:
+        await runner.cleanup()
+    return errors

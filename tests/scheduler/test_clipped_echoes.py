@@ -5,19 +5,16 @@ in process (tests/scheduler/helpers.py), with its log read by caplog."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import re
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from scheduler.app import build_app, connection_error
 from scheduler.clip import MAX_SHOWN_CHARS, clip, clip_repr
 from scheduler.http_errors import OpenAIErrorAppRunner
-from tests.scheduler.helpers import make_service
+from tests.scheduler.helpers import make_service, parser_refusals
 
 HUGE = "a" * 100_000
 LONG = "b" * 8000  # a path segment: aiohttp takes request lines up to 8190 bytes
@@ -117,23 +114,7 @@ async def test_a_request_the_http_parser_refuses_is_answered_and_logged_with_its
     caplog.set_level(logging.WARNING, logger="scheduler.http")
     runner = OpenAIErrorAppRunner(build_app(make_service(n=1)), answer=connection_error,
                                   log=logging.getLogger("scheduler.http"))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        errors = []
-        for target in ("b:99999999", LONG + ":99999999"):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            answer = await asyncio.wait_for(reader.read(), 10)  # closed after it
-            writer.close()
-            head, _, body = answer.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.0 400"), head
-            errors.append(json.loads(body)["error"])
-    finally:
-        await runner.cleanup()
-    short, error = errors
+    short, error = await parser_refusals(runner, ("b:99999999", LONG + ":99999999"))
     assert short["message"] == "malformed HTTP request: b:99999999"
     assert {**error, "message": ""} == {**short, "message": ""}
     _clipped(error["message"])
