@@ -172,12 +172,9 @@ def _runner(mod, app: web.Application, **kwargs) -> web.AppRunner:
     return worker_http_errors.OpenAIErrorAppRunner(app, **kwargs)
 
 
-@twins
-async def test_a_refused_connection_that_sends_nothing_is_not_waited_for_long(mod, monkeypatch):
-    """The receive timeout (60 s here) is for a served connection's head; one beyond the cap
-    gets REFUSED_HEAD_TIMEOUT_S (0.3 s here), so a flood of silent connections does not hold
-    descriptors past the cap for a minute."""
-    monkeypatch.setattr(mod, "REFUSED_HEAD_TIMEOUT_S", 0.3)
+async def _serve_one_connection(mod) -> tuple[web.AppRunner, int]:
+    """A runner serving `GET /` on 127.0.0.1 with a cap of one connection (the receive timeout
+    and keep-alive long), and its port."""
 
     async def ok(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -188,7 +185,16 @@ async def test_a_refused_connection_that_sends_nothing_is_not_waited_for_long(mo
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+@twins
+async def test_a_refused_connection_that_sends_nothing_is_not_waited_for_long(mod, monkeypatch):
+    """The receive timeout (60 s here) is for a served connection's head; one beyond the cap
+    gets REFUSED_HEAD_TIMEOUT_S (0.3 s here), so a flood of silent connections does not hold
+    descriptors past the cap for a minute."""
+    monkeypatch.setattr(mod, "REFUSED_HEAD_TIMEOUT_S", 0.3)
+    runner, port = await _serve_one_connection(mod)
     served_r, served_w = await asyncio.open_connection("127.0.0.1", port)
     refused_r, refused_w = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -209,19 +215,9 @@ async def test_refusals_answered_at_once_are_bounded_and_past_them_a_connection_
     """A refused connection may hold its descriptor a few seconds while it is answered: past
     max_refusing of them at once, a new one is dropped unanswered, so a flood of refused
     connections cannot take the descriptors the cap keeps; the answers resume as they end."""
-
-    async def ok(_request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/", ok)
-    runner = _runner(mod, app, max_connections=1, receive_timeout_s=60.0, keepalive_timeout=60.0)
-    await runner.setup()
+    runner, port = await _serve_one_connection(mod)
     cap = runner.connections
     cap.max_refusing = 2
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     opened: list[asyncio.StreamWriter] = []
 
     async def connect() -> asyncio.StreamReader:
