@@ -65,8 +65,6 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
         container = dep["spec"]["template"]["spec"]["containers"][0]
         port = container["ports"][0]
         assert services[0]["spec"]["ports"][0]["targetPort"] == port["name"]
-        annotations = dep["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/port"] == str(port["containerPort"])
         service = container["args"][0]
         assert dep["metadata"]["name"] == f"{prefix}-{service}"
         mount = container["volumeMounts"][0]["mountPath"]
@@ -74,6 +72,9 @@ def check_cluster(objs: list[dict], prefix: str, namespace: str) -> None:
         values = config_of(objs, prefix, service)
         assert values["port"] == port["containerPort"] and values["host"] == "0.0.0.0"
         validate_config(service, values)
+        # Annotation scrapes go where /metrics is served: the gateway's metrics port if set.
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(values.get("metrics_port") or values["port"])
 
     # The scheduler may list/watch EndpointSlices, through the account its pod runs as.
     pod = find(objs, "Deployment", f"{prefix}-scheduler")["spec"]["template"]["spec"]
@@ -244,6 +245,8 @@ def check_monitors(objs: list[dict], token_sent: bool) -> None:
     for env in container.get("env", []):  # variables the gateway's config really reads
         assert env["name"].removeprefix("ROUTER_").lower() in RouterConfig.model_fields, env["name"]
     for name, [monitor] in by.items():
+        if name.endswith("-gateway"):
+            check_gateway_scrape_port(objs, name, monitor)
         for endpoint in monitor["spec"]["endpoints"]:
             if name.endswith("-gateway") and token_sent:
                 ref = refs["ROUTER_ADMIN_TOKEN"]
@@ -253,8 +256,24 @@ def check_monitors(objs: list[dict], token_sent: bool) -> None:
                 assert "authorization" not in endpoint, (name, monitor["metadata"]["name"])
 
 
+def check_gateway_scrape_port(objs: list[dict], service_name: str, monitor: dict) -> None:
+    """The gateway's ServiceMonitor scrapes the container port its config serves /metrics
+    on: the metrics port, outside the client connections' cap, so that a gateway refusing
+    clients at its cap is still scraped."""
+    values = config_of(objs, service_name.removesuffix("-gateway"), "gateway")
+    service = find(objs, "Service", service_name)
+    [dep] = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == service_name]
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    service_ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        scraped = container_ports[service_ports[endpoint["port"]]]
+        assert scraped == (values.get("metrics_port") or values["port"]), endpoint
+
+
 def test_raw_gateway_monitor_sends_the_admin_token_the_gateway_reads():
     objs = raw_objects()
+    assert config_of(objs, "llm", "gateway")["metrics_port"]  # scraped outside its cap
     check_monitors(objs + load_all((K8S / "servicemonitors.yaml").read_text()), token_sent=True)
     [container] = find(objs, "Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
     # Optional: without the Secret the gateway starts, with no keys and no token.
@@ -392,8 +411,19 @@ def test_helm_chart_renders_monitoring_and_fixed_replicas_when_asked():
         assert monitor["spec"]["jobLabel"] == "llm-router.io/job"
         assert monitor["metadata"]["labels"]["release"] == "kps"
     check_monitors(objs, token_sent=False)
+    assert config_of(objs, "prod", "gateway")["metrics_port"]  # scraped outside its cap
     rule = find(objs, "PrometheusRule", "prod-llm-router")
     assert rule["spec"]["groups"] == ALERTS["groups"]  # annotations' {{ $labels }} left for Prometheus
+
+
+def test_helm_gateway_metrics_port_zero_scrapes_the_api_port():
+    """gateway.metricsPort 0: no metrics port anywhere, and every scrape (the ServiceMonitor,
+    the pod annotations) goes to the API port, where the gateway then serves /metrics."""
+    objs = render({"gateway": {"metricsPort": 0}, "metrics": {"serviceMonitor": {"enabled": True}}})
+    check_cluster(objs, "prod", "llm")
+    check_monitors(objs, token_sent=False)
+    assert "metrics_port" not in config_of(objs, "prod", "gateway")
+    assert [p["name"] for p in find(objs, "Service", "prod-gateway")["spec"]["ports"]] == ["http"]
 
 
 def test_a_longer_drain_gets_a_longer_grace_period():

@@ -256,7 +256,8 @@ def test_scrape_targets_are_where_the_stacks_listen():
         "llm-gateway": [f"127.0.0.1:{args.gateway_port}"],
     }
     services = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
-    port_var = {"worker": "WORKER_PORT", "scheduler": "SCHEDULER_PORT", "gateway": "ROUTER_PORT"}
+    # Where each serves /metrics: the gateway on its metrics port, outside its connection cap.
+    port_var = {"worker": "WORKER_PORT", "scheduler": "SCHEDULER_PORT", "gateway": "ROUTER_METRICS_PORT"}
     listening = {}
     for name, svc in services.items():
         if svc.get("command", [None])[0] in port_var:
