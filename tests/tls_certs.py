@@ -1,6 +1,6 @@
 """A throwaway PKI for the TLS tests, made with the openssl CLI (the venv has no `cryptography`):
 a CA, a server certificate for 127.0.0.1 and localhost, a client certificate, and a second CA
-that signed nothing the servers trust."""
+that signed nothing the servers trust. Keys are ECDSA P-256, RSA 2048 where asked for."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def _ca(d: Path, name: str) -> None:
              "-addext", "subjectKeyIdentifier=hash", cwd=d)
 
 
-def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
+def _leaf(d: Path, name: str, ca: str, ext: str, *, rsa: bool = False) -> None:
     (d / f"{name}.ext").write_text(
         "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
         "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid:always\n" + ext)
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+    key = ["rsa:2048"] if rsa else ["ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    _openssl("req", "-newkey", *key, "-nodes",
              "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
              "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
@@ -54,6 +55,14 @@ def server_cert(pki: Pki, name: str, *, other_ca: bool = False) -> tuple[Path, P
     d = pki.ca.parent
     _leaf(d, name, "other-ca" if other_ca else "ca", "extendedKeyUsage=serverAuth,clientAuth\n"
           "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    return d / f"{name}.pem", d / f"{name}.key"
+
+
+def client_cert(pki: Pki, name: str, *, rsa: bool = False) -> tuple[Path, Path]:
+    """Another client certificate from the CA (CN=`name`), with an RSA key if `rsa`; its
+    certificate and key files."""
+    d = pki.ca.parent
+    _leaf(d, name, "ca", "extendedKeyUsage=clientAuth\n", rsa=rsa)
     return d / f"{name}.pem", d / f"{name}.key"
 
 
