@@ -18,7 +18,6 @@ import contextlib
 import inspect
 import logging
 import signal
-import ssl
 import sys
 
 from aiohttp import web
@@ -34,7 +33,7 @@ from inference_worker.server.connection_limit import connection_budget
 from inference_worker.server.drain import Drain
 from inference_worker.server.http_errors import OpenAIErrorAppRunner
 from inference_worker.server.state import DRAIN
-from inference_worker.server.tls import TlsError, client_context, scheme, server_context
+from inference_worker.server.tls import PeerContext, TlsError, client_context, scheme, server_context
 from inference_worker.server.tls_reload import tls_reloader
 
 log = logging.getLogger("inference_worker")
@@ -70,12 +69,12 @@ def attach_stat_loggers(engine, config: WorkerConfig, registry: CollectorRegistr
 
 
 async def _start_registrar(config: WorkerConfig, max_running: int,
-                           ssl_context: ssl.SSLContext | None) -> Registrar | None:
+                           tls: PeerContext) -> Registrar | None:
     """Register with the scheduler (--register-with); start() returns at once and keeps
     retrying and heart-beating in the background."""
     if not config.register_with:
         return None
-    registrar = Registrar(config, max_running=max_running, ssl_context=ssl_context)
+    registrar = Registrar(config, max_running=max_running, tls=tls)
     await registrar.start()
     return registrar
 
@@ -93,8 +92,8 @@ async def run_worker(config: WorkerConfig) -> None:
     try:  # before the engine loads (up to minutes): a file that cannot be used stops start-up now
         server_ssl = server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs,
                                     config.ssl_cert_reqs)
-        scheduler_ssl = client_context(config.scheduler_ca_file, config.ssl_client_certfile,
-                                       config.ssl_client_keyfile)
+        scheduler_tls = PeerContext(client_context(config.scheduler_ca_file, config.ssl_client_certfile,
+                                                   config.ssl_client_keyfile))
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     # The open-file limit raised before the model's files are opened. A worker opens few
@@ -120,7 +119,7 @@ async def run_worker(config: WorkerConfig) -> None:
     site = None
     # Renewed certificates are loaded while it serves (server/tls_reload.py); SIGHUP loads them
     # at once, set before the port opens: one sent once /health answers must not end it.
-    tls = tls_reloader(config, server_ssl, [("the scheduler", scheduler_ssl, config.scheduler_ca_file,
+    tls = tls_reloader(config, server_ssl, [("the scheduler", scheduler_tls, config.scheduler_ca_file,
                                              "--scheduler-ca-file")])
     tls_poll: asyncio.Task | None = None
     if tls is not None:
@@ -144,7 +143,7 @@ async def run_worker(config: WorkerConfig) -> None:
             config.port,
         )
         log.info("%s", budget.describe())
-        registrar = await _start_registrar(config, engine.max_num_seqs, scheduler_ssl)
+        registrar = await _start_registrar(config, engine.max_num_seqs, scheduler_tls)
         await stop.wait()
         drain = app[DRAIN]
         drain.begin()

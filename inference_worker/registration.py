@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import logging
 import math
-import ssl
 
 import aiohttp
 
 from inference_worker.config import WorkerConfig
+from inference_worker.server.tls import PeerContext
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def heartbeat_interval(value: object) -> float:
 
 class Registrar:
     def __init__(self, config: WorkerConfig, *, heartbeat_s: float | None = None,
-                 max_running: int | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+                 max_running: int | None = None, tls: PeerContext | None = None) -> None:
         self.config = config
         # The engine's running-request cap (max_num_seqs), so the scheduler knows it before
         # requests queue here.
@@ -48,7 +48,8 @@ class Registrar:
         scheme = "https" if config.ssl_certfile else "http"  # as this worker serves
         self.url = (config.advertise_url or f"{scheme}://{host}:{config.port}").rstrip("/")
         # An https:// scheduler: checked against --scheduler-ca-file, else the system's CAs.
-        self._ssl = ssl_context if ssl_context is not None else True
+        # Read for each call: a reload (server/tls_reload.py) swaps it.
+        self._tls = tls if tls is not None else PeerContext()
         self.heartbeat_s = heartbeat_s  # None: what the scheduler asks for
         self.worker_id: str | None = None
         self.registered = asyncio.Event()
@@ -72,7 +73,7 @@ class Registrar:
         if not self.scheduler:
             return
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0),
-                                              connector=aiohttp.TCPConnector(ssl=self._ssl))
+                                              connector=aiohttp.TCPConnector())
         self._task = asyncio.create_task(self._loop(), name="registrar")
 
     async def _register_once(self) -> float | None:
@@ -80,7 +81,8 @@ class Registrar:
         assert self._session is not None
         try:
             async with self._session.post(
-                f"{self.scheduler}/v1/workers", json=self._body(), headers=self._headers
+                f"{self.scheduler}/v1/workers", json=self._body(), headers=self._headers,
+                ssl=self._tls.request_ssl,
             ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status in (200, 201) and isinstance(data, dict):
@@ -120,6 +122,7 @@ class Registrar:
                     f"{self.scheduler}/v1/workers/{self.worker_id}",
                     headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=2.0),
+                    ssl=self._tls.request_ssl,
                 ) as resp:
                     await resp.read()
             except (aiohttp.ClientError, TimeoutError) as exc:

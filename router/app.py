@@ -34,7 +34,7 @@ from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
 from scheduler.clip import clip_repr
 from scheduler.connection_limit import connection_budget
-from scheduler.tls import TlsError, client_context, scheme, server_context
+from scheduler.tls import PeerContext, TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
 if TYPE_CHECKING:
@@ -99,13 +99,16 @@ class Gateway:
         self.fallback = FallbackRouter(cfg.worker_urls, cfg.fallback_cooldown_ms / 1000)
         # https:// upstreams are checked against the CA bundles given (else the system's CAs),
         # and shown the client certificate, if any. Raises TlsError for files that do not load.
-        self.worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
-        self.scheduler_ssl = client_context(cfg.scheduler_ca_file, cfg.ssl_client_certfile,
-                                            cfg.ssl_client_keyfile, ca_option="--scheduler-ca-file")
-        # Renewed certificates and CA bundles are loaded while it runs (scheduler/tls_reload.py).
+        self.worker_tls = PeerContext(client_context(cfg.worker_ca_file, cfg.ssl_client_certfile,
+                                                     cfg.ssl_client_keyfile))
+        self.scheduler_tls = PeerContext(client_context(cfg.scheduler_ca_file, cfg.ssl_client_certfile,
+                                                        cfg.ssl_client_keyfile,
+                                                        ca_option="--scheduler-ca-file"))
+        # Renewed certificates and CA bundles are loaded while it runs (scheduler/tls_reload.py):
+        # a reload puts fresh contexts in these two, which every call reads as it is made.
         self.tls = tls_reloader(cfg, served_ssl, [
-            ("workers", self.worker_ssl, cfg.worker_ca_file, "--worker-ca-file"),
-            ("the scheduler", self.scheduler_ssl, cfg.scheduler_ca_file, "--scheduler-ca-file")])
+            ("workers", self.worker_tls, cfg.worker_ca_file, "--worker-ca-file"),
+            ("the scheduler", self.scheduler_tls, cfg.scheduler_ca_file, "--scheduler-ca-file")])
         if self.tls is not None:
             self.metrics.registry.register(self.tls.collector("router"))
         # Before anything starts: a tracing set-up that cannot load stops start-up at once.
@@ -120,9 +123,9 @@ class Gateway:
 
     async def start(self, _app: web.Application | None = None) -> None:
         cfg = self.cfg
+        # No ssl= here: each call to a worker passes worker_tls's context in force then.
         connector = aiohttp.TCPConnector(
             limit=0, keepalive_timeout=30, socket_factory=_nodelay_socket_factory,
-            ssl=self.worker_ssl if self.worker_ssl is not None else True,
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -131,7 +134,7 @@ class Gateway:
         )
         if cfg.scheduler:
             self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000,
-                                          token=cfg.scheduler_token, ssl_context=self.scheduler_ssl)
+                                          token=cfg.scheduler_token, tls=self.scheduler_tls)
         self.sched = Scheduling(
             self.client,
             self.fallback,
@@ -148,9 +151,9 @@ class Gateway:
         if self.client is not None and cfg.scheduler_pipelining:
             self.sched.pipe = SchedulerPipe(
                 cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel,
-                token=cfg.scheduler_token, ssl_context=self.scheduler_ssl,
+                token=cfg.scheduler_token, tls=self.scheduler_tls,
             )
-        self.sched.start(self.session)
+        self.sched.start(self.session, self.worker_tls)
         if self.key_watcher is not None:
             await self.key_watcher.start()
             if cfg.api_key_reload_s > 0:
@@ -160,7 +163,8 @@ class Gateway:
             await self.tls.start()
             if cfg.ssl_reload_s > 0:
                 self._tasks.append(asyncio.get_running_loop().create_task(self.tls.poll(cfg.ssl_reload_s)))
-        self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session)
+        self.proxy = Proxy(cfg, self.sched, self.metrics, self.stats, self.keys, self.session,
+                           self.worker_tls)
         self.proxy.tracing = self.tracing
         if cfg.access_log:
             self.proxy.access_log = AccessLog()

@@ -51,6 +51,7 @@ from router.whole_answers import AnswerTimedOut, WholeForwarding
 from scheduler.client import SchedulerRequestError, UnknownModelError
 from scheduler.clip import clip_repr
 from scheduler.protocol import CLIENT_LEFT
+from scheduler.tls import PeerContext
 
 if TYPE_CHECKING:
     from router.trace_collect import RequestTrace
@@ -106,6 +107,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         stats: Stats,
         keys: KeyChecker,
         session: aiohttp.ClientSession,
+        worker_tls: PeerContext,
     ) -> None:
         self.cfg = cfg
         self.sched = sched
@@ -113,6 +115,8 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         self.stats = stats
         self.keys = keys
         self.session = session
+        # https:// workers: read for each call (ssl=), a reload swaps its context.
+        self.worker_tls = worker_tls
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             connect=cfg.connect_timeout_ms / 1000,
@@ -141,7 +145,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         self.tracing: Tracing | None = None
         self.upstream_auth = f"Bearer {cfg.upstream_api_key}" if cfg.upstream_api_key else None
         self.owners = ResponseOwners()
-        self.tokenizer = TokenizerCalls(sched, session, self.timeout, self.report_failed)
+        self.tokenizer = TokenizerCalls(sched, session, worker_tls, self.timeout, self.report_failed)
         self.in_flight = InFlight()  # what a stopping gateway waits for
 
     # ---- entry points ------------------------------------------------------------------

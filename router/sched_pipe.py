@@ -65,6 +65,7 @@ from scheduler.client import (
     raise_for_auth,
 )
 from scheduler.protocol import CLIENT_LEFT
+from scheduler.tls import PeerContext
 
 log = logging.getLogger("router.sched_pipe")
 
@@ -94,7 +95,7 @@ def orphan_release(lease_id: str) -> dict:
 
 class SchedulerPipe:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto",
-                 token: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                 token: str | None = None, tls: PeerContext | None = None,
                  idle_close_s: float = IDLE_CLOSE_S) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -105,9 +106,11 @@ class SchedulerPipe:
         self.host, self.port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
         # https://: the same connection in TLS, the certificate checked as SchedulerClient checks
         # it (the gateway's --scheduler-ca-file, else the system's CAs) and for this host name.
-        self._ssl: ssl.SSLContext | None = None
-        if u.scheme == "https":
-            self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
+        # The context is read for each connection made (_ssl): a reload (scheduler/tls_reload.py)
+        # swaps it, and the connection open goes on with its own.
+        self._https = u.scheme == "https"
+        self._tls = tls if tls is not None else PeerContext()
+        self._system_cas = ssl.create_default_context() if self._https and self._tls.current is None else None
         prefix = u.path.rstrip("/").encode()
         self.timeout_s = timeout_s
         self.idle_close_s = idle_close_s
@@ -158,6 +161,12 @@ class SchedulerPipe:
         """The wire form in use: "ws", "http", or None before the first connection."""
         return self._pipe.kind if self._pipe is not None else None
 
+    def _ssl(self) -> ssl.SSLContext | None:
+        """The context of a connection made now; None: plain TCP (http://)."""
+        if not self._https:
+            return None
+        return self._tls.current if self._tls.current is not None else self._system_cas
+
     async def _get_pipe(self) -> _Pipe | _WsPipe:
         pipe = self._pipe
         if pipe is not None and not pipe.closed:
@@ -176,7 +185,7 @@ class SchedulerPipe:
             async with asyncio.timeout(self.timeout_s):
                 if self.channel != "http":
                     _, ws = await self.loop.create_connection(
-                        lambda: _WsPipe(self, self._upgrade), self.host, self.port, ssl=self._ssl
+                        lambda: _WsPipe(self, self._upgrade), self.host, self.port, ssl=self._ssl()
                     )
                     try:
                         await ws.handshake
@@ -191,7 +200,7 @@ class SchedulerPipe:
                         raise
                 if pipe is None:
                     _, pipe = await self.loop.create_connection(lambda: _Pipe(self), self.host, self.port,
-                                                                ssl=self._ssl)
+                                                                ssl=self._ssl())
         except (OSError, TimeoutError) as exc:
             raise SchedulerUnavailableError(f"scheduler {self.host}:{self.port}: {exc!r}") from exc
         self._pipe = pipe

@@ -41,6 +41,7 @@ from scheduler.client import (
     UnknownModelError,
 )
 from scheduler.clip import clip_repr
+from scheduler.tls import PeerContext
 
 if TYPE_CHECKING:
     from router.trace_collect import RequestTrace
@@ -166,14 +167,17 @@ class Scheduling:
                     elif self.client is not None:
                         self.client.renew_nowait(route.lease_id)
 
-    def start(self, session: aiohttp.ClientSession | None = None) -> None:
+    def start(self, session: aiohttp.ClientSession | None = None,
+              worker_tls: PeerContext | None = None) -> None:
+        """`session`: the static --workers' models are asked for with it, and `worker_tls`'s
+        context in force at each call (None: the system's CAs)."""
         loop = asyncio.get_running_loop()
         if self.client is not None:
             self._refresher = loop.create_task(self._refresh_loop())
             if self.lease_renew_s:
                 self._renewer = loop.create_task(self._renew_loop())
         if session is not None and self.fallback.static_urls:
-            self._static = loop.create_task(self._static_models_loop(session))
+            self._static = loop.create_task(self._static_models_loop(session, worker_tls or PeerContext()))
 
     async def stop(self) -> None:
         if self.pipe is not None:
@@ -595,13 +599,14 @@ class Scheduling:
                                             frozenset(v.worker_id for v in views if v.cordoned))
         return True
 
-    async def _static_models_loop(self, session: aiohttp.ClientSession) -> None:
+    async def _static_models_loop(self, session: aiohttp.ClientSession, worker_tls: PeerContext) -> None:
         """Learn what the static --workers serve (for /v1/models and model filtering)."""
         timeout = aiohttp.ClientTimeout(total=2)
         while True:
             for url in self.fallback.static_urls:
                 try:
-                    async with session.get(url + "/v1/models", timeout=timeout) as r:
+                    async with session.get(url + "/v1/models", timeout=timeout,
+                                           ssl=worker_tls.request_ssl) as r:
                         data = await r.json(content_type=None) if r.status == 200 else None
                     if isinstance(data, dict) and isinstance(data.get("data"), list):
                         ids = [

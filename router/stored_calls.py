@@ -52,6 +52,7 @@ from router.stored_responses import (
 from router.streaming import UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
 from scheduler.clip import clip, clip_repr
+from scheduler.tls import PeerContext
 
 log = logging.getLogger("router.proxy")
 
@@ -69,6 +70,7 @@ UNREACHABLE = {
 
 class StoredResponseCalls:
     session: aiohttp.ClientSession
+    worker_tls: PeerContext
     timeout: aiohttp.ClientTimeout
     owners: ResponseOwners
     sched: Scheduling
@@ -85,7 +87,7 @@ class StoredResponseCalls:
                          if k == "Authorization"}
         # The healthy workers the scheduler last listed, and the static --workers.
         workers = [(w.worker_id, w.url) for w in self.sched.fallback.workers]
-        owner = await self.owners.locate(response_id, workers, self.session, probe_headers)
+        owner = await self.owners.locate(response_id, workers, self.session, self.worker_tls, probe_headers)
         self.metrics.stored_response_lookups.labels("found" if owner is not None else "missing").inc()
         return owner
 
@@ -160,6 +162,7 @@ class StoredResponseCalls:
                 up = await unless_down(self.session.request(
                     request.method, url, data=raw or None, timeout=timeout,
                     headers=self._upstream_headers(request, rec.id, path, rec.spans),
+                    ssl=self.worker_tls.request_ssl,
                 ), down)
             except (WorkerDown, *UPSTREAM_ERRORS) as exc:
                 return self.owner_unreachable(response_id, owner, _failure(exc), "response_id")

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from urllib.parse import quote
 
 import aiohttp
@@ -39,6 +40,7 @@ import aiohttp
 from router.sse import usage_of_body
 from router.tokens import RESPONSES_PATH
 from scheduler.clip import clip
+from scheduler.tls import PeerContext
 
 # /v1/responses/{id} and what hangs under it (/cancel, /input_items): calls on a stored response.
 STORED_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/[^/]+)?")
@@ -155,10 +157,12 @@ class ResponseOwners:
         response_id: str,
         workers: Iterable[tuple[str, str]],
         session: aiohttp.ClientSession,
+        tls: PeerContext,
         headers: dict[str, str],
     ) -> Owner | None:
         """The first of `workers` ((worker_id, url) pairs) whose GET /v1/responses/{id}
-        answers 200, remembered from then on. None: nobody has it."""
+        answers 200, remembered from then on. None: nobody has it. `tls`: the workers' context
+        (its current one read as each probe starts)."""
         retry_at = self._missing.get(response_id)
         if retry_at is not None:
             if time.monotonic() < retry_at:
@@ -166,15 +170,16 @@ class ResponseOwners:
             del self._missing[response_id]
         probe = self._probing.get(response_id)
         if probe is None:
-            probe = asyncio.ensure_future(self._probe(response_id, list(workers), session, headers))
+            probe = asyncio.ensure_future(self._probe(response_id, list(workers), session, tls.request_ssl,
+                                                      headers))
             self._probing[response_id] = probe
             probe.add_done_callback(lambda _: self._probing.pop(response_id, None))
         # Shielded: a caller that goes away does not stop the probe the others wait on.
         return await asyncio.shield(probe)
 
     async def _probe(self, response_id: str, workers: list[tuple[str, str]], session: aiohttp.ClientSession,
-                     headers: dict[str, str]) -> Owner | None:
-        probes = [asyncio.ensure_future(self._holds(session, Owner(wid, url), response_id, headers))
+                     ssl: SSLContext | bool, headers: dict[str, str]) -> Owner | None:
+        probes = [asyncio.ensure_future(self._holds(session, ssl, Owner(wid, url), response_id, headers))
                   for wid, url in workers]
         try:
             for next_done in asyncio.as_completed(probes):
@@ -190,13 +195,13 @@ class ResponseOwners:
         return None
 
     @staticmethod
-    async def _holds(session: aiohttp.ClientSession, worker: Owner, response_id: str,
+    async def _holds(session: aiohttp.ClientSession, ssl: SSLContext | bool, worker: Owner, response_id: str,
                      headers: dict[str, str]) -> Owner | None:
         """The worker, with the response's length from its usage, if it stores the response."""
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
         url = f"{worker.url}{RESPONSES_PATH}/{quote(response_id, safe='')}"
         try:
-            async with session.get(url, headers=headers, timeout=timeout) as r:
+            async with session.get(url, headers=headers, timeout=timeout, ssl=ssl) as r:
                 if r.status != 200:
                     return None
                 prompt, output = usage_of_body(await r.read())

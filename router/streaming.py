@@ -23,6 +23,7 @@ from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
 from router.upstream_errors import answer_status, read_bounded
 from router.whole_as_sse import sse_of_whole
+from scheduler.tls import PeerContext
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 # A worker's answer did not come within the read timeout (aiohttp 3.10 on; 3.9 raised one
@@ -120,6 +121,7 @@ class ReadWatch:
 
 class StreamForwarding:
     session: aiohttp.ClientSession
+    worker_tls: PeerContext
     timeout: aiohttp.ClientTimeout
     idle_s: float
     owners: ResponseOwners
@@ -141,7 +143,8 @@ class StreamForwarding:
         if request.query_string:
             url += "?" + request.query_string
         try:
-            up = await self.session.request("POST", url, data=raw, headers=headers, timeout=self.timeout)
+            up = await self.session.request("POST", url, data=raw, headers=headers, timeout=self.timeout,
+                                            ssl=self.worker_tls.request_ssl)
         except UPSTREAM_ERRORS as exc:
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
         complete = False

@@ -26,6 +26,7 @@ from router.scheduling import Route, Scheduling
 from router.streaming import READ_TIMEOUT, UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
 from scheduler.clip import clip_repr
+from scheduler.tls import PeerContext
 
 log = logging.getLogger("router.proxy")
 
@@ -41,10 +42,11 @@ _RECHECK_AFTER_S = 1.0
 
 
 class TokenizerCalls:
-    def __init__(self, sched: Scheduling, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
-                 report_failed: Callable[[Route, str], None]) -> None:
+    def __init__(self, sched: Scheduling, session: aiohttp.ClientSession, worker_tls: PeerContext,
+                 timeout: aiohttp.ClientTimeout, report_failed: Callable[[Route, str], None]) -> None:
         self.sched = sched
         self.session = session
+        self.worker_tls = worker_tls  # read for each call: a reload swaps its context
         self.timeout = timeout  # the proxy's first-byte one: connect and read
         self.report_failed = report_failed
         self._turns = count()
@@ -71,7 +73,8 @@ class TokenizerCalls:
             tried.append(route.worker_id)
             url = route.url + path + (f"?{request.query_string}" if request.query_string else "")
             try:
-                async with self.session.post(url, data=raw, headers=headers, timeout=self.timeout) as up:
+                async with self.session.post(url, data=raw, headers=headers, timeout=self.timeout,
+                                             ssl=self.worker_tls.request_ssl) as up:
                     status = up.status
                     data = await (read_bounded(up) if status >= 400 else up.read())
                     ctype = up.headers.get("Content-Type", "application/json")

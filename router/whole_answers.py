@@ -24,6 +24,7 @@ from router.stored_responses import ResponseOwners, response_id_in
 from router.streaming import OVERLOADED, READ_TIMEOUT, UPSTREAM_ERRORS, RetryElsewhere, failure_kind
 from router.tokens import RESPONSES_PATH
 from router.upstream_errors import answer_status, read_bounded, relayed_error
+from scheduler.tls import PeerContext
 
 
 class AnswerTimedOut(Exception):
@@ -33,6 +34,7 @@ class AnswerTimedOut(Exception):
 
 class WholeForwarding:
     session: aiohttp.ClientSession
+    worker_tls: PeerContext
     whole_timeout: aiohttp.ClientTimeout
     owners: ResponseOwners
     sched: Scheduling
@@ -43,7 +45,8 @@ class WholeForwarding:
         when it failed before answering, AnswerTimedOut past --request-timeout-ms."""
         try:
             async with self.session.request(
-                method, url, data=raw or None, headers=headers, timeout=self.whole_timeout
+                method, url, data=raw or None, headers=headers, timeout=self.whole_timeout,
+                ssl=self.worker_tls.request_ssl,
             ) as up:
                 # An error answer is read bounded: only its message is relayed (see
                 # router/upstream_errors.py), and some workers echo the whole prompt in it.

@@ -201,6 +201,7 @@ class WsRelay:
                     # A worker whose host died without closing the connection is noticed (its
                     # owed requests' leases would otherwise be renewed while the client waits).
                     heartbeat=proxy.cfg.ws_heartbeat_s,
+                    ssl=proxy.worker_tls.request_ssl,
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if rec.spans is not None:

@@ -19,7 +19,7 @@ from scheduler.gateway_auth import TokenRef
 from scheduler.http_errors import OpenAIErrorAppRunner
 from scheduler.scrape.scraper import Scraper
 from scheduler.service import SchedulerService
-from scheduler.tls import TlsError, client_context, scheme, server_context
+from scheduler.tls import PeerContext, TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
 log = logging.getLogger("scheduler")
@@ -28,7 +28,8 @@ log = logging.getLogger("scheduler")
 async def serve(cfg: SchedulerConfig) -> None:
     try:  # first: a certificate that cannot be used stops start-up before anything runs
         server_ssl = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
-        worker_ssl = client_context(cfg.worker_ca_file, cfg.ssl_client_certfile, cfg.ssl_client_keyfile)
+        worker_tls = PeerContext(client_context(cfg.worker_ca_file, cfg.ssl_client_certfile,
+                                                cfg.ssl_client_keyfile))
     except TlsError as exc:
         raise SystemExit(f"error: {exc}") from None
     # The open-file limit raised before anything opens files or connections. Its own calls are
@@ -49,7 +50,7 @@ async def serve(cfg: SchedulerConfig) -> None:
     # Renewed certificates are loaded while it runs (scheduler/tls_reload.py), and the admin
     # token file re-read (scheduler/admin_auth.py); SIGHUP does both at once, set before the
     # port opens: one sent once /health answers must not end it.
-    tls = tls_reloader(cfg, server_ssl, [("workers", worker_ssl, cfg.worker_ca_file, "--worker-ca-file")])
+    tls = tls_reloader(cfg, server_ssl, [("workers", worker_tls, cfg.worker_ca_file, "--worker-ca-file")])
     if tls is not None:
         service.metrics.registry.register(tls.collector("scheduler"))
         await tls.start()
@@ -69,7 +70,7 @@ async def serve(cfg: SchedulerConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signal.SIGHUP, on_sighup)
     add_static_workers(service, cfg.worker_urls)
-    scraper = Scraper(service, ssl_context=worker_ssl)
+    scraper = Scraper(service, tls=worker_tls)
     await scraper.start()
     tasks.append(asyncio.create_task(scraper.run(), name="scraper"))
     if cfg.k8s_namespace:

@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import socket
-import ssl
 from typing import Any
 
 import aiohttp
@@ -33,6 +32,7 @@ from pydantic_core import from_json, to_json
 
 from scheduler.clip import MAX_SHOWN_CHARS, clip
 from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerList
+from scheduler.tls import PeerContext
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +116,12 @@ class SchedulerClient:
         timeout_s: float = 2.0,
         session: aiohttp.ClientSession | None = None,
         token: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
+        tls: PeerContext | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # An https:// scheduler: checked against this (the gateway's --scheduler-ca-file), else
-        # the system's CAs.
-        self._ssl = ssl_context if ssl_context is not None else True
+        # the system's CAs. Read for each call: a reload (scheduler/tls_reload.py) swaps it.
+        self._tls = tls if tls is not None else PeerContext()
         # Built once: every call sends the same headers (token: the scheduler's --gateway-token).
         self._get_headers = auth_headers(token)
         self._post_headers = {**_JSON_HEADERS, **self._get_headers}
@@ -140,7 +140,7 @@ class SchedulerClient:
             # The connector applies TCP_NODELAY to every connection it opens; keep-alive is
             # aiohttp's default. No limit per host: the gateway may have many calls in flight.
             connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=60, socket_factory=_nodelay_socket_factory, ssl=self._ssl
+                limit=0, keepalive_timeout=60, socket_factory=_nodelay_socket_factory
             )
             self._session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
             self._owns_session = True
@@ -150,7 +150,8 @@ class SchedulerClient:
         session = self._get_session()
         try:
             async with session.post(
-                url, data=body, headers=self._post_headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                url, data=body, headers=self._post_headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ssl=self._tls.request_ssl,
             ) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -243,7 +244,7 @@ class SchedulerClient:
         try:
             async with session.get(
                 self._workers_url, headers=self._get_headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), ssl=self._tls.request_ssl,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -263,7 +264,7 @@ class SchedulerClient:
         try:
             async with session.get(
                 f"{self.base_url}/health", headers=self._get_headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), ssl=self._tls.request_ssl,
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:

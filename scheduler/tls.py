@@ -93,7 +93,8 @@ def _reason(exc: BaseException, *, key_option: str | None = None) -> str:
         return str(exc)
     if isinstance(exc, ssl.SSLError):
         text = f"{exc.reason or ''} {exc}"
-        if "KEY_VALUES_MISMATCH" in text:
+        # NO_CERTIFICATE_ASSIGNED: a key of another type than the certificate (ECDSA for RSA).
+        if "KEY_VALUES_MISMATCH" in text or "NO_CERTIFICATE_ASSIGNED" in text:
             return "the key does not match the certificate"
         if "NO_CERTIFICATE_OR_CRL_FOUND" in text:
             return "no PEM certificate in it"
@@ -122,11 +123,11 @@ def load_chain(ctx: ssl.SSLContext, certfile: str, keyfile: str | None, what: st
         raise TlsError(f"cannot use {files}: {reason}") from None
 
 
-def load_cas(ctx: ssl.SSLContext, cafile: str, option: str, shown: str | None = None) -> None:
+def load_cas(ctx: ssl.SSLContext, cafile: str, option: str) -> None:
     try:
         ctx.load_verify_locations(cafile=cafile)
     except OSError as exc:
-        raise TlsError(f"cannot use {option} {shown or cafile}: {_reason(exc)}") from None
+        raise TlsError(f"cannot use {option} {cafile}: {_reason(exc)}") from None
 
 
 def server_context(certfile: str | None, keyfile: str | None = None, ca_certs: str | None = None,
@@ -144,21 +145,44 @@ def server_context(certfile: str | None, keyfile: str | None = None, ca_certs: s
 
 
 def client_context(ca_file: str | None = None, certfile: str | None = None, keyfile: str | None = None,
-                   *, ca_option: str = "--worker-ca-file") -> ssl.SSLContext | None:
+                   *, ca_option: str = "--worker-ca-file",
+                   shown: tuple[str | None, str | None, str | None] | None = None) -> ssl.SSLContext | None:
     """The context https:// peers are called with: verified against `ca_file` only when given
     (a private CA), else the system's CAs; presenting `certfile` to peers that ask for a client
-    certificate. None: nothing given, the HTTP client's default (the system's CAs)."""
+    certificate. None: nothing given, the HTTP client's default (the system's CAs). Start-up
+    and each reload (tls_reload.py) build it here, so that a reloaded one has the same settings;
+    `shown`: the (CA, certificate, key) files' names in errors, where the paths are copies."""
     if not (ca_file or certfile):
         return None
+    shown_ca, shown_cert, shown_key = shown or (ca_file, certfile, keyfile)
     try:
         # Hostname checked, certificate required. With a bundle, only it: a public CA must not
         # vouch for an internal peer.
         ctx = ssl.create_default_context(cafile=ca_file or None)
     except OSError as exc:
-        raise TlsError(f"cannot use {ca_option} {ca_file}: {_reason(exc)}") from None
+        raise TlsError(f"cannot use {ca_option} {shown_ca}: {_reason(exc)}") from None
     if certfile:
-        load_chain(ctx, certfile, keyfile, "--ssl-client-")
+        load_chain(ctx, certfile, keyfile, "--ssl-client-", shown=(shown_cert or certfile, shown_key))
     return ctx
+
+
+class PeerContext:
+    """The context peers are called with now: start-up's, then the one each reload of its files
+    builds (tls_reload.py's PeerTls swaps `current`; a context cannot unlearn a CA or a client
+    certificate loaded into it). Callers read it for each connection they open (aiohttp's
+    per-request ssl=), never keep it: connections opened after a reload use the new one, and
+    those open go on with theirs."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, current: ssl.SSLContext | None = None) -> None:
+        self.current = current  # None: no CA bundle nor client certificate given
+
+    @property
+    def request_ssl(self) -> ssl.SSLContext | bool:
+        """aiohttp's ssl= for a request: the context, or True, its default check against the
+        system's CAs."""
+        return self.current if self.current is not None else True
 
 
 def scheme(ctx: ssl.SSLContext | None) -> str:

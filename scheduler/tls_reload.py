@@ -13,10 +13,14 @@ scheduler/file_watch.py) and re-read at once on SIGHUP. What changes:
   --ssl-ca-certs would stay trusted; and a load that fails half-way (a key that does not match)
   leaves that context with no key, so that every handshake fails.
 - A context that peers are called with (the client certificate, the CA bundle it checks them
-  against) is held by the HTTP clients, which have no such callback: the files are loaded into
-  it in place, on the event loop, from the very bytes first checked on a scratch context. In
-  place, a CA taken out of the bundle stays trusted, and a client certificate of another key
-  type joins the old one, until a restart.
+  against) is built afresh from the files, off the event loop, by the builder start-up used
+  (tls.py's client_context: the same settings), and put in its PeerContext, which the HTTP
+  clients read for each connection they open. So a CA taken out of the bundle stops vouching
+  for a peer, and a client certificate of another key type (RSA, then ECDSA) replaces the old
+  one, from the next connection. Connections already open go on with the context they started
+  with (aiohttp keys its pool by the context: those of the old one are not reused, and close
+  once idle). Not loaded into the context in use: load_verify_locations only adds CAs, and
+  load_cert_chain keeps a certificate of another key type beside the new one.
 
 Fail safe: files that do not load (half written, a key that does not match its certificate,
 missing) keep what is in force and log one ERROR, until they change again; files that changed
@@ -47,7 +51,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.file_watch import SignalTasks, poll_forever, signatures
-from scheduler.tls import TlsError, load_cas, load_chain, server_context
+from scheduler.tls import PeerContext, TlsError, client_context, server_context
 
 log = logging.getLogger("tls")
 
@@ -155,7 +159,7 @@ class _Target(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, loaded: _Loaded) -> None:
-        """On the event loop: `loaded` in force for new connections."""
+        """On the event loop: `loaded` in force for new connections (a swap, which cannot fail)."""
 
 
 def _digest(datas: Iterable[bytes]) -> bytes:
@@ -195,33 +199,27 @@ class ServedTls(_Target):
 class PeerTls(_Target):
     kind = "client"
 
-    def __init__(self, ctx: ssl.SSLContext, peers: str, ca_file: str | None, ca_option: str,
+    def __init__(self, peer: PeerContext, peers: str, ca_file: str | None, ca_option: str,
                  certfile: str | None, keyfile: str | None) -> None:
         super().__init__([(ca_option, ca_file), ("--ssl-client-certfile", certfile),
                           ("--ssl-client-keyfile", keyfile)], certfile)
-        self.ctx, self.label = ctx, f"TLS context for calling {peers}"
+        self.peer, self.label = peer, f"TLS context for calling {peers}"
         self.ca_file, self.ca_option, self.keyfile = ca_file, ca_option, keyfile
 
-    def _load_into(self, ctx: ssl.SSLContext, datas: list[bytes]) -> None:
+    def load(self) -> _Loaded:
+        # A context nobody uses yet, built as start-up built the first one.
+        datas = _read(self.files)
         with _in_memory(datas) as copies:
             by_option = self.by_option(copies)
-            if self.ca_file:
-                load_cas(ctx, by_option[self.ca_option], self.ca_option, shown=self.ca_file)
-            if self.certfile:
-                load_chain(ctx, by_option["--ssl-client-certfile"], by_option.get("--ssl-client-keyfile"),
-                           "--ssl-client-", shown=(self.certfile, self.keyfile))
-
-    def load(self) -> _Loaded:
-        datas = _read(self.files)
-        self._load_into(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), datas)  # the check
-        info = None
-        if self.certfile:
-            with _in_memory([self.by_option(datas)["--ssl-client-certfile"]]) as [copy]:
-                info = describe(copy)
-        return _Loaded(_digest(datas), info, datas)
+            ctx = client_context(by_option.get(self.ca_option), by_option.get("--ssl-client-certfile"),
+                                 by_option.get("--ssl-client-keyfile"), ca_option=self.ca_option,
+                                 shown=(self.ca_file, self.certfile, self.keyfile))
+            info = describe(by_option["--ssl-client-certfile"]) if self.certfile else None
+        assert ctx is not None  # a target has a CA bundle or a client certificate
+        return _Loaded(_digest(datas), info, ctx)
 
     def apply(self, loaded: _Loaded) -> None:
-        self._load_into(self.ctx, loaded.ready)
+        self.peer.current = loaded.ready  # for the connections opened from now on
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,13 +290,7 @@ class TlsReloader:
             log.log(logging.INFO if force else logging.DEBUG, "%s: reload (%s): unchanged",
                     target.label, why)
             return
-        try:
-            target.apply(look.loaded)
-        except (OSError, TlsError) as exc:  # not expected: the same bytes were just loaded
-            self.counts["failed"] += 1
-            target.seen = None
-            log.error("%s: reload (%s) failed while applied: %s", target.label, why, exc)
-            return
+        target.apply(look.loaded)  # a context built and checked by load(): cannot fail
         if why != "start":
             self.counts["reloaded"] += 1
         target.digest, target.info = look.loaded.digest, look.loaded.info
@@ -341,15 +333,16 @@ class TlsCollector:
 
 
 def tls_reloader(cfg: Any, served: ssl.SSLContext | None,
-                 peers: Iterable[tuple[str, ssl.SSLContext | None, str | None, str]]) -> TlsReloader | None:
+                 peers: Iterable[tuple[str, PeerContext, str | None, str]]) -> TlsReloader | None:
     """The reloader of a service's contexts (None: no TLS file to watch). `cfg` has the ssl_*
-    options; `peers`: (whom it calls, its context, its CA bundle, that bundle's option)."""
+    options; `peers`: (whom it calls, the context it calls them with, its CA bundle, that
+    bundle's option)."""
     targets: list[_Target] = []
     if served is not None:
         targets.append(ServedTls(served, cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs,
                                  cfg.ssl_cert_reqs))
-    for name, ctx, ca_file, ca_option in peers:
-        if ctx is not None:  # else nothing given: the HTTP client's own default
-            targets.append(PeerTls(ctx, name, ca_file, ca_option, cfg.ssl_client_certfile,
+    for name, peer, ca_file, ca_option in peers:
+        if peer.current is not None:  # else nothing given: the HTTP client's own default
+            targets.append(PeerTls(peer, name, ca_file, ca_option, cfg.ssl_client_certfile,
                                    cfg.ssl_client_keyfile))
     return TlsReloader(targets) if targets else None

@@ -19,9 +19,9 @@ import asyncio
 import json
 import logging
 import math
-import ssl
 import time
 import weakref
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 
@@ -32,7 +32,7 @@ from scheduler.scrape.parse import parse_selected
 from scheduler.scrape.rates import build_snapshot
 from scheduler.scrape.sglang_info import SERVER_INFO_PATHS, RankLayout, ServerInfoState, parse_server_info
 from scheduler.service import SchedulerService
-from scheduler.tls import tls_failure
+from scheduler.tls import PeerContext, tls_failure
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,12 @@ IGNORED_FILTER_SHARE = 0.5
 
 
 class Scraper:
-    def __init__(self, service: SchedulerService, *, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, service: SchedulerService, *, tls: PeerContext | None = None) -> None:
         self.service = service
         # https:// workers: checked against --worker-ca-file (else the system's CAs), with
         # --ssl-client-certfile for workers that ask for one. Plain http:// ones ignore it.
-        self.ssl_context = ssl_context
+        # Read for each request (_get): a reload (tls_reload.py) swaps its context.
+        self.tls = tls if tls is not None else PeerContext()
         cfg = service.cfg
         self.interval_s = cfg.scrape_interval_ms / 1000.0
         self.timeout = aiohttp.ClientTimeout(total=cfg.scrape_timeout_ms / 1000.0)
@@ -97,14 +98,20 @@ class Scraper:
             weakref.WeakKeyDictionary())
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30,
-                                         ssl=self.ssl_context if self.ssl_context is not None else True)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30)
         # identity: prometheus_client's exposition (vLLM's and SGLang's filtered /metrics/) gzips
         # for a client that accepts it, on the API server's CPU, ten times a second, to save
         # bytes on a local network: 0.45 of the 2.3 ms a filtered scrape costs a real vLLM
         # (benchmarks/RESULTS.md, "What the router costs the workers").
         self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",),
                                              headers={"Accept-Encoding": "identity"})
+
+    def _get(self, url: str,
+             timeout: aiohttp.ClientTimeout) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """A GET to a worker, with the context in force now (a connection of an older one, from
+        before a reload, is not reused for it)."""
+        assert self.session is not None  # start() ran
+        return self.session.get(url, timeout=timeout, ssl=self.tls.request_ssl)
 
     async def run(self) -> None:
         if self.session is None:
@@ -168,7 +175,7 @@ class Scraper:
         try:
             try:
                 url = w.url + w.metrics_path
-                async with self.session.get(url, timeout=self.timeout) as resp:
+                async with self._get(url, self.timeout) as resp:
                     status = resp.status
                     # read + decode: no charset sniffing on a 50 KB body, every 100 ms
                     text = (await read_capped(resp)).decode("utf-8", "replace") if status == 200 else ""
@@ -277,7 +284,7 @@ class Scraper:
         """Metrics timed out: is the process there at all? A worker that answers /health is
         busy, not dead; its data ages and it counts as saturated meanwhile."""
         try:
-            async with self.session.get(w.url + "/health", timeout=self.probe_timeout) as resp:
+            async with self._get(w.url + "/health", self.probe_timeout) as resp:
                 await read_capped(resp)
             self._failure(w, "metrics timeout (health ok)", connection_level=False)
         except CONNECTION_ERRORS as exc:
@@ -291,7 +298,7 @@ class Scraper:
         /info's max_batch_size, when the server was started with one."""
         w.info_fetched_at = time.monotonic()
         try:
-            async with self.session.get(w.url + "/info", timeout=self.timeout) as resp:
+            async with self._get(w.url + "/info", self.timeout) as resp:
                 if resp.status != 200:
                     return
                 info = json.loads(await read_capped(resp))
@@ -337,7 +344,7 @@ class Scraper:
         401 with --api-key) changes nothing and is tried again after models_refresh_ms."""
         try:
             for path in SERVER_INFO_PATHS:
-                async with self.session.get(w.url + path, timeout=self.timeout) as resp:
+                async with self._get(w.url + path, self.timeout) as resp:
                     if resp.status in (404, 405):
                         continue
                     if resp.status != 200:
@@ -372,7 +379,7 @@ class Scraper:
         if w.models_from_registration:
             return
         try:
-            async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:
+            async with self._get(w.url + "/v1/models", self.timeout) as resp:
                 if resp.status != 200:
                     return
                 data = json.loads(await read_capped(resp))

@@ -15,6 +15,9 @@ from aiohttp.test_utils import TestServer
 
 from router import stored_responses
 from router.stored_responses import ResponseOwners
+from scheduler.tls import PeerContext
+
+NO_TLS = PeerContext()  # the workers here serve http://
 
 STORED = "resp_stored"
 
@@ -54,7 +57,7 @@ async def cluster():
 async def test_concurrent_lookups_of_one_id_share_one_round_of_probes(cluster):
     workers, pairs, session = cluster
     owners = ResponseOwners()
-    found = await asyncio.gather(*(owners.locate(STORED, pairs, session, {}) for _ in range(20)))
+    found = await asyncio.gather(*(owners.locate(STORED, pairs, session, NO_TLS, {}) for _ in range(20)))
     assert {o.worker_id for o in found} == {"w1"} and found[0].tokens == 10
     # One GET per worker at most (the others' probes may be cut once the owner answered).
     assert all(w.gets[STORED] <= 1 for w in workers) and workers[1].gets[STORED] == 1
@@ -65,15 +68,16 @@ async def test_an_id_nobody_holds_is_not_asked_about_again_at_once(cluster, monk
     workers, pairs, session = cluster
     monkeypatch.setattr(stored_responses, "MISSING_TTL_S", 0.3)
     owners = ResponseOwners()
-    missing = await asyncio.gather(*(owners.locate("resp_nobody", pairs, session, {}) for _ in range(20)))
+    missing = await asyncio.gather(*(owners.locate("resp_nobody", pairs, session, NO_TLS, {})
+                                     for _ in range(20)))
     assert missing == [None] * 20
     assert [w.gets["resp_nobody"] for w in workers] == [1, 1, 1]
     for _ in range(5):  # a client polling it
-        assert await owners.locate("resp_nobody", pairs, session, {}) is None
+        assert await owners.locate("resp_nobody", pairs, session, NO_TLS, {}) is None
     assert [w.gets["resp_nobody"] for w in workers] == [1, 1, 1]
     # Once the time is up, it is asked about again.
     await asyncio.sleep(0.3)
-    assert await owners.locate("resp_nobody", pairs, session, {}) is None
+    assert await owners.locate("resp_nobody", pairs, session, NO_TLS, {}) is None
     assert [w.gets["resp_nobody"] for w in workers] == [2, 2, 2]
 
 
@@ -82,8 +86,8 @@ async def test_a_caller_that_goes_away_does_not_stop_the_others_lookup(cluster):
     for w in workers:
         w.delay_s = 0.3
     owners = ResponseOwners()
-    leaving = asyncio.ensure_future(owners.locate(STORED, pairs, session, {}))
-    staying = asyncio.ensure_future(owners.locate(STORED, pairs, session, {}))
+    leaving = asyncio.ensure_future(owners.locate(STORED, pairs, session, NO_TLS, {}))
+    staying = asyncio.ensure_future(owners.locate(STORED, pairs, session, NO_TLS, {}))
     await asyncio.sleep(0.05)
     leaving.cancel()
     owner = await staying

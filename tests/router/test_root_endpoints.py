@@ -217,7 +217,7 @@ async def test_scheduled_pick_is_round_robin_over_the_healthy_and_uncordoned():
 
     sched = _Sched([_view("a"), _view("trial", "half_open"), _view("b"), _view("off", cordoned=True),
                     _view("gone", "down"), {**_view("other"), "models": ["x"]}])
-    calls = TokenizerCalls(sched, None, None, lambda *_: None)  # type: ignore[arg-type]
+    calls = TokenizerCalls(sched, None, None, None, lambda *_: None)  # type: ignore[arg-type]
     firsts = [(await calls._pick("m", [])).worker_id for _ in range(4)]
     assert firsts == ["a", "b", "a", "b"]
     # Another after a failure, the one on trial last, then none: the model is served, so a 503.
@@ -238,11 +238,12 @@ async def test_unreachable_workers_are_reported_and_tried_up_to_three_then_502()
 
     from router.access_log import RequestRecord
     from router.tokenizer_calls import TokenizerCalls
+    from scheduler.tls import PeerContext
 
     sched = _Sched([_view(w) for w in ("a", "b", "c", "d")])  # nothing listens at their ports
     reported: list[tuple[str, str]] = []
     async with aiohttp.ClientSession() as session:
-        calls = TokenizerCalls(sched, session, aiohttp.ClientTimeout(total=5),
+        calls = TokenizerCalls(sched, session, PeerContext(), aiohttp.ClientTimeout(total=5),
                                lambda route, reason: reported.append((route.worker_id, reason)))
         rec = RequestRecord("id1", "POST", "/tokenize")
         rec.model = "m"

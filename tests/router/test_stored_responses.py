@@ -17,6 +17,7 @@ import pytest
 from openai.types.responses import ResponseErrorEvent
 
 from router.stored_responses import ResponseOwners
+from scheduler.tls import PeerContext
 from tests.router.procs import series_value, sim_stack, start_gateway
 
 INSTRUCTIONS = "be brief"
@@ -165,11 +166,11 @@ async def test_asking_the_workers_finds_the_owner_and_the_conversations_length(s
     owners = ResponseOwners()
     workers = [(url.removeprefix("http://"), url) for url in stack.workers]
     async with aiohttp.ClientSession() as session:
-        owner = await owners.locate(first["id"], workers, session, {})
+        owner = await owners.locate(first["id"], workers, session, PeerContext(), {})
         assert owner is not None and owner.worker_id == home
         assert owner.tokens == first["usage"]["input_tokens"] + first["usage"]["output_tokens"] > 0
         assert owners.get(first["id"]) == owner
-        assert await owners.locate("resp_nobody", workers, session, {}) is None
+        assert await owners.locate("resp_nobody", workers, session, PeerContext(), {}) is None
 
 
 LOOKUPS = 'router_stored_response_lookups_total{result="%s"}'

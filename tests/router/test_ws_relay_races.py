@@ -16,6 +16,7 @@ from router.scheduling import Route
 from router.ws_leases import WsTurn
 from router.ws_relay import WsRelay, turn_of
 from router.ws_sessions import WsSession, WsSessions
+from scheduler.tls import PeerContext
 
 CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
 DONE = json.dumps({"type": "done", "id": "x"})
@@ -70,6 +71,7 @@ class FakeUpstream:
 class FakeProxy:
     def __init__(self) -> None:
         self.cfg = SimpleNamespace(queue_timeout_ms=5000, retry_count=0, ws_heartbeat_s=30.0)
+        self.worker_tls = PeerContext()
         self.released: list[tuple[str, bool, int, int, str | None]] = []
         self.issued: list[str] = []
         self.acquire_gate: asyncio.Event | None = None

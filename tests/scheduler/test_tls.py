@@ -15,14 +15,16 @@ from router.config import load_router_config
 from scheduler import tls as scheduler_tls
 from scheduler.config import load_scheduler_config
 from scheduler.settings_loader import format_validation_error
-from tests.tls_certs import Pki, make_pki
+from tests.tls_certs import Pki, client_cert, make_pki
 
 TWINS = [scheduler_tls, worker_tls]
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    client_cert(pki, "client-rsa", rsa=True)
+    return pki
 
 
 @pytest.mark.parametrize("tls", TWINS)
@@ -49,6 +51,8 @@ def test_files_that_cannot_be_used_are_one_line(tls, pki, tmp_path):
         ((str(tmp_path / "nope.pem"), str(pki.server_key)), "No such file or directory"),
         ((str(pki.server_cert), str(tmp_path / "nope.key")), "No such file or directory"),
         ((str(pki.server_cert), str(pki.client_key)), "the key does not match the certificate"),
+        ((str(pki.ca.parent / "client-rsa.pem"), str(pki.client_key)),  # an ECDSA key, an RSA one's
+         "the key does not match the certificate"),
         ((str(pki.server_cert), None), "not a PEM certificate followed by its private key"),
         ((str(pki.server_key), str(pki.server_key)), "not a PEM certificate or key"),
         ((str(pki.server_cert), str(encrypted)), "the key is encrypted"),

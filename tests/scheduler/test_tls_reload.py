@@ -1,15 +1,18 @@
 """TLS hot reload (scheduler/tls_reload.py and its worker twin, inference_worker/server/tls_reload.py).
 
 In process, for both twins: an HTTPS server on 127.0.0.1 whose files are replaced (renamed over)
-and checked; each handshake is a real one from a thread, reading the certificate served, and
-the certificate a client context presents. Then a real scheduler process serving mutual TLS
-from a Kubernetes Secret volume that is swapped: new connections get the new certificate and
-client CAs, an open keep-alive connection goes on, a mismatched pair keeps what is in force."""
+and checked; each handshake is a real one from a thread, reading the certificate served; and a
+context peers are called with, built afresh on each reload: a CA taken out of its bundle no
+longer vouches for a peer, and only the client certificate in force is sent. Then a real
+scheduler process serving mutual TLS from a Kubernetes Secret volume that is swapped: new
+connections get the new certificate and client CAs, an open keep-alive connection goes on, a
+mismatched pair keeps what is in force."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import http.client
 import logging
 import os
@@ -18,10 +21,11 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
@@ -39,7 +43,7 @@ from scheduler import receive_timeout as scheduler_receive_timeout
 from scheduler import tls as scheduler_tls
 from scheduler import tls_reload as scheduler_tls_reload
 from tests.router.procs import Proc, free_port
-from tests.tls_certs import Pki, der, make_pki, not_after, replace, server_cert
+from tests.tls_certs import Pki, client_cert, der, make_pki, not_after, replace, server_cert
 
 TWINS = [(scheduler_tls, scheduler_tls_reload), (worker_tls, worker_tls_reload)]
 POLL_S = 0.2
@@ -51,6 +55,7 @@ def pki(tmp_path_factory) -> Pki:
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     server_cert(pki, "server-b")
     server_cert(pki, "server-c", other_ca=True)
+    client_cert(pki, "client-rsa", rsa=True)
     return pki
 
 
@@ -88,7 +93,8 @@ def test_the_worker_twins_are_the_schedulers():
 
 
 class Server:
-    """An HTTPS server in this loop whose handler answers with the client certificate's CN."""
+    """An HTTPS server in this loop whose handler answers with the client certificate's CN; any
+    other path is answered `{}` (a caller's call that went through) on a connection then closed."""
 
     def __init__(self, ctx: ssl.SSLContext) -> None:
         self.ctx = ctx
@@ -98,8 +104,14 @@ class Server:
             cert = request.transport.get_extra_info("peercert") or {}
             return web.Response(text=dict(x[0] for x in cert.get("subject", ())).get("commonName", "-"))
 
+        async def through(_request: web.Request) -> web.Response:
+            answer = web.json_response({})
+            answer.force_close()  # the next call is a new connection
+            return answer
+
         app = web.Application()
         app.router.add_get("/", who)
+        app.router.add_route("*", "/{tail:.+}", through)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.ctx)
@@ -206,63 +218,150 @@ async def test_a_renewed_served_certificate_is_served_to_new_connections(tls, re
 
 
 @pytest.mark.parametrize(("tls", "reload"), TWINS)
-async def test_a_client_context_takes_a_renewed_client_certificate_and_ca_bundle_in_place(
-        tls, reload, pki, tmp_path, caplog):
-    # The peer: a server certificate from the CA, client certificates from either CA.
+async def test_a_reloaded_client_context_is_a_fresh_one_that_new_connections_use(tls, reload, pki, tmp_path,
+                                                                               caplog):
+    """Two peers, one with a certificate from the CA, one from the other CA, asking for client
+    certificates from either; the context they are called with trusts both, then only the other
+    CA: the first is refused from then on. Its client certificate, RSA, replaced by an ECDSA one
+    and back: the peers see only the one in force (OpenSSL's TLS 1.3 client prefers an ECDSA
+    certificate, so one loaded into the same context would still be sent)."""
     both = tmp_path / "both.pem"
     both.write_text(pki.ca.read_text() + pki.other_ca.read_text())
-    peer = tls.server_context(str(pki.server_cert), str(pki.server_key), str(both))
+    c_cert, c_key = files(pki, "server-c")  # from the other CA
+    rsa_cert, rsa_key = files(pki, "client-rsa")
     cert, key, cas = tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "peers-ca.pem"
-    replace(pki.client_cert, cert)
-    replace(pki.client_key, key)
-    replace(pki.other_ca, cas)  # not the peer's CA yet
+    replace(rsa_cert, cert)
+    replace(rsa_key, key)
+    replace(both, cas)
     cfg = SimpleNamespace(ssl_certfile=None, ssl_client_certfile=str(cert), ssl_client_keyfile=str(key))
-    ctx = tls.client_context(str(cas), str(cert), str(key), ca_option="--peer-ca-file")
-    reloader = reload.tls_reloader(cfg, None, [("peers", ctx, str(cas), "--peer-ca-file")])
+    peer = tls.PeerContext(tls.client_context(str(cas), str(cert), str(key), ca_option="--peer-ca-file"))
+    reloader = reload.tls_reloader(cfg, None, [("peers", peer, str(cas), "--peer-ca-file")])
     caplog.set_level(logging.INFO, "tls")
 
     async def who(port: int) -> str:
-        import aiohttp
-
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, force_close=True)) as s, \
-                s.get(f"https://127.0.0.1:{port}/") as r:
+        """The client certificate's CN that the peer saw, on a new connection."""
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                s.get(f"https://127.0.0.1:{port}/", ssl=peer.request_ssl) as r:
             return await r.text()
 
-    async with Server(peer) as server:
+    async with Server(tls.server_context(str(pki.server_cert), str(pki.server_key), str(both))) as from_ca, \
+            Server(tls.server_context(str(c_cert), str(c_key), str(both))) as from_other:
         await reloader.start()
         assert "TLS context for calling peers in use (start)" in caplog.text
-        import aiohttp
+        assert await who(from_ca.port) == await who(from_other.port) == "client-rsa"
+        first = peer.current
 
-        with pytest.raises(aiohttp.ClientConnectorCertificateError):
-            await who(server.port)
-        # The peer's CA added to the bundle, and another client certificate.
-        replace(pki.ca, cas)
-        replace(pki.other_key, key)
-        replace(pki.other_cert, cert)
+        # The CA taken out of the bundle: its peer refused, the other's still called.
+        replace(pki.other_ca, cas)
         await reloader.check(force=False, why="file changed")
-        assert await who(server.port) == "other"
         assert "TLS context for calling peers reloaded (file changed)" in caplog.text
-        assert "subject CN=other," in caplog.text
-        # A key that does not match: the context keeps the certificate it has, and works.
+        assert peer.current is not first  # a new context, the old one untouched
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await who(from_ca.port)
+        assert await who(from_other.port) == "client-rsa"
+
+        # RSA, then ECDSA, then RSA again: each time only the one in force is sent.
+        replace(pki.client_key, key)
+        replace(pki.client_cert, cert)
+        await reloader.check(force=False, why="file changed")
+        assert await who(from_other.port) == "client"
+        assert "subject CN=client," in caplog.text
+        replace(rsa_key, key)
+        replace(rsa_cert, cert)
+        await reloader.check(force=False, why="file changed")
+        assert await who(from_other.port) == "client-rsa"
+        assert reloader.counts == {"reloaded": 3, "unchanged": 0, "failed": 0}
+
+        # A key that does not match: the context in force is kept, and works.
+        in_force = peer.current
         replace(pki.client_key, key)
         await reloader.check(force=False, why="file changed")
-        assert await who(server.port) == "other"
+        assert peer.current is in_force and await who(from_other.port) == "client-rsa"
         [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert f"cannot use --ssl-client-certfile {cert} / --ssl-client-keyfile {key}: the key does not " \
                "match the certificate" in error, error
         # Whole again, and the bundle missing: one ERROR naming its option, nothing changed.
-        replace(pki.client_cert, cert)
+        replace(rsa_key, key)
         cas.unlink()
         await reloader.check(force=False, why="file changed")
-        assert await who(server.port) == "other"
+        assert peer.current is in_force and await who(from_other.port) == "client-rsa"
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert f"cannot use --peer-ca-file {cas}: No such file or directory" in errors[-1]
-        replace(pki.ca, cas)
+        # Both CAs again: the first peer is called again.
+        replace(both, cas)
         await reloader.check(force=False, why="file changed")
-        assert await who(server.port) == "client"
+        assert await who(from_ca.port) == "client-rsa"
     expiry = {tuple(s.labels.items()): s.value for m in reloader.collector("x").collect() for s in m.samples
               if s.name == "x_tls_certificate_expiry_seconds"}
-    assert expiry == {(("certificate", "client"),): not_after(pki.client_cert)}
+    assert expiry == {(("certificate", "client"),): not_after(rsa_cert)}
+
+
+Call = Callable[[], Awaitable[bool]]  # one call; whether it went through
+
+
+@contextlib.asynccontextmanager
+async def _gateways_scheduler_client(url: str, peer: scheduler_tls.PeerContext) -> AsyncIterator[Call]:
+    from scheduler.client import SchedulerClient
+
+    async with SchedulerClient(url, tls=peer) as client:
+        async def call() -> bool:
+            return await client.routable() is not None
+
+        yield call
+
+
+@contextlib.asynccontextmanager
+async def _gateways_scheduler_pipe(url: str, peer: scheduler_tls.PeerContext) -> AsyncIterator[Call]:
+    from router.sched_pipe import SchedulerPipe
+    from scheduler.client import SchedulerUnavailableError
+
+    pipe = SchedulerPipe(url, channel="http", tls=peer)
+
+    async def call() -> bool:
+        try:
+            return await pipe.schedule_raw({"model": "m"}) == (200, {})
+        except SchedulerUnavailableError:
+            return False
+
+    try:
+        yield call
+    finally:
+        pipe.close()
+
+
+@contextlib.asynccontextmanager
+async def _workers_registrar(url: str, peer: worker_tls.PeerContext) -> AsyncIterator[Call]:
+    from inference_worker.config import WorkerConfig
+    from inference_worker.registration import Registrar
+
+    registrar = Registrar(WorkerConfig(register_with=url), heartbeat_s=3600.0, tls=peer)
+    await registrar.start()  # registers once in the background, then waits an hour
+
+    async def call() -> bool:
+        return await registrar._register_once() is not None
+
+    try:
+        yield call
+    finally:
+        await registrar.stop()
+
+
+@pytest.mark.parametrize(("caller", "tls"), [(_gateways_scheduler_client, scheduler_tls),
+                                             (_gateways_scheduler_pipe, scheduler_tls),
+                                             (_workers_registrar, worker_tls)])
+async def test_each_caller_opens_its_connections_with_the_context_in_force(caller, tls, pki):
+    """The gateway's scheduler client and pipelined channel, and a worker's registrar, read their
+    PeerContext for each connection they open (the scrape's and the gateway's calls to workers:
+    tests/router/test_tls_reload.py); the scheduler here is a stand-in that closes each
+    connection after one answer."""
+    peer = tls.PeerContext(tls.client_context(str(pki.ca)))
+    async with Server(tls.server_context(str(pki.server_cert), str(pki.server_key))) as stand_in, \
+            caller(f"https://127.0.0.1:{stand_in.port}", peer) as call:
+        assert await call()
+        peer.current = tls.client_context(str(pki.other_ca))  # as a reload does
+        assert not await call()
+        peer.current = tls.client_context(str(pki.ca))
+        assert await call()
 
 
 # ---------------------------------------------------------------- a real scheduler process
