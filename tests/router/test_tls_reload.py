@@ -2,8 +2,10 @@
 serving HTTPS takes a certificate renamed over its files within --ssl-reload-s while a keep-alive
 connection and a stream opened before go on, keeps its certificate (and says so in an ERROR)
 when the new key does not match, and on SIGHUP reloads its certificate and its API keys at once;
-its client certificate and the CA bundle it checks workers with are reloaded in place; a worker
-reloads its served certificate on SIGHUP. (The scheduler's part: tests/scheduler/test_tls_reload.py.)"""
+its client certificate and the CA bundle it checks workers with are reloaded, and a CA taken out
+of that bundle (the gateway's, the scheduler's for its scrapes) no longer vouches for a worker on
+new connections; a worker reloads its served certificate on SIGHUP. (The scheduler's part:
+tests/scheduler/test_tls_reload.py.)"""
 
 from __future__ import annotations
 
@@ -34,11 +36,17 @@ BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
 def pki(tmp_path_factory) -> Pki:
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     server_cert(pki, "server-b")
+    server_cert(pki, "server-c", other_ca=True)
     return pki
 
 
 def b_files(pki: Pki) -> tuple[Path, Path]:
     return pki.ca.parent / "server-b.pem", pki.ca.parent / "server-b.key"
+
+
+def c_files(pki: Pki) -> tuple[Path, Path]:
+    """A server certificate from the other CA."""
+    return pki.ca.parent / "server-c.pem", pki.ca.parent / "server-c.key"
 
 
 
@@ -118,6 +126,24 @@ def https_gateway(procs: list[Proc], pki: Pki, live: Path, *extra: str) -> tuple
     return p, port
 
 
+def https_worker(procs: list[Proc], pki: Pki, live: Path, client: tuple[Path, Path] | None = None,
+                 *extra: str) -> tuple[Proc, int]:
+    """A sim worker serving the CA's certificate from files in `live`, reloaded on SIGHUP only;
+    `client`: the client certificate its readiness check shows (with `extra`'s --ssl-ca-certs)."""
+    live.mkdir()
+    replace(pki.server_cert, live / "tls.crt")
+    replace(pki.server_key, live / "tls.key")
+    port = free_port()
+    p = start(procs, ["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
+                      "--served-model-name", "m", "--port", str(port), "--ssl-reload-s", "0",
+                      "--ssl-certfile", str(live / "tls.crt"), "--ssl-keyfile", str(live / "tls.key"),
+                      *extra],
+              lambda: httpx.get(f"https://127.0.0.1:{port}/health", timeout=2,
+                                verify=trusting(pki, client)).status_code == 200,
+              f"sim-tls-reload-{port}")
+    return p, port
+
+
 def test_a_renewed_certificate_is_served_to_new_connections_and_open_ones_go_on(echo, procs, pki, tmp_path):
     proc, port = https_gateway(procs, pki, tmp_path, "--workers", echo, "--ssl-reload-s", str(POLL_S))
     url = f"https://127.0.0.1:{port}"
@@ -192,24 +218,14 @@ def test_sighup_reloads_the_certificate_and_the_api_keys_together(echo, procs, p
     assert "TLS served certificate reloaded (SIGHUP)" in proc.output()
 
 
-def test_client_certificate_and_worker_ca_bundle_reloaded_in_place_and_a_worker_on_sighup(
+def test_client_certificate_and_worker_ca_bundle_reloaded_and_a_worker_on_sighup(
         procs, pki, tmp_path):
     """A worker asking for client certificates from the other CA only; a gateway that shows it
     one from the CA, and checks it against the other CA's bundle: refused both ways, until the
     gateway's files are renewed. The worker, polling off, reloads its own certificate on SIGHUP."""
     worker_live = tmp_path / "worker"
-    worker_live.mkdir()
-    replace(pki.server_cert, worker_live / "tls.crt")
-    replace(pki.server_key, worker_live / "tls.key")
-    wport = free_port()
     theirs = (pki.other_cert, pki.other_key)
-    worker = start(procs, ["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
-                           "--served-model-name", "m", "--port", str(wport), "--ssl-reload-s", "0",
-                           "--ssl-certfile", str(worker_live / "tls.crt"), "--ssl-keyfile",
-                           str(worker_live / "tls.key"), "--ssl-ca-certs", str(pki.other_ca)],
-                   lambda: httpx.get(f"https://127.0.0.1:{wport}/health", timeout=2,
-                                     verify=trusting(pki, theirs)).status_code == 200,
-                   f"sim-tls-reload-{wport}")
+    worker, wport = https_worker(procs, pki, worker_live, theirs, "--ssl-ca-certs", str(pki.other_ca))
     gw_live = tmp_path / "gateway"
     gw_live.mkdir()
     replace(pki.other_ca, gw_live / "workers-ca.pem")
@@ -253,3 +269,56 @@ def test_client_certificate_and_worker_ca_bundle_reloaded_in_place_and_a_worker_
     assert status() == 200  # through the gateway, to the renewed worker
     for p in (worker, gateway):
         assert "Traceback" not in p.output() and "PRIVATE" not in p.output(), p.output()[-3000:]
+
+
+def test_a_ca_taken_out_of_the_workers_bundle_no_longer_vouches_for_new_connections(procs, pki, tmp_path):
+    """A worker with a certificate from the CA, scraped by a scheduler and called by a gateway
+    that each trust the CA and the other CA. Their bundles renewed with the other CA only (the
+    CA retired, or compromised): new connections to the worker are refused, the scheduler reports
+    it down and the gateway's calls fail. The worker's certificate renewed from the other CA
+    (SIGHUP): both call it again."""
+    both = tmp_path / "both.pem"
+    both.write_text(pki.ca.read_text() + pki.other_ca.read_text())
+    worker, wport = https_worker(procs, pki, tmp_path / "worker")
+    worker_url = f"https://127.0.0.1:{wport}"
+    bundles = {"scheduler": tmp_path / "scheduler-ca.pem", "gateway": tmp_path / "gateway-ca.pem"}
+    for bundle in bundles.values():
+        replace(both, bundle)
+    sport, gport = free_port(), free_port()
+
+    def scheduler_says_up() -> bool:
+        [view] = httpx.get(f"http://127.0.0.1:{sport}/v1/workers", timeout=10).json()["workers"]
+        return view["healthy"]
+
+    def gateway_statuses() -> tuple[int, int]:
+        """A whole answer's status and a stream's (another path in the gateway)."""
+        url = f"http://127.0.0.1:{gport}/v1/completions"
+        return (httpx.post(url, json=BODY, timeout=30).status_code,
+                httpx.post(url, json={**BODY, "stream": True}, timeout=30).status_code)
+
+    scheduler = start(procs, ["-m", "scheduler", "--port", str(sport), "--workers", worker_url,
+                              "--worker-ca-file", str(bundles["scheduler"]), "--scrape-interval-ms", "100",
+                              "--ssl-reload-s", str(POLL_S)],
+                      scheduler_says_up, f"scheduler-tls-reload-{sport}")
+    gateway = start(procs, ["-m", "router", "--port", str(gport), "--workers", worker_url,
+                            "--worker-ca-file", str(bundles["gateway"]), "--ssl-reload-s", str(POLL_S),
+                            "--fallback-cooldown-ms", "10"],
+                    lambda: gateway_statuses() == (200, 200), f"gateway-tls-reload-{gport}")
+
+    for bundle in bundles.values():
+        replace(pki.other_ca, bundle)
+    until(lambda: not scheduler_says_up())
+    assert "TLS: certificate not accepted" in scheduler.output()
+    until(lambda: min(gateway_statuses()) >= 500)
+    for p in (scheduler, gateway):
+        assert "TLS context for calling workers reloaded (file changed)" in p.output()
+
+    c_cert, c_key = c_files(pki)
+    replace(c_key, tmp_path / "worker" / "tls.key")
+    replace(c_cert, tmp_path / "worker" / "tls.crt")
+    os.kill(worker.pid, signal.SIGHUP)
+    until(lambda: served(wport) == der(c_cert))
+    until(scheduler_says_up)
+    until(lambda: gateway_statuses() == (200, 200))
+    for p in (worker, scheduler, gateway):
+        assert "Traceback" not in p.output(), p.output()[-3000:]
