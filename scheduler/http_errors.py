@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
@@ -42,7 +42,7 @@ from scheduler.connection_limit import (
     CappedRequestHandler,
     ConnectionCap,
 )
-from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S
+from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, require_aiohttp_handler
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
@@ -56,6 +56,11 @@ class OpenAIErrorRequestHandler(CappedRequestHandler):
     __slots__ = ("_openai_answer", "_openai_log")
 
     # ---- the OpenAI error shape -------------------------------------------------------------
+
+    # aiohttp's, beyond the cap's and the head timer's: the two methods overridden below, so
+    # that an aiohttp without them is refused at start-up (require_aiohttp_handler).
+    AIOHTTP_METHODS: ClassVar[tuple[str, ...]] = (
+        *CappedRequestHandler.AIOHTTP_METHODS, "handle_error", "log_exception")
 
     def handle_error(
         self,
@@ -125,6 +130,8 @@ class OpenAIErrorAppRunner(web.AppRunner):
                  receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
                  keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S, max_connections: int = 0,
                  **kwargs: Any) -> None:
+        # Whoever serves through these handlers: one error now, not one per connection.
+        require_aiohttp_handler(OpenAIErrorRequestHandler)
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._openai_answer = answer
         self._openai_log = log

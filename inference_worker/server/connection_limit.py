@@ -21,6 +21,8 @@ for the whole receive timeout; and at most MAX_REFUSING refused connections are 
 once (each may hold its descriptor a few seconds more, while aiohttp reads the rest of a body
 before it closes): past them a new one is dropped unanswered (a reset), so refusals cannot
 take the descriptors the cap keeps. A WARNING says so at most once per REFUSED_LOG_INTERVAL_S.
+The cap is set on aiohttp's private RequestHandler attributes: connection_budget, first at
+start-up, refuses an aiohttp that lacks them (receive_timeout.require_aiohttp_handler).
 
 A twin of scheduler/connection_limit.py, the same code (a test keeps them alike): the worker
 imports nothing of the other parts.
@@ -33,12 +35,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from inference_worker.server.receive_timeout import HeadTimedRequestHandler
+from inference_worker.server.receive_timeout import HeadTimedRequestHandler, require_aiohttp_handler
 
 try:
     import resource
@@ -129,7 +132,9 @@ class ConnectionBudget:
 
 def connection_budget(configured: int | None, fds_per_connection: int) -> ConnectionBudget:
     """At start-up, before files and connections are opened: the open-file limit raised, and
-    the cap it gives unless one is `configured`."""
+    the cap it gives unless one is `configured`. First, SystemExit on an aiohttp whose handler
+    cannot carry the cap and the head timer, before the service loads or opens anything."""
+    require_aiohttp_handler(CappedRequestHandler)
     before, limit = raise_fd_limit()
     cap = configured if configured is not None else default_max_connections(limit, fds_per_connection)
     return ConnectionBudget(before, limit, cap, configured is not None)
@@ -213,6 +218,9 @@ class CappedRequestHandler(HeadTimedRequestHandler):
     __slots__ = ("_cap", "_cap_answer", "_counted", "_refusing")
     _cap: ConnectionCap
     _cap_answer: Callable[[], web.StreamResponse]
+    # aiohttp's handler of the requests: set to _refuse beyond the cap (checked at start-up).
+    AIOHTTP_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        *HeadTimedRequestHandler.AIOHTTP_ATTRIBUTES, "_request_handler")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._counted = self._cap.admit()

@@ -17,7 +17,7 @@ are served at once, one more answered 503 (connection_limit.py, a twin too).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
@@ -33,7 +33,7 @@ from inference_worker.server.connection_limit import (
     ConnectionCap,
 )
 from inference_worker.server.errors import error_body
-from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S
+from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, require_aiohttp_handler
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -45,6 +45,11 @@ class OpenAIErrorRequestHandler(CappedRequestHandler):
     __slots__ = ()
 
     # ---- the OpenAI error shape -------------------------------------------------------------
+    # aiohttp's, beyond the cap's and the head timer's: the two methods overridden below, so
+    # that an aiohttp without them is refused at start-up (require_aiohttp_handler).
+    AIOHTTP_METHODS: ClassVar[tuple[str, ...]] = (
+        *CappedRequestHandler.AIOHTTP_METHODS, "handle_error", "log_exception")
+
     def handle_error(
         self,
         request: BaseRequest,
@@ -113,6 +118,8 @@ class OpenAIErrorAppRunner(web.AppRunner):
     def __init__(self, app: web.Application, *, receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
                  keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S, max_connections: int = 0,
                  **kwargs: Any) -> None:
+        # Whoever serves through these handlers: one error now, not one per connection.
+        require_aiohttp_handler(OpenAIErrorRequestHandler)
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._receive_timeout_s = receive_timeout_s
         self.connections = ConnectionCap(max_connections, logger)

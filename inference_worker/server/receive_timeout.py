@@ -26,6 +26,11 @@ as the connection stayed open. Here:
     and a chunked body is judged alike.
 An answer (a stream) is never timed.
 
+HeadTimedRequestHandler reads aiohttp's private RequestHandler attributes, which aiohttp renames
+between minor releases (3.14.0 renamed `_upgrade` to `_upgraded`): each service checks them at
+start-up (require_aiohttp_handler) and refuses to start on an aiohttp that lacks one, rather
+than fail on every connection.
+
 The scheduler (and the gateway, through scheduler/http_errors.py) and the worker each have this
 file, the same code (a test keeps them alike): the worker imports nothing of the other parts.
 """
@@ -34,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import ClassVar
 
+import aiohttp
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
@@ -48,6 +55,10 @@ DEFAULT_RECEIVE_TIMEOUT_S = 60.0
 # (8 MiB) may then take 60 s + ~17 min. A client sending r below it is cut after about
 # timeout_s * MIN_BODY_RATE / (MIN_BODY_RATE - r).
 MIN_BODY_RATE = 8 * 1024  # bytes per second
+# The aiohttp releases whose RequestHandler the handlers here and in connection_limit.py were
+# tested against: pyproject.toml's requirement, the same text (a test keeps them equal), named in
+# the start-up error on any other aiohttp that lacks what they use.
+SUPPORTED_AIOHTTP = ">=3.14.4,<3.15"
 
 
 def receive_timeout_help(not_timed: str) -> str:
@@ -115,6 +126,44 @@ async def read_body_within(request: web.Request, timeout_s: float, log: logging.
         last = loop.time()
 
 
+def aiohttp_mismatch(handler: type[HeadTimedRequestHandler], base: type | None = None) -> list[str]:
+    """What `handler` uses of aiohttp's RequestHandler (`base`: it, unless a test gives a
+    stand-in) that it lacks, [] if nothing: an attribute of its AIOHTTP_ATTRIBUTES that none of
+    its classes has (aiohttp's are in __slots__, which make class attributes), a method of its
+    AIOHTTP_METHODS that aiohttp does not define (an override whose super() would reach only
+    asyncio.Protocol's no-op, or a call that would fail), written `name()`."""
+    base = RequestHandler if base is None else base
+    missing = [name for name in handler.AIOHTTP_ATTRIBUTES if not hasattr(base, name)]
+    missing += [f"{name}()" for name in handler.AIOHTTP_METHODS if not _defined_past_asyncio(base, name)]
+    return missing
+
+
+def _defined_past_asyncio(base: type, name: str) -> bool:
+    """`name` is defined by one of `base`'s classes, not only by asyncio's Protocol or object."""
+    return any(name in cls.__dict__ for cls in base.__mro__
+               if cls.__module__.split(".")[0] not in ("asyncio", "builtins"))
+
+
+def require_aiohttp_handler(handler: type[HeadTimedRequestHandler]) -> None:
+    """At start-up, before a connection is served: SystemExit with one line naming the aiohttp
+    installed and what it lacks, unless it has all `handler` uses (aiohttp_mismatch).
+
+    Refused, not served without the head timer and the connection cap (aiohttp's plain handler):
+    these are the service's defence against slow and idle clients holding its connections and
+    file descriptors, which an operator would not want dropped behind a log line and a gauge.
+    A mismatch can only come from an aiohttp installed outside SUPPORTED_AIOHTTP; a rollout
+    then stops at its first new process (the old ones still serving), whose error says what to
+    install. Served on, every connection would fail (AttributeError), or the cap be set where
+    aiohttp no longer reads it."""
+    missing = aiohttp_mismatch(handler)
+    if missing:
+        raise SystemExit(
+            f"error: aiohttp {aiohttp.__version__} is not one this service runs on: its "
+            f"RequestHandler lacks {', '.join(missing)}, which the request-head timeout "
+            f"(--request-receive-timeout-ms) and the connection cap (--max-connections) use; "
+            f"install a supported release: pip install 'aiohttp{SUPPORTED_AIOHTTP}'")
+
+
 class HeadTimedRequestHandler(RequestHandler):
     """A connection's handler that closes the connection when a request head is not in within
     `_head_timeout_s`, logging to `_head_log` (both set by the server that makes it)."""
@@ -122,6 +171,14 @@ class HeadTimedRequestHandler(RequestHandler):
     __slots__ = ("_head_bytes", "_head_log", "_head_timeout_s", "_head_timer", "_last_body")
     _head_log: logging.Logger
     _head_timeout_s: float
+    # What this class uses of aiohttp's RequestHandler beyond its public API, checked at
+    # start-up (require_aiohttp_handler); a test keeps these lists whole. Its attributes:
+    AIOHTTP_ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "_close", "_force_close", "_loop", "_messages", "_request_count", "_upgraded", "_waiter",
+        "transport")
+    # and the methods it overrides or calls:
+    AIOHTTP_METHODS: ClassVar[tuple[str, ...]] = (
+        "connection_lost", "connection_made", "data_received", "force_close")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._head_timer: asyncio.TimerHandle | None = None

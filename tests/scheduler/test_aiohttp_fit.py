@@ -1,0 +1,167 @@
+"""The request handlers against the aiohttp installed: HeadTimedRequestHandler
+(scheduler/receive_timeout.py), CappedRequestHandler (scheduler/connection_limit.py), their
+worker twins and the services' OpenAIErrorRequestHandler use aiohttp's private RequestHandler
+attributes. Their lists of them are whole, the installed aiohttp has them all, and one that
+lacks one (a stand-in: the installed handler less a name, as aiohttp 3.13 lacks `_upgraded`) is
+refused at start-up, each service exiting with one line that names the aiohttp and the name,
+not failing per connection."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import logging
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from inference_worker.server import connection_limit as worker_connection_limit
+from inference_worker.server import http_errors as worker_http_errors
+from inference_worker.server import receive_timeout as worker_receive_timeout
+from scheduler import connection_limit as scheduler_connection_limit
+from scheduler import http_errors as scheduler_http_errors
+from scheduler import receive_timeout as scheduler_receive_timeout
+from scheduler.app import connection_error
+from tests.router.procs import REPO, free_port
+
+# (receive_timeout, connection_limit, http_errors) of each twin
+TWINS = [(scheduler_receive_timeout, scheduler_connection_limit, scheduler_http_errors),
+         (worker_receive_timeout, worker_connection_limit, worker_http_errors)]
+twins = pytest.mark.parametrize(("timeout_mod", "limit_mod", "errors_mod"), TWINS,
+                                ids=["scheduler", "worker"])
+HANDLERS = [cls for mods in TWINS for cls in (mods[0].HeadTimedRequestHandler, mods[1].CappedRequestHandler,
+                                               mods[2].OpenAIErrorRequestHandler)]
+handlers = pytest.mark.parametrize("handler", HANDLERS, ids=lambda c: f"{c.__module__}.{c.__name__}")
+
+
+def handler_without(*gone: str) -> type:
+    """A stand-in for aiohttp's RequestHandler: the installed one's attributes and methods but
+    `gone` (those only asyncio.Protocol also defines then fall back to its no-ops)."""
+    namespace = {name: getattr(RequestHandler, name) for name in dir(RequestHandler)
+                 if not name.startswith("__") and name not in gone}
+    return type("RequestHandler", (asyncio.Protocol,), namespace)
+
+
+def _self_names(cls: type) -> set[str]:
+    """The names `cls`'s own code reads or writes on `self`, or calls on `super()`."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call)
+              and isinstance(node.value.func, ast.Name) and node.value.func.id == "super"):
+            names.add(node.attr)
+    return names
+
+
+def _project_names(cls: type) -> set[str]:
+    """What this project's classes of `cls` define: their slots, methods and class attributes."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("scheduler", "inference_worker"):
+            names.update(klass.__dict__, inspect.get_annotations(klass))
+    return names
+
+
+@handlers
+def test_each_handler_lists_all_it_uses_of_aiohttp(handler):
+    """Whatever a handler's code uses on self that is not the project's own is in its lists
+    (the start-up check reads only those): a name added to the code must be added there."""
+    listed = set(handler.AIOHTTP_ATTRIBUTES) | set(handler.AIOHTTP_METHODS)
+    for cls in handler.__mro__:
+        if cls.__module__.split(".")[0] not in ("scheduler", "inference_worker"):
+            continue
+        used = _self_names(cls) - _project_names(cls) | {
+            name for name, value in cls.__dict__.items()
+            if inspect.isfunction(value) and hasattr(RequestHandler, name)}  # overrides
+        assert used <= listed, f"{cls.__name__} uses {sorted(used - listed)} of aiohttp, not listed"
+
+
+@handlers
+def test_the_installed_aiohttp_has_all_the_handlers_use(handler):
+    assert scheduler_receive_timeout.aiohttp_mismatch(handler) == []
+    scheduler_receive_timeout.require_aiohttp_handler(handler)  # no SystemExit
+
+
+def test_the_supported_range_is_pyprojects_and_holds_the_installed_aiohttp():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    spec = scheduler_receive_timeout.SUPPORTED_AIOHTTP
+    assert f"aiohttp{spec}" in project["dependencies"]
+    assert worker_receive_timeout.SUPPORTED_AIOHTTP == spec
+    version = tuple(int(n) for n in aiohttp.__version__.split(".")[:3])
+    (low, high) = (tuple(int(n) for n in part.lstrip("<>=").split(".")) for part in spec.split(","))
+    assert low <= version < high, (aiohttp.__version__, spec)
+
+
+@twins
+def test_a_handler_lacking_a_name_is_named(timeout_mod, limit_mod, errors_mod):
+    capped = limit_mod.CappedRequestHandler
+    assert timeout_mod.aiohttp_mismatch(capped, handler_without("_upgraded")) == ["_upgraded"]
+    assert timeout_mod.aiohttp_mismatch(capped, handler_without("_request_handler", "data_received")) == [
+        "_request_handler", "data_received()"]
+    assert timeout_mod.aiohttp_mismatch(
+        errors_mod.OpenAIErrorRequestHandler, handler_without("log_exception")) == ["log_exception()"]
+    # What the head timer alone uses: not the cap's.
+    assert timeout_mod.aiohttp_mismatch(timeout_mod.HeadTimedRequestHandler,
+                                        handler_without("_request_handler")) == []
+
+
+def _runner(errors_mod) -> web.AppRunner:
+    if errors_mod is scheduler_http_errors:
+        return errors_mod.OpenAIErrorAppRunner(web.Application(), answer=connection_error,
+                                               log=logging.getLogger("test.aiohttp_fit"))
+    return errors_mod.OpenAIErrorAppRunner(web.Application())
+
+
+def _assert_the_one_line(message: str, *names: str) -> None:
+    assert message.startswith(f"error: aiohttp {aiohttp.__version__} is not one this service runs on: ")
+    assert "\n" not in message, message
+    for name in names:
+        assert name in message, message
+    assert f"pip install 'aiohttp{scheduler_receive_timeout.SUPPORTED_AIOHTTP}'" in message
+
+
+@twins
+def test_on_an_aiohttp_lacking_a_name_start_up_and_the_runner_are_refused(
+        timeout_mod, limit_mod, errors_mod, monkeypatch):
+    monkeypatch.setattr(timeout_mod, "RequestHandler", handler_without("_upgraded", "_request_handler"))
+    with pytest.raises(SystemExit) as budget:  # first at start-up, before anything loads
+        limit_mod.connection_budget(None, 1)
+    _assert_the_one_line(str(budget.value), "_upgraded, _request_handler")
+    with pytest.raises(SystemExit) as runner:  # and for whoever builds a runner
+        _runner(errors_mod)
+    _assert_the_one_line(str(runner.value), "_upgraded, _request_handler")
+
+
+SERVICES = {
+    "gateway": ("scheduler.receive_timeout", "router.__main__", ["--workers", "http://127.0.0.1:9"]),
+    "scheduler": ("scheduler.receive_timeout", "scheduler.__main__", ["--workers", "http://127.0.0.1:9"]),
+    "worker": ("inference_worker.server.receive_timeout", "inference_worker.__main__",
+               ["--backend", "sim", "--sim-profile", "tiny", "--served-model-name", "m"]),
+}
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_a_service_on_an_aiohttp_lacking_a_name_exits_with_one_line(service):
+    """The real start-up, in a child whose check reads the stand-in: exit 1 and the one line,
+    no traceback, nothing served."""
+    check_mod, main_mod, argv = SERVICES[service]
+    code = textwrap.dedent(f"""\
+        import {check_mod} as check
+        from tests.scheduler.test_aiohttp_fit import handler_without
+        check.RequestHandler = handler_without("_upgraded")
+        from {main_mod} import main
+        main({[*argv, "--port", str(free_port())]!r})
+        """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    lines = (out.stdout + out.stderr).splitlines()
+    assert len(lines) == 1, lines
+    _assert_the_one_line(lines[0], "lacks _upgraded, which")
