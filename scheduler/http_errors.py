@@ -42,7 +42,11 @@ from scheduler.connection_limit import (
     CappedRequestHandler,
     ConnectionCap,
 )
-from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, require_aiohttp_handler
+from scheduler.receive_timeout import (
+    DEFAULT_RECEIVE_TIMEOUT_S,
+    require_aiohttp_handler,
+    require_aiohttp_runner,
+)
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
@@ -132,6 +136,7 @@ class OpenAIErrorAppRunner(web.AppRunner):
                  **kwargs: Any) -> None:
         # Whoever serves through these handlers: one error now, not one per connection.
         require_aiohttp_handler(OpenAIErrorRequestHandler)
+        require_aiohttp_runner()
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._openai_answer = answer
         self._openai_log = log

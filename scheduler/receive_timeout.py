@@ -164,6 +164,21 @@ def require_aiohttp_handler(handler: type[HeadTimedRequestHandler]) -> None:
             f"install a supported release: pip install 'aiohttp{SUPPORTED_AIOHTTP}'")
 
 
+
+def require_aiohttp_runner(runner: type | None = None) -> None:
+    """At start-up, with require_aiohttp_handler: SystemExit with one line unless aiohttp's
+    AppRunner (`runner`: it, unless a test gives a stand-in) still builds its server in
+    `_make_server`, which http_errors.OpenAIErrorAppRunner overrides to serve through its own
+    handlers. Renamed, the override would never run: every connection served by aiohttp's
+    plain handler, without the head timer, the connection cap or the OpenAI error shape, and
+    nothing would say so."""
+    runner = web.AppRunner if runner is None else runner
+    if not _defined_past_asyncio(runner, "_make_server"):
+        raise SystemExit(
+            f"error: aiohttp {aiohttp.__version__} is not one this service runs on: its AppRunner "
+            f"lacks _make_server(), through which the service serves its own request handlers; "
+            f"install a supported release: pip install 'aiohttp{SUPPORTED_AIOHTTP}'")
+
 class HeadTimedRequestHandler(RequestHandler):
     """A connection's handler that closes the connection when a request head is not in within
     `_head_timeout_s`, logging to `_head_log` (both set by the server that makes it)."""

@@ -33,7 +33,11 @@ from inference_worker.server.connection_limit import (
     ConnectionCap,
 )
 from inference_worker.server.errors import error_body
-from inference_worker.server.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, require_aiohttp_handler
+from inference_worker.server.receive_timeout import (
+    DEFAULT_RECEIVE_TIMEOUT_S,
+    require_aiohttp_handler,
+    require_aiohttp_runner,
+)
 
 logger = logging.getLogger("inference_worker.server")
 
@@ -120,6 +124,7 @@ class OpenAIErrorAppRunner(web.AppRunner):
                  **kwargs: Any) -> None:
         # Whoever serves through these handlers: one error now, not one per connection.
         require_aiohttp_handler(OpenAIErrorRequestHandler)
+        require_aiohttp_runner()
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._receive_timeout_s = receive_timeout_s
         self.connections = ConnectionCap(max_connections, logger)

@@ -140,6 +140,19 @@ def test_on_an_aiohttp_lacking_a_name_start_up_and_the_runner_are_refused(
     _assert_the_one_line(str(runner.value), "_upgraded, _request_handler")
 
 
+
+@twins
+def test_an_aiohttp_runner_that_builds_its_server_elsewhere_is_refused(
+        timeout_mod, limit_mod, errors_mod, monkeypatch):
+    """OpenAIErrorAppRunner serves through its handlers by overriding AppRunner._make_server:
+    an aiohttp that renamed it would serve every connection with its plain handler, silently.
+    The installed one has it; a stand-in without it stops the runner with the one line."""
+    timeout_mod.require_aiohttp_runner()
+    monkeypatch.setattr(timeout_mod.web, "AppRunner", type("AppRunner", (), {}))
+    with pytest.raises(SystemExit) as runner:
+        _runner(errors_mod)
+    _assert_the_one_line(str(runner.value), "AppRunner lacks _make_server()")
+
 SERVICES = {
     "gateway": ("scheduler.receive_timeout", "router.__main__", ["--workers", "http://127.0.0.1:9"]),
     "scheduler": ("scheduler.receive_timeout", "scheduler.__main__", ["--workers", "http://127.0.0.1:9"]),
