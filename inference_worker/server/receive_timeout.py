@@ -164,7 +164,6 @@ def require_aiohttp_handler(handler: type[HeadTimedRequestHandler]) -> None:
             f"install a supported release: pip install 'aiohttp{SUPPORTED_AIOHTTP}'")
 
 
-
 def require_aiohttp_runner(runner: type | None = None) -> None:
     """At start-up, with require_aiohttp_handler: SystemExit with one line unless aiohttp's
     AppRunner (`runner`: it, unless a test gives a stand-in) still builds its server in
@@ -178,6 +177,7 @@ def require_aiohttp_runner(runner: type | None = None) -> None:
             f"error: aiohttp {aiohttp.__version__} is not one this service runs on: its AppRunner "
             f"lacks _make_server(), through which the service serves its own request handlers; "
             f"install a supported release: pip install 'aiohttp{SUPPORTED_AIOHTTP}'")
+
 
 class HeadTimedRequestHandler(RequestHandler):
     """A connection's handler that closes the connection when a request head is not in within
