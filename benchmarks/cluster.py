@@ -68,6 +68,27 @@ class ManagedProcess:
     def exited(self) -> bool:
         return self.proc is None or self.proc.returncode is not None
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def send_signal(self, sig: int) -> int:
+        """Send `sig` to the running process's whole group (a vLLM worker's engine runs in
+        children, which a SIGKILL or SIGSTOP must reach too); returns the group leader's pid."""
+        if self.proc is None or self.proc.returncode is not None:
+            raise ProcessLookupError(f"{self.name} is not running")
+        os.killpg(self.proc.pid, sig)
+        return self.proc.pid
+
+    async def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit status once the process has ended (negative: the signal that ended it),
+        or None if it still runs after timeout_s."""
+        if self.proc is None:
+            return None
+        with contextlib.suppress(asyncio.TimeoutError):
+            return await asyncio.wait_for(self.proc.wait(), timeout_s)
+        return None
+
     async def wait_ready(self, url: str, timeout_s: float, session: aiohttp.ClientSession) -> None:
         """Poll `url` until it answers 200; fail early if the process dies, late past the timeout."""
         deadline = time.monotonic() + timeout_s
@@ -89,6 +110,9 @@ class ManagedProcess:
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
+                # A stopped process (SIGSTOP, as a fault injection leaves it) handles the
+                # SIGTERM only once continued; without this it would wait out the grace.
+                os.killpg(pgid, signal.SIGCONT)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), wait_s)
                 return
@@ -131,6 +155,8 @@ class Cluster:
         # Every replica of our gateway, the first being `gateway` (spec.gateways).
         self.gateways: list[ManagedProcess] = []
         self.gateway_urls: list[str] = []
+        # Process name -> the URL that answers 200 once it serves (for restart()).
+        self.ready_urls: dict[str, str] = {}
 
     def _extra_worker_args(self, index: int) -> list[str]:
         args = self.spec.worker_args
@@ -235,7 +261,8 @@ class Cluster:
     async def _start_all(self, ready: list[tuple[ManagedProcess, str]],
                          session: aiohttp.ClientSession) -> None:
         """Start every process, then wait until each answers its URL."""
-        for proc, _url in ready:
+        for proc, url in ready:
+            self.ready_urls[proc.name] = url
             await proc.start()
         timeout_s = self.spec.startup_timeout_s
         await asyncio.gather(*(proc.wait_ready(url, timeout_s, session) for proc, url in ready))
@@ -254,6 +281,17 @@ class Cluster:
             await asyncio.sleep(0.2)
         raise StartupError("scheduler did not report every worker healthy within 30s:\n"
                            + (self.scheduler.log_tail() if self.scheduler else ""))
+
+    async def restart(self, proc: ManagedProcess, timeout_s: float | None = None) -> None:
+        """Start one of this cluster's processes again, with its command line (so on its port:
+        its peers know it by URL), after it has ended (killed, or stopped by a signal), and wait
+        until it serves."""
+        if not proc.exited:
+            raise RuntimeError(f"{proc.name} is still running")
+        url = self.ready_urls[proc.name]
+        await proc.start()
+        async with aiohttp.ClientSession() as session:
+            await proc.wait_ready(url, timeout_s or self.spec.startup_timeout_s, session)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used so far by each part: "workers" (summed), "scheduler", "gateway"
