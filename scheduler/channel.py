@@ -75,7 +75,7 @@ def request_of(r: ScheduleRequest) -> Request:
     return Request(r.model, min(r.prompt_tokens, cap), max_tokens, r.prefix_hashes, r.lora,
                    frozenset(r.exclude) if r.exclude else None, r.reserved_only, r.worker_id,
                    min(r.cached_tokens, cap), r.flow, r.attach and r.worker_id is not None,
-                   r.priority)
+                   r.priority, r.session)
 
 
 def _schedule(svc: SchedulerService, op: dict) -> list:

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S, KEEPALIVE_HELP, MAX_CONNECTIONS_HELP
 from scheduler.receive_timeout import DEFAULT_RECEIVE_TIMEOUT_S, receive_timeout_help
 from scheduler.running_cap import is_positive_int
+from scheduler.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
 from scheduler.settings_loader import clean_secret, known_log_level, load_settings
 from scheduler.tls import CLIENT_HELP, RELOAD_HELP, SERVER_HELP, cert_reqs_value, options_problem
 from scheduler.urls import http_url_problem
@@ -171,7 +172,7 @@ class SchedulerConfig(BaseSettings):
 
     # Decisions
     policy: str = Field("llm_aware", description="round_robin, random, least_request, power_of_two, "
-                        "least_kv, prefix_affinity, llm_aware")
+                        "least_kv, prefix_affinity, session, llm_aware")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="policy knobs (YAML or JSON)")
     # Why per policy: knobs tuned for one policy (e.g. llm_aware's prefill cap, which follows the
     # engines' step budget) can stay in a deployment's config while `policy` is switched; a flat
@@ -180,6 +181,15 @@ class SchedulerConfig(BaseSettings):
         default_factory=dict,
         description="knobs per policy name (YAML or JSON); the chosen policy's entry applies, "
         "under policy_params")
+    # Why here and not in each gateway: every replica must place a session the same way.
+    session_ttl_s: float = Field(
+        DEFAULT_SESSION_TTL_S, gt=0, allow_inf_nan=False,
+        description="a session (the gateways' --session-header) unused this long forgets its "
+        "worker: its next request is placed as a new session's (scheduler/sessions.py)")
+    max_sessions: int = Field(
+        DEFAULT_MAX_SESSIONS, ge=1,
+        description="sessions whose worker is kept at most; past it the least recently used is "
+        "forgotten")
     lease_ttl_s: float = Field(600.0, gt=0, allow_inf_nan=False,
                                description="a lease never released expires after this")
     visibility_lag_ms: float = Field(50.0, ge=0, allow_inf_nan=False,

@@ -63,6 +63,22 @@ class _WorkerCollector:
         yield from self._reservations()
         yield from self._kept_rooms()
         yield self._cordons()
+        yield from self._sessions()
+
+    def _sessions(self):
+        table = self.service.env.sessions
+        table.expire(time.monotonic())  # here, off the decision path: the gauge counts live ones
+        outcomes = CounterMetricFamily(
+            "scheduler_session_affinity", "requests of a session (the gateways' --session-header) "
+            "issued to its worker (kept), to another (moved: its worker was saturated, busier than "
+            "the session slack allows, cordoned, down or failed it) or with none yet (new); only "
+            "the llm_aware and session policies keep sessions", labels=["outcome"])
+        for outcome, n in table.counts.items():
+            outcomes.add_metric([outcome], n)
+        size = GaugeMetricFamily("scheduler_sessions", "sessions whose worker is kept (at most "
+                                 "--max-sessions, each for --session-ttl-s after its last request)")
+        size.add_metric([], len(table))
+        yield from (outcomes, size)
 
     def _cordons(self) -> GaugeMetricFamily:
         service = self.service

@@ -36,6 +36,8 @@ from pydantic import BaseModel, Field
 # scheduler's arithmetic (a 500; on the channel, the end of the connection and of every call in
 # flight on it). They are clamped to this, not refused: the request is the engine's to refuse.
 MAX_TOKENS_COUNTED = 1 << 40
+# Session keys are 63-bit (router/sessions.py): a signed 64-bit integer in any JSON reader.
+MAX_SESSION_KEY = (1 << 63) - 1
 
 
 class ScheduleRequest(BaseModel):
@@ -84,6 +86,11 @@ class ScheduleRequest(BaseModel):
     # tenant's flow only, and across replicas without flows (--fair-share requests) it gave
     # every turn to the replica of short prompts, where arrival order alternates the heads.
     waited_ms: int = Field(0, ge=0, le=86_400_000)
+    # The client's session (the gateway's --session-header, or the body's prompt_cache_key): a
+    # 63-bit digest of its value, never the value (it may be a user id). Policies that honour
+    # sessions (llm_aware, session) keep a session's requests on one worker while it can take
+    # them (scheduler/sessions.py); the others ignore it.
+    session: int | None = Field(None, ge=0, le=MAX_SESSION_KEY)
 
 
 class ScheduleDecision(BaseModel):

@@ -29,6 +29,7 @@ from scheduler.protocol import CLIENT_LEFT, MAX_TOKENS_COUNTED, LeaseRelease
 from scheduler.registry import Registry, WorkerState
 from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
+from scheduler.sessions import SessionTable
 from scheduler.startup import StartupGrace
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class SchedulerService:
         self.cfg = config
         self.registry = Registry(config.model_gone_grace_s)
         self.leases = LeaseTable(config.lease_ttl_s)
-        self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0)
+        self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0,
+                             sessions=SessionTable(config.session_ttl_s, config.max_sessions))
         self.policy = make_policy(config.policy, config.effective_policy_params, self.env)
         self.reservations = ReservationTable(config.followup_hold_ms / 1000.0, self._reservation_ended)
         self.metrics = metrics or SchedulerMetrics(self)
@@ -190,6 +192,7 @@ class SchedulerService:
         self.kept.forget_worker(w)
         self.half_open.discard(w.worker_id)
         self.env.prefix_index.forget(w.worker_id)
+        self.env.sessions.forget_worker(w.worker_id)
         self.metrics.forget_worker(w.worker_id)
         return True
 
@@ -328,7 +331,7 @@ class SchedulerService:
             lease.fair = (ledger, req.flow, ledger.charge(req.flow, req.prompt_tokens, req.max_tokens))
             self._open_flows[ledger, req.flow] += 1
             lease.fair_open = True
-        self.policy.on_issued(req, w, now)
+        session = self.policy.on_issued(req, w, now)
         self.policy.refresh(w)
         snap = w.snapshot
         reason = {
@@ -344,6 +347,8 @@ class SchedulerService:
             reason.update(pick.detail)
         if req.cached_tokens:
             reason["cached_tokens"] = req.cached_tokens
+        if session is not None:
+            reason["session"] = session  # kept, moved or new (scheduler/sessions.py)
         return {
             "worker_id": w.worker_id,
             "url": w.url,

@@ -7,10 +7,12 @@ from typing import Any
 from scheduler.policies.base import Pick, Policy, PolicyEnv, Request, build_params
 from scheduler.policies.llm_aware import LlmAware
 from scheduler.policies.prefix_affinity import PrefixAffinity
+from scheduler.policies.session import SessionAffinity
 from scheduler.policies.simple import LeastKv, LeastRequest, PowerOfTwo, Random, RoundRobin
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RoundRobin, Random, LeastRequest, PowerOfTwo, LeastKv, PrefixAffinity, LlmAware)
+    cls.name: cls for cls in (RoundRobin, Random, LeastRequest, PowerOfTwo, LeastKv, PrefixAffinity,
+                              SessionAffinity, LlmAware)
 }
 
 __all__ = ["POLICIES", "Pick", "Policy", "PolicyEnv", "Request", "make_policy", "validate_params"]

@@ -16,19 +16,20 @@ from typing import Any, ClassVar, NamedTuple
 
 from scheduler.policies.prefix_index import PrefixIndex
 from scheduler.registry import WorkerState
+from scheduler.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionTable
 
 
 class Request:
     """The scheduler's view of one request (decoded from ScheduleRequest without pydantic)."""
 
     __slots__ = ("attach", "cached_tokens", "exclude", "flow", "keys", "lora", "max_tokens", "model",
-                 "pin", "prefix_hashes", "priority", "prompt_tokens", "reserved_only")
+                 "pin", "prefix_hashes", "priority", "prompt_tokens", "reserved_only", "session")
 
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int | None = None,
                  prefix_hashes: list[int] | None = None, lora: str | None = None,
                  exclude: frozenset[str] | None = None, reserved_only: bool = False,
                  pin: str | None = None, cached_tokens: int = 0, flow: str | None = None,
-                 attach: bool = False, priority: int = 0) -> None:
+                 attach: bool = False, priority: int = 0, session: int | None = None) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -50,6 +51,9 @@ class Request:
         # Its priority in the gateway's queue (ScheduleRequest.priority): held calls go in its
         # order, lower first.
         self.priority = priority
+        # Its session's key (ScheduleRequest.session), for the policies that keep sessions on
+        # a worker (scheduler/sessions.py).
+        self.session = session
         # Its prefix index keys, once a policy has computed them (Policy.prefix_keys).
         self.keys: Sequence[int] | None = None
 
@@ -67,6 +71,8 @@ class PolicyEnv:
     stale_after_s: float = 1.0
     prefix_index: PrefixIndex = dataclasses.field(default_factory=PrefixIndex)
     default_max_tokens: int = 256
+    sessions: SessionTable = dataclasses.field(
+        default_factory=lambda: SessionTable(DEFAULT_SESSION_TTL_S, DEFAULT_MAX_SESSIONS))
 
 
 @dataclasses.dataclass
@@ -91,8 +97,17 @@ class Policy:
     def choose(self, req: Request, cands: list[WorkerState], now: float) -> Pick | None:
         raise NotImplementedError
 
-    def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
-        """A lease went to w (prefix-aware policies remember where prefixes live)."""
+    def on_issued(self, req: Request, w: WorkerState, now: float) -> str | None:
+        """A lease went to w (prefix-aware policies remember where prefixes live). A policy
+        that keeps sessions records the request's session there and returns whether it was
+        kept, moved or new (the decision's reason says so); None: no session recorded."""
+        return None
+
+    def record_session(self, req: Request, w: WorkerState, now: float) -> str | None:
+        """on_issued's part for the policies that keep sessions: the session is w's now."""
+        if req.session is None:
+            return None
+        return self.env.sessions.record(req.session, w.worker_id, now)
 
     def kv_need(self, req: Request) -> float:
         """KV tokens a new lease counts as taken until a scrape shows the worker's own usage:

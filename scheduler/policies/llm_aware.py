@@ -18,6 +18,9 @@ What it does, in order:
          + w_prefill*pending_prefill_tokens/1000
          + w_gen_rate*gen_tok_per_s/1000 + w_prompt_rate*prompt_tok_per_s/1000 + w_itl*itl_ms
          + w_age*data_age_s - w_prefix*(matched prefix chunks / chunks)
+   A request of a session (scheduler/sessions.py) goes to its session's worker instead when
+   that worker is among these (unsaturated, fresh, room for it) and scores at most
+   `session_slack` above the winner; otherwise the winner takes it, and the session with it.
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
    than piled onto one worker; else the least bad saturated one is used.
 Every knob is a policy parameter, so tuning is a config change. The defaults are the settings
@@ -41,6 +44,20 @@ _INF = math.inf
 
 def _rank(w: WorkerState) -> float:
     return w.rank
+
+
+def _home_rank(home: str, cands: list[WorkerState], need: float, stale_before: float,
+               matches: dict[str, int] | None, bonus: float) -> tuple[WorkerState, float] | None:
+    """A session's worker and its rank (prefix bonus included), when it is a candidate that
+    could take this request now: the guards choose() applies to every worker apply to it. A
+    second pass over the candidates, made only for a request whose session's worker did not
+    win outright."""
+    for w in cands:
+        if w.worker_id == home:
+            if w.saturated is None and w.taken_at >= stale_before and need <= w.free_tokens:
+                return w, (w.rank - bonus * matches.get(home, 0)) if matches else w.rank
+            return None
+    return None
 
 
 def _too_large_for_all(need: float, cands: list[WorkerState]) -> bool:
@@ -98,6 +115,14 @@ class LlmAwareParams:
     # A worker holding the whole prefix is worth 8 queued requests: re-prefilling a long chat
     # history elsewhere costs more than queueing behind a few decodes.
     w_prefix: float = 8.0
+    # How far above the best score a session's worker may score and still get the session's
+    # next request (in the score's units: a running request is 1). Its worker holds what the
+    # prompt's text fingerprints may not show (a history under a changed system prompt, state
+    # offloaded with the session); that is worth at most what a whole cached prefix is
+    # (w_prefix), and half of it, 4 requests, keeps the affinity soft: a worker 4 requests busier
+    # than the best (an eighth of the ~30 a 7B A10 runs at 160 clients over 5) loses it. 0: only
+    # on a tie; it never makes a saturated worker a candidate (no hold for a session's worker).
+    session_slack: float = 4.0
 
 
 class LlmAware(Policy):
@@ -222,6 +247,13 @@ class LlmAware(Policy):
                         over, over_r = w, r
         if best is None and over is not None and _too_large_for_all(need, cands):
             best, best_r = over, over_r
+        if best is not None and req.session is not None:
+            home = self.env.sessions.worker_of(req.session, now)
+            if home is not None and home != best.worker_id:
+                bonus = p.w_prefix / len(hashes) if matches else 0.0
+                stay = _home_rank(home, cands, need, stale_before, matches, bonus)
+                if stay is not None and stay[1] <= best_r + p.session_slack:
+                    best, best_r = stay
         if best is not None:
             if matches:
                 return Pick(best, best_r + age_term,
@@ -245,6 +277,7 @@ class LlmAware(Policy):
         # until the next scrape made a KV-bound worker look full and held requests that fit.
         return req.prompt_tokens + self.p.output_fraction * self.max_tokens(req)
 
-    def on_issued(self, req: Request, w: WorkerState, now: float) -> None:
+    def on_issued(self, req: Request, w: WorkerState, now: float) -> str | None:
         if req.prefix_hashes and self.p.w_prefix:
             self.env.prefix_index.record(self.prefix_keys(req), w.worker_id, now)
+        return self.record_session(req, w, now)
