@@ -134,6 +134,17 @@ class RouterConfig(BaseSettings):
         "have a trusted proxy in front set it, or give each client its own API key and set this "
         "to '' (flows by API key only)",
     )
+    # Why off by default: as with production-stack's --session-key, the operator names the
+    # header its clients send; no header is sessions' by convention.
+    session_header: str = Field(
+        "",
+        description="request header naming a request's session (e.g. x-session-id): the scheduler "
+        "keeps a session's requests on one worker while it can take them (llm_aware: unless it is "
+        "busier than the best by its session_slack; the session policy: always while it is in "
+        "rotation). A request without it is a session by the body's prompt_cache_key (OpenAI's "
+        "field) if it has one. The scheduler is sent a digest of the value, never the value. "
+        "Empty: off",
+    )
     queue_askers: int = Field(
         1, ge=1, le=64,
         description="queued requests (best first) that ask the scheduler at once: above 1, room "
@@ -296,13 +307,14 @@ class RouterConfig(BaseSettings):
     def cors_origins(self) -> list[str]:
         return [o.strip() for o in self.cors_allowed_origins.split(",") if o.strip()]
 
-    @field_validator("fairness_header")
+    @field_validator("fairness_header", "session_header")
     @classmethod
-    def _header_name(cls, v: str) -> str:
+    def _header_name(cls, v: str, info) -> str:
         # No request carries a header whose name holds a space or a control character: a typo
-        # like that silently keyed every flow by API key.
+        # like that silently keyed every flow by API key (or turned sessions off).
         if v and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
-            raise ValueError(f"{v!r} is not an HTTP header name ('' for flows by API key only)")
+            off = "flows by API key only" if info.field_name == "fairness_header" else "no sessions"
+            raise ValueError(f"{v!r} is not an HTTP header name ('' for {off})")
         return v
 
     @field_validator("base_path")

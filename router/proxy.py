@@ -18,6 +18,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from router.metrics import RouterMetrics
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.request_checks import STREAMABLE, delivery, is_name, model_request, read_request_body
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
+from router.sessions import session_of
 from router.stored_calls import UNREACHABLE, StoredResponseCalls
 from router.stored_responses import STORED_RESPONSE_PATH, Owner, ResponseOwners
 from router.streaming import RetryElsewhere, StreamForwarding
@@ -310,6 +312,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         raw, stream, priority, strip_usage = how.raw, how.stream, how.priority, how.strip_usage
 
         sched_body = await self.schedule_body_off_loop(rec, model, body)
+        self.note_session(sched_body, request.headers, body)
         # A background response goes on in the worker after its answer (`queued`) is out.
         rec.detached = path == RESPONSES_PATH and body.get("background") is True
         previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
@@ -567,6 +570,15 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         sched_body, rec.prompt_tokens, rec.choices = schedule_request(self.tokens, model, body, rec.path)
         rec.sequences = answers_of(body)
         return sched_body
+
+    def note_session(self, sched_body: dict[str, Any], headers: Mapping[str, str],
+                     body: dict[str, Any]) -> None:
+        """Name the request's session to the scheduler, when sessions are on and it has one
+        (router/sessions.py): every call placing it (retries, queued asks, a WebSocket's moves)
+        sends this body."""
+        key = session_of(headers, body, self.cfg.session_header)
+        if key is not None:
+            sched_body["session"] = key
 
     async def schedule_body_off_loop(self, rec: RequestRecord, model: str, body: dict[str, Any]
                                      ) -> dict[str, Any]:

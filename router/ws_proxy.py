@@ -131,6 +131,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             unplaced = rec.status  # what the socket's line says if it is never placed
             rec.model = model
             sched_body = await proxy.schedule_body_off_loop(rec, model, body)
+            proxy.note_session(sched_body, request.headers, body)
             # From here the socket is busy: placing it, then its answer.
             turn = WsTurn(data, sched_body, rec.prompt_tokens * rec.choices, rec.sequences)
             session.pending.append(turn)

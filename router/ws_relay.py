@@ -37,6 +37,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -332,7 +333,7 @@ class WsRelay:
                     # stream accepted under it goes on; a new request is refused as over HTTP.
                     await self.client.send_str(KEY_REVOKED)
                 else:
-                    turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data)
+                    turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data, self.request.headers)
                     self.rec.prompt_tokens += prompt
                     await self.send_request(turn)
             elif msg.type == aiohttp.WSMsgType.BINARY:
@@ -445,11 +446,13 @@ def answer_status(terminal: str) -> tuple[int, str | None]:
     return (400 if kind == "invalid_request_error" else 502), str(code or kind or "error")
 
 
-async def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
+async def turn_of(proxy: Proxy, model: str, data: str, headers: Mapping[str, str] | None = None
+                  ) -> tuple[WsTurn, int]:
     """One more request on the socket, with what the scheduler is told of it (under the socket's
-    model: its worker is the one it goes to), and its prompt estimate, as the HTTP path counts a
-    request without usage. A message that is no JSON object takes no lease and counts no
-    prompt: the worker answers it with an error."""
+    model: its worker is the one it goes to; with `headers`, the socket's handshake's, its session,
+    router/sessions.py), and its prompt estimate, as the HTTP path counts a request without
+    usage. A message that is no JSON object takes no lease and counts no prompt: the worker
+    answers it with an error."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # the last: nested too deeply (the worker says so)
@@ -459,6 +462,8 @@ async def turn_of(proxy: Proxy, model: str, data: str) -> tuple[WsTurn, int]:
     # A long prompt is counted in a thread (--tokenizer): on the loop, a message of megabytes
     # paused every stream the gateway relays while it was tokenized.
     sched_body, prompt, choices = await schedule_request_off_loop(proxy.tokens, model, body)
+    if headers is not None:
+        proxy.note_session(sched_body, headers, body)
     return WsTurn(data, sched_body, prompt * choices, answers_of(body)), prompt
 
 
