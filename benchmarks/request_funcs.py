@@ -43,6 +43,7 @@ class RequestInput:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
+    headers: dict[str, str] | None = None  # sent besides x-request-id (e.g. a session header)
 
 
 def is_chat_url(api_url: str) -> bool:
@@ -173,6 +174,8 @@ async def stream_request(
     """
     chat = is_chat_url(inp.api_url)
     headers = {"x-request-id": inp.request_id} if inp.request_id else None
+    if inp.headers:
+        headers = {**(headers or {}), **inp.headers}
     result = RequestResult(prompt_len=inp.prompt_len)
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else aiohttp.ClientTimeout(total=None)
     st = time.perf_counter()

@@ -33,6 +33,7 @@ from benchmarks.routing_engine_counters import (
     gateway_table,
     read_engine_counters,
     read_gateway_queue,
+    read_session_outcomes,
 )
 from benchmarks.routing_floor import floor_table
 from benchmarks.routing_plots import plot_cdfs, plot_timelines
@@ -87,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "is learnt once requests queue at it")
     p.add_argument("--scrape-interval-ms", type=int, default=100)
     p.add_argument("--gateway-args", default=GATEWAY_BENCH_ARGS, help="gateway flags, shell-quoted")
+    p.add_argument("--session-header", default="", metavar="NAME",
+                   help="session affinity: start the gateway with --session-header NAME and send "
+                   "each multi-turn conversation's requests with that header naming the "
+                   "conversation (off by default)")
     p.add_argument("--client-args", default="", help="extra benchmark-client options as JSON object")
     p.add_argument("--sample-interval", type=float, default=0.5, help="wall seconds between load samples")
     p.add_argument("--output", default="benchmarks/results/routing-homogeneous.json")
@@ -142,6 +147,7 @@ def scenario_of(args: argparse.Namespace) -> dict:
         "scrape_interval_ms": args.scrape_interval_ms, "scheduler_config": args.scheduler_config,
         "declare_running_caps": args.declare_running_caps,
         "scheduler_config_text": config_text, "gateway_args": args.gateway_args,
+        "session_header": args.session_header or None,
         "policies": [s for s in args.policies.split(",") if s],
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (shared)", "git_commit": commit,
         "quick": args.quick, **({"vllm_version": vllm_version()} if args.backend == "vllm" else {}),
@@ -151,7 +157,15 @@ def scenario_of(args: argparse.Namespace) -> dict:
 def client_extra(args: argparse.Namespace) -> dict:
     extra = dict(QUICK_CLIENT) if args.quick else {}
     extra.update(json.loads(args.client_args) if args.client_args else {})
+    if args.session_header:
+        extra["session_header"] = args.session_header
     return extra
+
+
+def gateway_args(args: argparse.Namespace) -> list[str]:
+    """The gateway's flags: --gateway-args, and the session header when one is named."""
+    flags = shlex.split(args.gateway_args)
+    return [*flags, "--session-header", args.session_header] if args.session_header else flags
 
 
 async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
@@ -161,7 +175,7 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
         backend=args.backend, time_scale=args.time_scale,
         worker_args=[shlex.split(a) for a in args.worker_args],
         scheduler_config=scheduler_configs(args.scheduler_config).get(policy),
-        scrape_interval_ms=args.scrape_interval_ms, gateway_args=shlex.split(args.gateway_args),
+        scrape_interval_ms=args.scrape_interval_ms, gateway_args=gateway_args(args),
         declare_running_caps=args.declare_running_caps, log_dir=log_dir,
         startup_timeout_s=VLLM_STARTUP_TIMEOUT_S if args.backend == "vllm" else 120.0,
     )
@@ -184,6 +198,8 @@ async def run_policy(policy: str, args: argparse.Namespace, log_dir: Path,
         engines = await read_engine_counters(cluster.worker_urls)
         # Peers serve no such series: their entry stays empty.
         gateway = await read_gateway_queue(cluster.gateway_url)
+        if args.session_header:  # how the scheduler placed the sessions' requests
+            result["session_outcomes"] = await read_session_outcomes(cluster.scheduler_url)
     return result, sampler.samples, engines, gateway, cpu, time.monotonic() - t0
 
 
@@ -221,6 +237,13 @@ def report(doc: dict, out: Path, draw: bool, timeline_policies: list[str]) -> No
     if doc.get("engines"):
         engines = engine_table(doc["engines"])
         print(f"### what the engines did (counters at the end of each run)\n\n{engines}\n")
+    sessions = {name: r["session_outcomes"] for name, r in results.items() if r.get("session_outcomes")}
+    if sessions:
+        print("### session affinity: the scheduler's placements of sessions' requests\n\n"
+              "| policy | kept | moved | new |\n|---|---|---|---|")
+        for name, n in sessions.items():
+            print(f"| {name} | {n.get('kept', 0):.0f} | {n.get('moved', 0):.0f} | {n.get('new', 0):.0f} |")
+        print()
     held = gateway_table(doc.get("gateway", {}))
     if held:
         print(f"### time held in the gateway before a worker was chosen\n\n{held}\n")

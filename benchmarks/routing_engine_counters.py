@@ -85,6 +85,18 @@ async def read_gateway_queue(gateway_url: str | None) -> dict:
     return {} if text is None else parse_queue_wait(text)
 
 
+async def read_session_outcomes(scheduler_url: str | None) -> dict[str, float]:
+    """The scheduler's scheduler_session_affinity_total by outcome (kept, moved, new): empty
+    without a scheduler, or from one that keeps no sessions."""
+    if scheduler_url is None:
+        return {}
+    async with aiohttp.ClientSession() as session:
+        text = await fetch_metrics(session, scheduler_url, timeout_s=5)
+    prefix = 'scheduler_session_affinity_total{outcome="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in (text or "").splitlines() if line.startswith(prefix)}
+
+
 def gateway_table(gateways: dict[str, dict]) -> str:
     """Markdown: one row per policy whose gateway published its queue waits."""
     head = " | ".join(f"held > {s:g} s" for s in HELD_OVER_S)

@@ -83,6 +83,7 @@ class _Run:
         extra_body: dict[str, Any],
         want_text: bool,
         progress,
+        session_header: str | None = None,
     ) -> None:
         self.session = session
         self.api_urls = api_urls
@@ -94,6 +95,8 @@ class _Run:
         self.extra_body = extra_body
         self.want_text = want_text
         self.progress = progress
+        # Multi-turn: each conversation's requests name it in this header (session affinity).
+        self.session_header = session_header
         self.results: dict[int, RequestResult] = {}
         self.stop_reason = ""
         self.t0 = time.perf_counter()
@@ -116,12 +119,13 @@ class _Run:
         return res
 
     async def request(self, index: int, prompt_len: int, max_tokens: int, prompt: str = "",
-                      messages: list[dict[str, str]] | None = None) -> RequestResult:
+                      messages: list[dict[str, str]] | None = None,
+                      headers: dict[str, str] | None = None) -> RequestResult:
         """Send one request (the caller holds any concurrency slot) and record its result."""
         inp = RequestInput(
             api_url=self._next_url(), model=self.model, prompt_len=prompt_len, max_tokens=max_tokens,
             prompt=prompt, messages=messages, ignore_eos=self.ignore_eos, extra_body=self.extra_body,
-            request_id=f"{self.id_prefix}{index}",
+            request_id=f"{self.id_prefix}{index}", headers=headers,
         )
         sent = time.perf_counter()
         try:
@@ -148,14 +152,15 @@ class _Run:
         """Replay turns in order; the next turn starts only after the previous one returned."""
         if self.semaphore is not None:
             await self.semaphore.acquire()
+        headers = {self.session_header: f"{self.id_prefix}conv{first_index}"} if self.session_header else None
         try:
             for t, turn in enumerate(conv.turns):
                 if chat:
                     await self.request(first_index + t, turn.prompt_len, turn.expected_output_len,
-                                       messages=conv.messages(t))
+                                       messages=conv.messages(t), headers=headers)
                 else:
                     await self.request(first_index + t, turn.prompt_len, turn.expected_output_len,
-                                       prompt=conv.prompt_text(t))
+                                       prompt=conv.prompt_text(t), headers=headers)
         finally:
             if self.semaphore is not None:
                 self.semaphore.release()
@@ -246,6 +251,7 @@ async def run_benchmark(
     stop_event: asyncio.Event | None = None,
     label: str | None = None,
     headers: dict[str, str] | None = None,
+    session_header: str | None = None,
 ) -> dict:
     """Run one benchmark and return the result dict (the --save-result JSON).
 
@@ -255,6 +261,8 @@ async def run_benchmark(
     `deadline` (wall s) and `stop_event` end the run early: requests in flight
     are counted failed with error "deadline" / "interrupted", unsent ones are
     left out, and `stopped` in the result says why.
+    `session_header` (multi-turn): each conversation's requests carry this header with a value
+    of their own (a gateway's --session-header: session affinity).
     """
     if time_scale <= 0:
         raise ValueError("time_scale must be positive")
@@ -302,7 +310,7 @@ async def run_benchmark(
     no_limit = aiohttp.ClientTimeout(total=None)  # per-request limits are set on each POST
     async with aiohttp.ClientSession(connector=connector, timeout=no_limit, headers=headers) as session:
         run = _Run(session, api_urls, model, max_concurrency, time_scale, request_timeout, ignore_eos,
-                   extra_body or {}, save_detailed, progress)
+                   extra_body or {}, save_detailed, progress, session_header)
         jobs: list[Callable[[], Any]] = []
         first_index: list[int] = []
         if multiturn:
@@ -358,6 +366,7 @@ async def run_benchmark(
         "stopped": run.stop_reason or None,
         "num_requests_sent": len(outputs),
         "num_requests_planned": n_requests,
+        "session_header": session_header,
         # CPU seconds this process spent while the requests ran (wall clock, not scaled)
         "client_cpu_s": client_cpu_s,
     }
@@ -429,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-body", type=json.loads, default=None,
                    help="JSON object merged into every request body (e.g. sampling parameters)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
+    p.add_argument("--session-header", default=None, metavar="NAME",
+                   help="multi-turn: send each conversation's requests with this header naming the "
+                   "conversation (for a gateway's --session-header)")
     p.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON here")
     p.add_argument("--save-detailed", action="store_true", help="also keep generated texts in the JSON")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -469,6 +481,7 @@ async def _main_async(args: argparse.Namespace) -> dict:
         max_total_len=args.max_total_len,
         ignore_eos=not args.no_ignore_eos,
         extra_body=args.extra_body,
+        session_header=args.session_header,
         save_detailed=args.save_detailed,
         show_progress=not args.disable_tqdm,
         stop_event=stop,

@@ -28,6 +28,7 @@ class Seen:
     body: dict
     arrived: float
     finished: float = 0.0
+    headers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class StandIn:
             body = await request.json()
         except json.JSONDecodeError:
             return self.error(400, "body is not JSON")
-        seen = Seen(request.path, body, time.perf_counter())
+        seen = Seen(request.path, body, time.perf_counter(), headers=dict(request.headers))
         self.requests.append(seen)
         if body.get("model") != MODEL:
             return self.error(404, f"The model `{body.get('model')}` does not exist.", "model")

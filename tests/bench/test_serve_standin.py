@@ -198,6 +198,24 @@ async def test_multiturn_replays_turns_in_order_with_growing_history(standin):
     assert [len(s.body["messages"]) for s in standin.requests[-3:]] == [1, 3, 5]
 
 
+async def test_multiturn_conversations_can_name_themselves_in_a_session_header(standin):
+    """For a gateway's --session-header: each conversation's turns carry one value of their own."""
+    convs = [datasets.Conversation(str(c), [datasets.Turn(f"q {c}.{t}", f"a {c}.{t}", 5, 3)
+                                            for t in range(3)]) for c in range(3)]
+    result = await run_benchmark(standin.url, MODEL, dataset="sharegpt-multiturn", workload=convs,
+                                 max_concurrency=3, show_progress=False, print_summary=False,
+                                 session_header="x-session-id")
+    assert result["completed"] == 9 and result["session_header"] == "x-session-id"
+    by_conv: dict[str, set] = {}
+    for seen in standin.requests:
+        by_conv.setdefault(seen.body["prompt"].split("q ")[1][0], set()).add(seen.headers.get("x-session-id"))
+    assert all(len(values) == 1 and None not in values for values in by_conv.values()), by_conv
+    assert len(set.union(*by_conv.values())) == 3
+    await run_benchmark(standin.url, MODEL, dataset="sharegpt-multiturn", workload=convs[:1],
+                        show_progress=False, print_summary=False)
+    assert all("x-session-id" not in s.headers for s in standin.requests[-3:])  # off by default
+
+
 async def _cli(args, standin_url, interrupt_after_requests=None, server=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = await asyncio.create_subprocess_exec(

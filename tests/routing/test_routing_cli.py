@@ -63,3 +63,13 @@ def test_declared_caps_come_from_each_workers_max_num_seqs():
     for_all.worker_urls = ["http://h:1", "http://h:2"]
     assert for_all._declared_caps() == {"http://h:1": 4, "http://h:2": 4}
     assert parse_args(["--declare-running-caps"]).declare_running_caps
+
+
+def test_a_session_header_goes_to_the_gateway_and_the_client_only_when_named():
+    from benchmarks.routing import client_extra, gateway_args
+
+    plain = parse_args(["--gateway-args", "--max-queue-size 9"])
+    assert gateway_args(plain) == ["--max-queue-size", "9"] and "session_header" not in client_extra(plain)
+    named = parse_args(["--gateway-args", "--max-queue-size 9", "--session-header", "x-session-id"])
+    assert gateway_args(named) == ["--max-queue-size", "9", "--session-header", "x-session-id"]
+    assert client_extra(named)["session_header"] == "x-session-id"
