@@ -81,6 +81,7 @@ class Outcome:
     policy: str | None = None  # x-router-policy (--debug-headers)
     started: bool = False  # a stream's 200 and at least one event reached the client
     ttft_s: float | None = None  # first content token (streams only)
+    max_gap_s: float = 0.0  # a stream's longest wait between two events (a stalled worker's mark)
     tokens: int = 0  # content tokens received (usage's count when it came)
     usage_tokens: int | None = None
     done: bool = False  # a stream's [DONE], or a whole answer read
@@ -214,11 +215,16 @@ class ChaosClient:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, out: Outcome) -> None:
         content = 0
+        last = None
         async for line in resp.content:
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
             out.started = True
+            now = self.now()
+            if last is not None:
+                out.max_gap_s = max(out.max_gap_s, now - last)
+            last = now
             if payload == b"[DONE]":
                 out.done = True
                 break

@@ -158,12 +158,15 @@ def failure_text(o: Outcome) -> str:
 
 
 def event_of(o: Outcome, faults: list[FaultView], s: Settings) -> FaultView | None:
-    """The fault a request lived through: one that hit its worker or gateway first, else any
-    whose window (signal to recovery + settle) its lifetime overlaps."""
+    """The fault a request lived through (its lifetime overlaps the fault's window, signal to
+    recovery + settle): one that hit its own worker or gateway, else the scheduler's (every
+    request asks it), else any other; of several, the last signalled."""
     end = o.end_s if o.end_s is not None else o.start_s
     live = [f for f in faults if o.start_s <= f.window(s.settle_s)[1] and end >= f.signal_s]
-    touched = [f for f in live if f.touches(o)]
-    return (touched or live or [None])[0]
+    own = [f for f in live if f.kind != "scheduler" and f.touches(o)]
+    scheduler = [f for f in live if f.kind == "scheduler"]
+    pick = own or scheduler or live
+    return max(pick, key=lambda f: f.signal_s) if pick else None
 
 
 def classify(o: Outcome, faults: list[FaultView], s: Settings) -> tuple[str, FaultView | None]:

@@ -75,7 +75,11 @@ def summarize(outcomes: list[Outcome], faults: list[FaultView], s: Settings,
         around[f.name] = {
             "before": _ttft([o for o in outcomes if start - span_s <= o.start_s < start]),
             "during": _ttft([o for o in outcomes if start <= o.start_s <= end]),
-            "after": _ttft([o for o in outcomes if end < o.start_s <= end + span_s])}
+            "after": _ttft([o for o in outcomes if end < o.start_s <= end + span_s]),
+            # A stream running through the fault may stall (a stopped worker) without any
+            # first token being late: its longest wait between two events shows it.
+            "longest_stream_stall_ms": max((o.max_gap_s * 1000 for o in outcomes if o.stream
+                                            and o.start_s <= end and (o.end_s or 0) >= start), default=0.0)}
     windows = [f.window(s.settle_s) for f in faults]
     first = min((w[0] for w in windows), default=float("inf"))
 
@@ -109,11 +113,12 @@ def table(summary: dict[str, Any], faults: list[FaultView]) -> str:
                      + "".join(f" {row.get(c, 0):>11}" for c in cols))
     lines.append("")
     lines.append(f"{'TTFT of streams begun':<22}" + "".join(
-        f" {p + ' p50/max ms':>22}" for p in ("before", "during", "after")))
+        f" {p + ' p50/max ms (n)':>22}" for p in ("before", "during", "after")) + "  longest stall ms")
     for name, parts in summary["ttft_around_faults"].items():
         cells = [f"{_ms(t['p50_ms'])} / {_ms(t['max_ms'])} ({t['n']})"
                  for t in (parts[p] for p in ("before", "during", "after"))]
-        lines.append(f"{name:<22}" + "".join(f" {c:>22}" for c in cells))
+        lines.append(f"{name:<22}" + "".join(f" {c:>22}" for c in cells)
+                     + f"  {_ms(parts['longest_stream_stall_ms']):>16}")
     lines.append("")
     lines.append(f"{'phase':<32} {'streams':>8} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>7}  (TTFT ms)")
     for name, t in summary["ttft_phases"].items():

@@ -33,6 +33,17 @@ def test_a_whole_answer_of_every_token_is_ok_and_put_down_to_the_fault_it_lived_
     assert (cls, fault.name) == (OK, "kill scheduler")
 
 
+def test_a_request_is_put_down_to_the_fault_of_its_own_gateway_before_the_schedulers():
+    # It lived through both windows (the scheduler's recovery settling, the gateway's SIGTERM).
+    sched = FaultRecord(Fault(27, "kill", "scheduler", 1), pid=3, signal_s=27.0, exit_code=-9, ready_s=29.0)
+    gw = FaultRecord(Fault(30, "term", "gateway1", 1), pid=2, signal_s=30.0, exit_code=0, ready_s=33.0)
+    o = Outcome(index=0, request_id="r0", stream=False, max_tokens=20, start_s=30.5, end_s=31.0,
+                gateways=[1, 0], no_answer=["gateway1: ClientConnectorError"], status=200,
+                worker=WORKERS[2], tokens=20, done=True)
+    cls, fault = classify(o, fault_views([sched, gw], WORKERS), S)
+    assert (cls, fault.name) == (OK, "term gateway1")
+
+
 def test_a_started_stream_cut_on_the_killed_worker_at_the_kill_is_the_designs_limit():
     cls, fault = classify(_stream_cut(WORKERS[0], 9.0, 10.05), _faults(), S)
     assert (cls, fault.name) == ("stream_cut_worker_killed", "kill worker0")
