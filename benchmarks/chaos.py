@@ -8,6 +8,7 @@ times of the run (benchmarks/chaos_faults.py):
     kill worker0     SIGKILL, restarted a few seconds later
     term worker1     SIGTERM: it drains and exits; restarted
     kill scheduler   SIGKILL, restarted (the gateways serve by round robin meanwhile)
+    kill worker3     (full mode) SIGKILL while the scheduler is away, restarted
     term gateway1    SIGTERM: it drains and exits; restarted
     stop worker2     SIGSTOP (a hung process), SIGCONT later
 
@@ -70,8 +71,10 @@ def full_mode(model: str) -> Mode:
         load_s=185, tail_s=75, concurrency=32, requests=4000,
         workload=Workload(model, min_prompt_words=20, max_prompt_words=400, min_tokens=16, max_tokens=160),
         faults=[Fault(20, "kill", "worker0", 5), Fault(50, "term", "worker1", 3),
-                Fault(80, "kill", "scheduler", 8), Fault(115, "term", "gateway1", 3),
-                Fault(145, "stop", "worker2", 15)])
+                Fault(80, "kill", "scheduler", 8),
+                # Two at once: a worker dies while the gateways route by round robin alone.
+                Fault(86, "kill", "worker3", 5),
+                Fault(115, "term", "gateway1", 3), Fault(145, "stop", "worker2", 15)])
 
 
 def quick_mode(model: str) -> Mode:
@@ -214,15 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the short schedule (well under a minute)")
     p.add_argument("--profile", default="llama2-7b-a10", help="the sim workers' profile")
-    p.add_argument("--workers", type=int, default=4, help="sim workers (the schedule uses worker0..2)")
+    p.add_argument("--workers", type=int, default=4, help="sim workers (the schedule hits worker0..3)")
     p.add_argument("--model", default="llama2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/chaos-logs")
     p.add_argument("--output", help="write the report, every request included, as JSON")
     args = p.parse_args(argv)
-    if args.workers < 3:
-        p.error("--workers: at least 3 (the schedule hits worker0, worker1 and worker2)")
     mode = quick_mode(args.model) if args.quick else full_mode(args.model)
+    hit = sorted({f.target for f in mode.faults if f.target.startswith("worker")})
+    if args.workers <= max(int(t[len("worker"):]) for t in hit):
+        p.error(f"--workers {args.workers}: this schedule hits {', '.join(hit)}")
     mode.workload.seed = args.seed
     started = datetime.now(UTC)
     load_before = os.getloadavg()[0]
