@@ -42,8 +42,9 @@ from typing import Any
 from benchmarks.chaos_checks import check_faults
 from benchmarks.chaos_client import ChaosClient, Outcome, Workload
 from benchmarks.chaos_faults import Fault, FaultRecord, Injector
+from benchmarks.chaos_logs import GatewayLogs, log_lines_for
 from benchmarks.chaos_outcomes import LOST, Settings, fault_views
-from benchmarks.chaos_report import checks_text, gateway_retries, log_lines_for, summarize, table
+from benchmarks.chaos_report import checks_text, summarize, table
 from benchmarks.cluster import Cluster, ClusterSpec
 
 POLICY = "llm_aware"
@@ -96,6 +97,7 @@ def quick_mode(model: str) -> Mode:
 class RunResult:
     outcomes: list[Outcome]
     records: list[FaultRecord]
+    wall_zero: float  # time.time() at the run clock's 0 (the logs' stamps are wall-clock)
     worker_ids: list[str]
     gateway_urls: list[str]
     log_dir: Path
@@ -112,7 +114,7 @@ async def soak(mode: Mode, args: argparse.Namespace) -> RunResult:
         old.unlink()
     t_start = time.monotonic()
     async with Cluster(spec) as cluster:
-        clock = time.monotonic()
+        clock, wall_zero = time.monotonic(), time.time()
         client = ChaosClient(cluster.gateway_urls, mode.workload, mode.concurrency, clock)
         injector = Injector(cluster, mode.faults, clock)
         stop = asyncio.Event()
@@ -133,7 +135,7 @@ async def soak(mode: Mode, args: argparse.Namespace) -> RunResult:
         worker_ids = [url.split("://", 1)[1] for url in cluster.worker_urls]
         gateway_urls = list(cluster.gateway_urls)
     # The gateways flush their access logs as they stop: read them after the cluster is down.
-    return RunResult(client.outcomes, injector.records, worker_ids, gateway_urls, log_dir,
+    return RunResult(client.outcomes, injector.records, wall_zero, worker_ids, gateway_urls, log_dir,
                      time.monotonic() - t_start)
 
 
@@ -158,8 +160,9 @@ def _cpu_model() -> str:
 def evaluate(run: RunResult, mode: Mode) -> dict[str, Any]:
     settings = Settings()
     views = fault_views(run.records, run.worker_ids)
-    summary = summarize(run.outcomes, views, settings, gateway_retries(run.log_dir), mode.span_s)
-    checks = check_faults(run.records, run.outcomes, run.worker_ids, POLICY)
+    logs = GatewayLogs(run.log_dir, run.wall_zero)
+    summary = summarize(run.outcomes, views, settings, logs.retries, mode.span_s)
+    checks = check_faults(run.records, run.outcomes, run.worker_ids, POLICY, logs, settings.settle_s)
     lost = [c for c in summary["classes"] if c["class"] == LOST]
     evidence = log_lines_for(run.log_dir, [c["id"] for c in lost[:50]])
     for c in lost[:50]:

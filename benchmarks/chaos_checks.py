@@ -13,6 +13,7 @@ from typing import Any
 
 from benchmarks.chaos_client import Outcome
 from benchmarks.chaos_faults import FaultRecord
+from benchmarks.chaos_logs import GatewayLogs
 from benchmarks.chaos_outcomes import FaultView, fault_view
 
 FALLBACK_POLICY = "fallback_round_robin"  # the gateway's x-router-policy while the scheduler is away
@@ -93,6 +94,29 @@ def _what_it_did(rec: FaultRecord, view: FaultView, outcomes: list[Outcome]) -> 
             "requests in flight on it at the signal that failed": sum(not o.ok for o in on_it)}
 
 
+def _from_the_logs(view: FaultView, logs: GatewayLogs, settle_s: float) -> dict[str, Any]:
+    """What the gateways logged of the fault: retries off its worker, switches to round robin."""
+    start, end = view.window(settle_s)
+    if view.kind == "worker":
+        assert view.worker_id is not None
+        return {"retried off it by the gateways (their logs), by reason":
+                logs.retried_away(view.worker_id, start, end)}
+    if view.kind == "scheduler":
+        back = view.recovered_s if view.recovered_s is not None else start
+        return {"gateways' switches to round robin, s after the kill": [
+                    round(s.at_s - start, 2) for s in logs.switched(start, end) if s.on],
+                "... and back to the scheduler, s after it served again": [
+                    round(s.at_s - back, 2) for s in logs.switched(start, end) if not s.on]}
+    return {}
+
+
 def check_faults(records: list[FaultRecord], outcomes: list[Outcome], worker_ids: list[str],
-                 policy: str) -> list[FaultCheck]:
-    return [check_fault(r, fault_view(r, worker_ids), outcomes, policy) for r in records]
+                 policy: str, logs: GatewayLogs, settle_s: float) -> list[FaultCheck]:
+    checks = []
+    for r in records:
+        view = fault_view(r, worker_ids)
+        check = check_fault(r, view, outcomes, policy)
+        if view is not None:
+            check.evidence.update(_from_the_logs(view, logs, settle_s))
+        checks.append(check)
+    return checks

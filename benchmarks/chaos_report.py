@@ -3,9 +3,7 @@ own account of retries (their access logs), and the log lines of every lost requ
 
 from __future__ import annotations
 
-import re
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,34 +16,6 @@ STEADY = "no fault"
 SHORT = {"ok": "ok", "stream_cut_worker_killed": "cut:kill", "cut_at_worker_drain_deadline": "cut:w-drain",
          "cut_at_gateway_drain_deadline": "cut:gw-drain", "stream_idle_on_hung_worker": "idle:hang",
          "refused_queue_full": "429:full", LOST: "LOST"}
-_ACCESS = re.compile(r"router\.access: id=(\S+) .* retries=(\d+)")
-
-
-def gateway_retries(log_dir: Path) -> dict[str, int]:
-    """Request id -> the retries on other workers its gateway logged (access log lines)."""
-    retries: dict[str, int] = {}
-    for path in sorted(log_dir.glob("gateway*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if (m := _ACCESS.search(line)) is not None:
-                retries[m.group(1)] = max(retries.get(m.group(1), 0), int(m.group(2)))
-    return retries
-
-
-def log_lines_for(log_dir: Path, ids: list[str], per_id: int = 8) -> dict[str, list[str]]:
-    """Each request id's lines in every process's log ("<file>: <line>")."""
-    found: dict[str, list[str]] = {i: [] for i in ids}
-    if not ids:
-        return found
-    pattern = re.compile("|".join(re.escape(i) + r"\b" for i in ids))
-    for path in sorted(log_dir.glob("*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if (m := pattern.search(line)) is not None:
-                key = m.group(0)
-                if len(found[key]) < per_id:
-                    found[key].append(f"{path.name}: {line[:400]}")
-    return found
-
-
 def _ttft(outcomes: list[Outcome]) -> dict[str, float | int | None]:
     ms = np.array([o.ttft_s * 1000 for o in outcomes if o.ok and o.ttft_s is not None])
     if not ms.size:
