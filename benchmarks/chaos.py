@@ -20,7 +20,7 @@ target to have served again (benchmarks/chaos_checks.py). Printed: counts per cl
 TTFT before/during/after each fault; `--output` writes it all as JSON, every request included.
 Exit status 1 when a request was lost or a fault is not verified.
 
-    python -m benchmarks.chaos --output /tmp/chaos.json          # ~4 minutes
+    python -m benchmarks.chaos --output /tmp/chaos.json          # ~3.5 minutes
     python -m benchmarks.chaos --quick                           # well under a minute
 """
 
