@@ -7,7 +7,9 @@ twice) while reporting a healthy worker failed. A worker that hangs (its process
 stuck GPU: connections accepted, nothing answered) would then hold its requests for as long.
 So such a request also ends when the scheduler reports its worker down (it stopped answering
 its scrapes and health probes: `--dead-after-ms`), seen at the gateway's next worker-list
-refresh, and is retried elsewhere: no byte of it has reached the client.
+refresh, and is retried elsewhere: no byte of it has reached the client. So does a stream
+until its first byte (router/streaming.py, before_first_byte): it would wait out
+--first-byte-timeout-ms (60 s) on a hung worker; once it has sent a byte it is never moved.
 
 A worker that left the list is not down: a draining one (deregistered, its pod terminating)
 finishes what it holds. A dead process needs none of this: its connections fail at once.

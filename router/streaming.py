@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
+from router.down_watch import WorkerDown, unless_down
 from router.errors import next_sequence_number, responses_error_event, sse_error_event
 from router.in_flight import SHUTTING_DOWN, InFlight
 from router.metrics import RouterMetrics
-from router.scheduling import Route
+from router.scheduling import Route, Scheduling
 from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
 from router.upstream_errors import answer_status, read_bounded
@@ -53,6 +56,22 @@ class RetryElsewhere(Exception):
         self.reason = reason
         self.detail = detail
         self.overloaded = overloaded
+
+
+_T = TypeVar("_T")
+
+
+async def before_first_byte(call: Awaitable[_T], down: asyncio.Future[None] | None) -> _T:
+    """`call` (a worker's answer, its head or a stream's first chunk), given up for another
+    worker if the scheduler reports the worker down meanwhile (router/down_watch.py): no byte
+    of the answer has reached the client, and a hung worker (connections taken, nothing
+    answered) would hold it until its timeout. `down` None: no scheduler to say so (fallback)."""
+    if down is None:
+        return await call
+    try:
+        return await unless_down(call, down)
+    except WorkerDown:
+        raise RetryElsewhere("worker_down", "the scheduler reports the worker down") from None
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -121,6 +140,7 @@ class ReadWatch:
 
 class StreamForwarding:
     session: aiohttp.ClientSession
+    sched: Scheduling
     worker_tls: PeerContext
     timeout: aiohttp.ClientTimeout
     idle_s: float
@@ -142,11 +162,21 @@ class StreamForwarding:
         url = route.url + path
         if request.query_string:
             url += "?" + request.query_string
+        # Until its first byte, a stream whose worker the scheduler reports down goes elsewhere
+        # (a hung worker took the connection and answers nothing): as a whole answer does.
+        watch = contextlib.ExitStack()
+        down = (None if route.fallback
+                else watch.enter_context(self.sched.down_watch.watching(route.worker_id)))
         try:
-            up = await self.session.request("POST", url, data=raw, headers=headers, timeout=self.timeout,
-                                            ssl=self.worker_tls.request_ssl)
+            up = await before_first_byte(self.session.request(
+                "POST", url, data=raw, headers=headers, timeout=self.timeout,
+                ssl=self.worker_tls.request_ssl), down)
         except UPSTREAM_ERRORS as exc:
+            watch.close()
             raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+        except BaseException:
+            watch.close()
+            raise
         complete = False
         resp: web.StreamResponse | None = None
         tap: StreamTap | None = None
@@ -162,9 +192,10 @@ class StreamForwarding:
                 complete = True
                 return answer
             try:
-                first = await up.content.readany()
+                first = await before_first_byte(up.content.readany(), down)
             except UPSTREAM_ERRORS as exc:
                 raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+            watch.close()  # from here the client has bytes: a stream is never replayed
             if not first:
                 raise RetryElsewhere("empty_stream")
 
@@ -242,6 +273,7 @@ class StreamForwarding:
             self._release_client_left(route, rec)
             return resp if resp is not None else web.Response(status=499)
         finally:
+            watch.close()
             if complete:
                 up.release()
             else:

@@ -17,11 +17,17 @@ import aiohttp
 from aiohttp import web
 
 from router.access_log import RequestRecord
-from router.down_watch import WorkerDown, unless_down
 from router.scheduling import Route, Scheduling
 from router.sse import usage_of_body
 from router.stored_responses import ResponseOwners, response_id_in
-from router.streaming import OVERLOADED, READ_TIMEOUT, UPSTREAM_ERRORS, RetryElsewhere, failure_kind
+from router.streaming import (
+    OVERLOADED,
+    READ_TIMEOUT,
+    UPSTREAM_ERRORS,
+    RetryElsewhere,
+    before_first_byte,
+    failure_kind,
+)
 from router.tokens import RESPONSES_PATH
 from router.upstream_errors import answer_status, read_bounded, relayed_error
 from scheduler.tls import PeerContext
@@ -63,10 +69,7 @@ class WholeForwarding:
         meanwhile (router/down_watch.py): a hung worker would hold it until the request
         timeout, 30 minutes by default."""
         with self.sched.down_watch.watching(worker_id) as down:
-            try:
-                return await unless_down(fetch, down)
-            except WorkerDown:
-                raise RetryElsewhere("worker_down", "the scheduler reports the worker down") from None
+            return await before_first_byte(fetch, down)
 
     def _whole_answer(self, route: Route, rec: RequestRecord, path: str, status: int, data: bytes,
                       ctype: str) -> tuple[bytes, str]:

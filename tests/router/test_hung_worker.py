@@ -58,3 +58,45 @@ def test_a_non_stream_request_on_a_hung_worker_is_retried_once_the_scheduler_fin
             os.kill(stopped.pid, signal.SIGCONT)
         for p in procs:
             p.stop()
+
+
+def test_a_stream_on_a_hung_worker_before_its_first_byte_is_retried_once_the_scheduler_finds_it_down():
+    """As a whole answer: nothing of it has reached the client, so it is not held until the
+    first-byte timeout (60 s) but moved once the scheduler reports its worker down, and the
+    client reads a whole stream from the other worker."""
+    workers = [start_echo_worker(token_delay_ms=2000) for _ in range(2)]  # first chunk after 2 s
+    procs = [p for p, _ in workers]
+    by_url = {u: p for p, u in workers}
+    stopped = None
+    try:
+        s, su = start_scheduler([u for _, u in workers], "--scrape-interval-ms", "100",
+                                "--dead-after-ms", "1000")
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--workers-refresh-ms", "200")
+        procs.append(g)
+        body = {"model": "m", "prompt": "p", "max_tokens": 2, "stream": True}
+
+        def stream() -> tuple[httpx.Response, str]:
+            with httpx.stream("POST", gu + "/v1/completions", json=body, timeout=40) as r:
+                return r, "".join(r.iter_text())
+
+        with ThreadPoolExecutor(1) as ex:
+            t0 = time.monotonic()
+            answer = ex.submit(stream)
+            hung = _leased_worker(su)
+            stopped = by_url[hung]
+            os.kill(stopped.pid, signal.SIGSTOP)  # before its first chunk, 2 s after the request
+            r, text = answer.result()
+            took = time.monotonic() - t0
+        assert r.status_code == 200
+        assert text.count('"text":" tok"') == 2 and text.rstrip().endswith("data: [DONE]"), text
+        [other] = [u for u in by_url if u != hung]
+        assert r.headers["x-router-worker"] == next(
+            w["worker_id"] for w in httpx.get(su + "/v1/workers").json()["workers"] if w["url"] == other)
+        assert series_value(gu, 'router_retries_total{reason="worker_down"}') == 1
+        assert took < 20, took  # found down after about a second of silence; not the 60 s timeout
+    finally:
+        if stopped is not None:
+            os.kill(stopped.pid, signal.SIGCONT)
+        for p in procs:
+            p.stop()
