@@ -248,6 +248,14 @@ def router_dashboard() -> dict:
               description="A worker kept for a held request too large for the room that frees on a "
               "busy pool (scheduler --keep-room-after-s): it takes nothing else until that request "
               "is placed. Often kept: large requests arrive faster than workers drain"),
+        panel(ts, "Session affinity", [
+            (f"sum by (outcome) (rate(scheduler_session_affinity_total[{RATE}]))", "{{outcome}}/s"),
+            ("scheduler_sessions", "sessions kept")], width=8,
+              description="Requests of a session (the gateway's --session-header, or the body's "
+              "prompt_cache_key) placed on the session's worker (kept), on another one (moved: its "
+              "worker was saturated, down, cordoned or more than session_slack busier than the "
+              "best) or for a session it had no worker for (new); and the sessions the scheduler "
+              "remembers. Zero until a gateway names a session header"),
         panel(ts, "Lease ends by outcome, and renewals", [
             (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}"),
             (f"sum by (outcome) (rate(scheduler_lease_renewals_total[{RATE}]))", "renewed {{outcome}}")],
