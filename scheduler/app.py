@@ -293,7 +293,8 @@ async def worker_failure(request: web.Request) -> web.Response:
         # Anyone who reaches the scheduler may send this, and it is logged with the worker's
         # health change: a newline in it forged log lines. Escaped, it still reads.
         error = error.encode("unicode_escape").decode("ascii")[:200]
-    if not svc.report_failure(request.match_info["worker_id"], error):
+    refused = body.get("refused") is True  # absent from an older gateway's report
+    if not svc.report_failure(request.match_info["worker_id"], error, refused):
         return error_response(404, "unknown worker", "worker_id", "worker_not_found")
     svc.metrics.failure_reports.inc()
     return web.Response(status=204)

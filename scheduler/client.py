@@ -222,20 +222,23 @@ class SchedulerClient:
     def renew_nowait(self, lease_id: str) -> None:
         self._spawn(self.renew(lease_id))
 
-    async def report_failure(self, worker_id: str, error: str) -> None:
-        """The gateway saw a request fail on this worker (`error`: its failure kind). A
-        connection failure takes the worker out of rotation at once, other failures after a
-        streak (scheduler/health.py). Never raises."""
+    async def report_failure(self, worker_id: str, error: str, refused: bool = False) -> None:
+        """The gateway saw a request fail on this worker (`error`: its failure kind; `refused`:
+        its port refused the connection). A connection failure takes the worker out of rotation
+        at once, other failures after a streak (scheduler/health.py). Never raises."""
         url = f"{self._workers_url}/{worker_id}/failure"
+        # "refused" only when true: the report reads as before to a scheduler that knows no
+        # causes, and a refused "connect" still takes the worker out there.
+        report: dict[str, object] = {"error": error, "refused": True} if refused else {"error": error}
         try:
-            status, raw = await self._post(url, to_json({"error": error}), self.timeout_s)
+            status, raw = await self._post(url, to_json(report), self.timeout_s)
             if status >= 400 and status != 404:
                 log.warning("scheduler failure report answered %s: %s", status, _error_message(raw))
         except SchedulerUnavailableError as exc:
             log.debug("failure report lost: %s", exc)
 
-    def report_failure_nowait(self, worker_id: str, error: str) -> None:
-        self._spawn(self.report_failure(worker_id, error))
+    def report_failure_nowait(self, worker_id: str, error: str, refused: bool = False) -> None:
+        self._spawn(self.report_failure(worker_id, error, refused))
 
     async def workers(self) -> WorkerList:
         """Every worker the scheduler knows (healthy or not), and whether it is still learning

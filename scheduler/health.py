@@ -9,16 +9,25 @@ a timeout; an ok request in between resets it), or when nothing succeeded for `d
 lease: released ok -> up, failed -> down. Timeouts alone never evict quickly:
 a busy worker answers slowly, it is not dead (its data ages and the policy treats
 it as saturated instead).
+
+A down worker's `down_cause` is the cause of its latest failure (scheduler/protocol.py's
+REFUSED, UNRESPONSIVE, ...): every failure carries one, and one seen while down replaces it
+(but an error answer, FAILING, replaces none).
+A gateway acts on it: the answers it waits for on a worker that went down REFUSED are left
+to finish (a draining worker closed its port; a dead one's connections failed already),
+those on one that went silent are given up for other workers (it may be hung).
 """
 
 from __future__ import annotations
+
+from scheduler.protocol import FAILING, UNRESPONSIVE
 
 UNKNOWN, UP, DOWN, HALF_OPEN = "unknown", "up", "down", "half_open"
 
 
 class Health:
-    __slots__ = ("consecutive_failures", "consecutive_successes", "ever_up", "last_error", "last_ok",
-                 "request_failures", "state")
+    __slots__ = ("_down_cause", "consecutive_failures", "consecutive_successes", "ever_up",
+                 "failure_cause", "last_error", "last_ok", "request_failures", "state")
 
     def __init__(self) -> None:
         self.state = UNKNOWN
@@ -29,16 +38,43 @@ class Health:
         self.ever_up = False
         # Requests in a row a gateway reported failed with an answer (5xx) or a timeout.
         self.request_failures = 0
+        # The cause of the latest failure since the last success (None after one), and of the
+        # latest while down.
+        self.failure_cause: str | None = None
+        self._down_cause: str | None = None
 
     @property
     def routable(self) -> bool:
         return self.state in (UP, HALF_OPEN)
+
+    @property
+    def down_cause(self) -> str | None:
+        """Why the worker is down (the cause of its latest failure); None when it is not."""
+        return self._down_cause if self.state == DOWN else None
+
+    def _failed(self, error: str, cause: str | None) -> None:
+        self.last_error = error
+        self.failure_cause = cause
+        # While down, the latest failure says best what the worker is now (draining, dead,
+        # hung); but an error answer only that it answers. (A draining worker answers 503 to
+        # what gateways send it on their kept-alive connections after its port closed: that
+        # must not turn it from refused to possibly hung.)
+        if self.state == DOWN and cause != FAILING:
+            self._down_cause = cause
+
+    def _go_down(self, cause: str | None) -> bool:
+        """Take the worker out; True when it was not out already."""
+        changed = self.state != DOWN
+        self.state = DOWN
+        self._down_cause = cause
+        return changed
 
     def on_success(self, now: float, recover_streak: int) -> bool:
         """A scrape or probe answered. Returns True when the state changed."""
         self.last_ok = now
         self.consecutive_failures = 0
         self.consecutive_successes += 1
+        self.failure_cause = None
         if self.state == UNKNOWN or (self.state == DOWN and not self.ever_up):
             # First contact (e.g. a worker started after the scheduler): no trial needed.
             self.state = UP
@@ -50,55 +86,60 @@ class Health:
             return True
         return False
 
-    def on_failure(self, error: str, fail_streak: int, connection_level: bool) -> bool:
-        self.last_error = error
+    def on_failure(self, error: str, fail_streak: int, connection_level: bool,
+                   cause: str | None = None) -> bool:
+        """A scrape or probe failed (`cause`: scheduler/protocol.py's; None, unknown: the
+        gateways take the worker for hung, as before there were causes). Returns True when the
+        state changed."""
+        self._failed(error, cause)
         self.consecutive_successes = 0
         if not connection_level:
             return False
         self.consecutive_failures += 1
         if self.state != DOWN and self.consecutive_failures >= fail_streak:
-            self.state = DOWN
-            return True
+            return self._go_down(cause)
         return False
 
     def check_silence(self, now: float, dead_after_s: float) -> bool:
-        """Down when nothing succeeded for dead_after_s (timeouts only, e.g. a vanished host)."""
+        """Down when nothing succeeded for dead_after_s (timeouts only, e.g. a vanished host).
+        Its cause: that of the failures since the last success (timeouts, mostly), else
+        UNRESPONSIVE."""
         if self.state in (UP, HALF_OPEN) and self.last_ok is not None and now - self.last_ok > dead_after_s:
-            self.state = DOWN
             self.consecutive_successes = 0
             self.last_error = "silent"
-            return True
+            return self._go_down(self.failure_cause or UNRESPONSIVE)
         return False
 
-    def on_request_failed(self, error: str, report_streak: int) -> bool:
+    def on_request_failed(self, error: str, report_streak: int, cause: str | None = None) -> bool:
         """A gateway saw a request fail without a connection failure. One is no verdict: a
         request the engine cannot serve fails on every worker it is retried on, and would take
         each out. A streak is: a worker that fails everything while its scrapes answer would
         otherwise look idle, and draw the most requests. Returns True when the state changed."""
-        self.last_error = error
+        self._failed(error, cause)
         self.request_failures += 1
         if self.state != DOWN and self.request_failures >= report_streak:
-            self.state = DOWN
             self.consecutive_successes = 0
-            return True
+            return self._go_down(cause)
         return False
 
     def on_request_ok(self) -> None:
         self.request_failures = 0
 
-    def force_down(self, error: str) -> bool:
+    def force_down(self, error: str, cause: str | None = None) -> bool:
         """Gateway saw a connection failure: out of rotation at once."""
-        self.last_error = error
+        self._failed(error, cause)
         self.consecutive_successes = 0
         self.request_failures = 0
-        changed = self.state != DOWN
-        self.state = DOWN
-        return changed
+        return self._go_down(cause)
 
-    def trial_result(self, ok: bool) -> bool:
+    def trial_result(self, ok: bool, cause: str | None = None) -> bool:
+        """A half-open worker's trial request ended; `cause`: why it failed."""
         if self.state != HALF_OPEN:
             return False
-        self.state = UP if ok else DOWN
+        if ok:
+            self.state = UP
+        else:
+            self._go_down(cause)
         self.ever_up = True
         if ok:
             # Back up: /v1/workers showed the error that took it out on a healthy worker, and

@@ -20,12 +20,15 @@ GET  /v1/workers    -> {"workers": [WorkerView, ...]}
 POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>); posting
                     again is the heartbeat -> 201 created / 200 refreshed
 DELETE /v1/workers/{worker_id}                  (same token) -> 204
-POST /v1/workers/{worker_id}/failure {"error"}  gateway saw a connection failure -> 204
+POST /v1/workers/{worker_id}/failure {"error", "refused"}  gateway saw a connection failure
+                    ("refused": true when the worker's port refused the connection) -> 204
 
 prefix_hashes: cumulative fingerprints (hash i covers the prompt up to chunk i).
 """
 
 from __future__ import annotations
+
+import errno
 
 from pydantic import BaseModel, Field
 
@@ -38,6 +41,21 @@ from pydantic import BaseModel, Field
 MAX_TOKENS_COUNTED = 1 << 40
 # Session keys are 63-bit (router/sessions.py): a signed 64-bit integer in any JSON reader.
 MAX_SESSION_KEY = (1 << 63) - 1
+
+
+# Why the scheduler took a worker out (WorkerView.down_cause, set while its state is "down"): the
+# cause of its latest failure. A gateway gives up the answers it waits for on a down worker
+# unless it went down REFUSED (router/down_watch.py).
+REFUSED = "refused"  # its port refuses connections: nothing listens (it drains, or its process is gone)
+CONNECTION_FAILED = "connection"  # connections reset, cut, or not made (an unreachable host, TLS)
+UNRESPONSIVE = "unresponsive"  # timeouts, silence: connections taken and nothing answered (hung)
+FAILING = "failing"  # it answers, with errors (HTTP 5xx to its scrapes, or to requests in a row)
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """`exc` says the worker's host refused the connection: it is up and nothing listens on the
+    port. (aiohttp's ClientConnectorError is an OSError with its cause's errno.)"""
+    return isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED
 
 
 class ScheduleRequest(BaseModel):
@@ -166,6 +184,9 @@ class WorkerView(BaseModel):
     # An operator cordoned it (scheduler/cordons.py): healthy, yet no new request goes there,
     # not even by the gateway's round robin while the scheduler is away.
     cordoned: bool = False
+    # Why it is down (REFUSED, UNRESPONSIVE, ...), None when it is not; absent from an older
+    # scheduler's list (None: a gateway treats the worker as it did, possibly hung).
+    down_cause: str | None = None
 
 
 class WorkerList(BaseModel):

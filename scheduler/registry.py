@@ -235,6 +235,7 @@ class WorkerState:
             "saturated": self.saturated,
             "sources": sorted(self.sources),
             "last_error": self.health.last_error,
+            "down_cause": self.health.down_cause,
         }
 
 

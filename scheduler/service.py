@@ -25,7 +25,15 @@ from scheduler.kept_room import RoomKeeper
 from scheduler.leases import Lease, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import Pick, PolicyEnv, Request, make_policy
-from scheduler.protocol import CLIENT_LEFT, MAX_TOKENS_COUNTED, LeaseRelease
+from scheduler.protocol import (
+    CLIENT_LEFT,
+    CONNECTION_FAILED,
+    FAILING,
+    MAX_TOKENS_COUNTED,
+    REFUSED,
+    UNRESPONSIVE,
+    LeaseRelease,
+)
 from scheduler.registry import Registry, WorkerState
 from scheduler.reservations import ReservationTable
 from scheduler.scrape.snapshot import LoadSnapshot
@@ -39,9 +47,23 @@ UNKNOWN_MODEL = "unknown_model"
 # refused, reset or cut, closed before a byte); its others (http_5xx, timeout, idle_timeout)
 # say a request failed on a worker that answered, or was slow.
 CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
+# Its kinds that say the worker took the request and answered nothing in time ("worker_down":
+# the gateway gave up on a worker reported down while it waited).
+SILENCES = frozenset({"timeout", "idle_timeout", "worker_down"})
 # Why a policy counts a worker saturated (WorkerState.saturated), when that keeps every request
 # off it: all but "kv_usage", which room held for a follow-up may get past (_claim).
 _NO_PLACE = frozenset({"waiting", "running", "running_cap", "prefill_backlog"})
+
+
+def cause_of_report(error: str | None, refused: bool = False) -> str:
+    """The down cause (scheduler/protocol.py) a gateway's failure kind says; `refused`: its
+    connection was refused (a report says so; "connect" alone, from an older gateway, may be
+    a connect timeout or an unreachable host too)."""
+    if refused:
+        return REFUSED
+    if error in CONNECTION_FAILURES:
+        return CONNECTION_FAILED
+    return UNRESPONSIVE if error in SILENCES else FAILING
 
 
 class Wait:
@@ -493,7 +515,7 @@ class SchedulerService:
         # A trial whose client left is no verdict: the worker stays half open, and (its
         # candidates cleared above) the next request is its trial.
         verdict = lease.trial and not (ok and error == CLIENT_LEFT)
-        if verdict and w.health.trial_result(ok and not error):
+        if verdict and w.health.trial_result(ok and not error, cause_of_report(error)):
             self.on_health_change(w)
         else:
             self.policy.refresh(w)
@@ -546,17 +568,20 @@ class SchedulerService:
         self.metrics.renewals.labels("ok" if found else "unknown").inc()
         return found
 
-    def report_failure(self, worker_id: str, error: str) -> bool:
-        """A gateway's report: `error` is its failure kind (router/streaming.py). A connection
-        that was refused, reset or closed empty takes the worker out at once; anything else
-        (an HTTP 5xx, a timeout) only after cfg.failure_report_streak in a row."""
+    def report_failure(self, worker_id: str, error: str, refused: bool = False) -> bool:
+        """A gateway's report: `error` is its failure kind (router/streaming.py), `refused`
+        whether the worker's port refused the connection. A connection that was refused, reset
+        or closed empty takes the worker out at once; anything else (an HTTP 5xx, a timeout)
+        only after cfg.failure_report_streak in a row."""
         w = self.registry.workers.get(worker_id)
         if w is None:
             return False
+        cause = cause_of_report(error, refused)
         if error in CONNECTION_FAILURES:
-            changed = w.health.force_down(f"gateway: {error}")
+            changed = w.health.force_down(f"gateway: {error}{' (refused)' if refused else ''}", cause)
         else:
-            changed = w.health.on_request_failed(f"gateway: {error}", self.cfg.failure_report_streak)
+            changed = w.health.on_request_failed(f"gateway: {error}", self.cfg.failure_report_streak,
+                                                 cause)
         if changed:
             self.on_health_change(w)
         return True

@@ -25,6 +25,7 @@ from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 
+from scheduler.protocol import CONNECTION_FAILED, FAILING, REFUSED, UNRESPONSIVE, connection_refused
 from scheduler.registry import WHOLE_METRICS_PATH, WorkerState
 from scheduler.running_cap import is_positive_int
 from scheduler.scrape import dialects
@@ -43,6 +44,12 @@ CONNECTION_ERRORS = (
     aiohttp.ClientOSError,
     ConnectionError,
 )
+
+
+def connection_cause(exc: BaseException) -> str:
+    """The down cause of a connection-level failure: REFUSED (nothing listens on the port: the
+    worker drains, or its process is gone), else CONNECTION_FAILED (reset, cut, unreachable)."""
+    return REFUSED if connection_refused(exc) else CONNECTION_FAILED
 
 
 # The largest page read from a worker (/metrics, /v1/models, /info). A real vLLM page is
@@ -197,7 +204,7 @@ class Scraper:
             if status >= 500:
                 m.scrape_failures.labels(w.worker_id, "http").inc()
                 self._may_have_restarted(w)  # a proxy's 502/503 while the engine restarts
-                self._failure(w, f"metrics answered {status}", connection_level=False)
+                self._failure(w, f"metrics answered {status}", connection_level=False, cause=FAILING)
                 return
             if now - w.models_fetched_at > cfg.models_refresh_ms / 1000.0 or not w.models:
                 await self.refresh_models(w)
@@ -269,15 +276,18 @@ class Scraper:
             await self._probe_after_timeout(w)
         elif isinstance(exc, CONNECTION_ERRORS):
             m.scrape_failures.labels(w.worker_id, "connection").inc()
-            self._failure(w, tls_failure(exc) or type(exc).__name__, connection_level=True)
+            self._failure(w, tls_failure(exc) or type(exc).__name__, connection_level=True,
+                          cause=connection_cause(exc))
         else:
             m.scrape_failures.labels(w.worker_id, "http").inc()
-            self._failure(w, f"{type(exc).__name__}", connection_level=False)
+            self._failure(w, f"{type(exc).__name__}", connection_level=False, cause=FAILING)
 
-    def _failure(self, w: WorkerState, error: str, connection_level: bool) -> None:
+    def _failure(self, w: WorkerState, error: str, connection_level: bool, cause: str) -> None:
+        """`cause`: scheduler/protocol.py's, the worker's down cause if this takes it out (or
+        comes while it is out)."""
         if connection_level:  # nothing listening: the engine is down, or restarting
             self._may_have_restarted(w)
-        if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level):
+        if w.health.on_failure(error, self.service.cfg.fail_streak, connection_level, cause):
             self.service.on_health_change(w)
 
     async def _probe_after_timeout(self, w: WorkerState) -> None:
@@ -286,11 +296,12 @@ class Scraper:
         try:
             async with self._get(w.url + "/health", self.probe_timeout) as resp:
                 await read_capped(resp)
-            self._failure(w, "metrics timeout (health ok)", connection_level=False)
+            self._failure(w, "metrics timeout (health ok)", connection_level=False, cause=UNRESPONSIVE)
         except CONNECTION_ERRORS as exc:
-            self._failure(w, f"health probe: {tls_failure(exc) or type(exc).__name__}", connection_level=True)
+            self._failure(w, f"health probe: {tls_failure(exc) or type(exc).__name__}", connection_level=True,
+                          cause=connection_cause(exc))
         except (TimeoutError, aiohttp.ClientError):
-            self._failure(w, "metrics and health timeout", connection_level=False)
+            self._failure(w, "metrics and health timeout", connection_level=False, cause=UNRESPONSIVE)
 
     async def refresh_tgi_info(self, w: WorkerState) -> None:
         """TGI's KV pool size: /info's max_batch_total_tokens (the token budget its batches
