@@ -11,8 +11,17 @@ refresh, and is retried elsewhere: no byte of it has reached the client. So does
 until its first byte (router/streaming.py, before_first_byte): it would wait out
 --first-byte-timeout-ms (60 s) on a hung worker; once it has sent a byte it is never moved.
 
+Only a worker that may be hung, though: one the scheduler reports down for its silence (its
+scrapes timed out, requests got no answer) or for connections reset or never made. A worker
+whose port REFUSES connections (the scheduler's down cause "refused") is not hung: nothing
+listens there. Either it drains (SIGTERM: it closed its listener and finishes what it holds,
+for up to its --shutdown-timeout), or its process is gone, and the requests it held failed
+on their own connections already (a dead process's are reset). Giving its answers up would
+only generate them again elsewhere, seconds later, on GPU time already spent: a static worker
+(--workers) that drains stays listed, and is soon reported down, refused.
+
 A worker that left the list is not down: a draining one (deregistered, its pod terminating)
-finishes what it holds. A dead process needs none of this: its connections fail at once.
+finishes what it holds.
 """
 
 from __future__ import annotations
@@ -24,7 +33,12 @@ from typing import TypeVar
 
 import aiohttp
 
+from scheduler.protocol import REFUSED
+
 DOWN = "down"  # the scheduler's circuit state for a worker it took out (WorkerView.state)
+# WorkerView.down_cause: the answers on a worker down for this cause are left to finish (None:
+# unknown, e.g. from a scheduler older than causes, is taken for hung, as before).
+NOT_HUNG = frozenset({REFUSED})
 
 _T = TypeVar("_T")
 
@@ -59,7 +73,8 @@ class DownWatch:
 
     @contextmanager
     def watching(self, worker_id: str) -> Iterator[asyncio.Future[None]]:
-        """A future resolved when the scheduler reports `worker_id` down (never, if it is not)."""
+        """A future resolved when the scheduler reports `worker_id` down, and not for a refused
+        port (never, if it is not)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         watchers = self._watchers.setdefault(worker_id, set())
         watchers.add(fut)
@@ -72,13 +87,13 @@ class DownWatch:
             if not fut.done():
                 fut.cancel()
 
-    def update(self, states: Iterable[tuple[str, str | None]]) -> None:
-        """(worker_id, state) of every worker the scheduler lists: wake the watchers of those
-        it reports down."""
+    def update(self, states: Iterable[tuple[str, str | None, str | None]]) -> None:
+        """(worker_id, state, down_cause) of every worker the scheduler lists: wake the
+        watchers of those it reports down and possibly hung (any cause but "refused")."""
         if not self._watchers:
             return
-        for worker_id, state in states:
-            if state == DOWN:
+        for worker_id, state, cause in states:
+            if state == DOWN and cause not in NOT_HUNG:
                 for fut in self._watchers.pop(worker_id, ()):
                     if not fut.done():
                         fut.set_result(None)

@@ -426,7 +426,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
                     # and no KV credit for tokens it never held.
                     self._release(route, rec, ok=True, error="overloaded", held_kv=False)
                 else:
-                    self._failed(route, r.reason, rec)
+                    self._failed(route, r.reason, rec, r.refused)
                     if pinned is not None and previous is not None and r.reason in UNREACHABLE:
                         # No other worker holds what it continues: no retry, and the answer
                         # every call on the response gets while its worker is out of reach.
@@ -547,17 +547,18 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
                 h["x-router-reason"] = json.dumps(reason, separators=(",", ":"))[:2000]
         return h
 
-    def _failed(self, route: Route, reason: str, rec: RequestRecord) -> None:
-        self.report_failed(route, reason)
+    def _failed(self, route: Route, reason: str, rec: RequestRecord, refused: bool = False) -> None:
+        self.report_failed(route, reason, refused)
         self._release(route, rec, ok=False, error=reason)
 
-    def report_failed(self, route: Route, reason: str) -> None:
-        """The worker failed a request (`reason`: router/streaming.py's kinds): the fallback's
-        round robin passes it over, and the scheduler is told."""
+    def report_failed(self, route: Route, reason: str, refused: bool = False) -> None:
+        """The worker failed a request (`reason`: router/streaming.py's kinds; `refused`: its
+        port refused the connection): the fallback's round robin passes it over, and the
+        scheduler is told."""
         self.sched.fallback.mark_failed(route.url)
         client = self.sched.client
         if client is not None and not route.fallback:
-            client.report_failure_nowait(route.worker_id, reason)
+            client.report_failure_nowait(route.worker_id, reason, refused)
 
     def _prefilled(self, route: Route) -> None:
         """The first chunk of a stream comes after the worker prefilled the prompt: the

@@ -593,7 +593,7 @@ class Scheduling:
         healthy = [v for v in views if v.healthy]
         self.worker_views = [v.model_dump() for v in views]
         self.scheduler_learning = listed.learning
-        self.down_watch.update((v.worker_id, v.state) for v in views)
+        self.down_watch.update((v.worker_id, v.state, v.down_cause) for v in views)
         self.worker_views_at = time.monotonic()
         self.fallback.update_from_scheduler([(v.worker_id, v.url, list(v.models)) for v in healthy],
                                             frozenset(v.worker_id for v in views if v.cordoned))

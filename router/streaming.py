@@ -26,6 +26,7 @@ from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
 from router.upstream_errors import answer_status, read_bounded
 from router.whole_as_sse import sse_of_whole
+from scheduler.protocol import connection_refused
 from scheduler.tls import PeerContext
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -49,13 +50,22 @@ FIRST_TOKEN_MARKERS = {RESPONSES_STREAM: b'.delta"'}
 
 class RetryElsewhere(Exception):
     """The worker failed before any byte reached the client; another may serve.
-    `overloaded`: it refused as full (429), which says nothing against its health."""
+    `overloaded`: it refused as full (429), which says nothing against its health. `refused`:
+    its port refused the connection (the scheduler is told: nothing listens there, so the
+    answers already on it are not hung, router/down_watch.py)."""
 
-    def __init__(self, reason: str, detail: str = "", overloaded: bool = False) -> None:
+    def __init__(self, reason: str, detail: str = "", overloaded: bool = False,
+                 refused: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.detail = detail
         self.overloaded = overloaded
+        self.refused = refused
+
+    @classmethod
+    def after(cls, exc: BaseException) -> RetryElsewhere:
+        """For a worker call that failed with `exc` (one of UPSTREAM_ERRORS)."""
+        return cls(failure_kind(exc), repr(exc), refused=connection_refused(exc))
 
 
 _T = TypeVar("_T")
@@ -173,7 +183,7 @@ class StreamForwarding:
                 ssl=self.worker_tls.request_ssl), down)
         except UPSTREAM_ERRORS as exc:
             watch.close()
-            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+            raise RetryElsewhere.after(exc) from None
         except BaseException:
             watch.close()
             raise
@@ -194,7 +204,7 @@ class StreamForwarding:
             try:
                 first = await before_first_byte(up.content.readany(), down)
             except UPSTREAM_ERRORS as exc:
-                raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+                raise RetryElsewhere.after(exc) from None
             watch.close()  # from here the client has bytes: a stream is never replayed
             if not first:
                 raise RetryElsewhere("empty_stream")
@@ -289,7 +299,7 @@ class StreamForwarding:
         try:
             data = await (read_bounded(up) if up.status >= 400 else up.read())
         except UPSTREAM_ERRORS as exc:  # cut off mid-body: nothing reached the client yet
-            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+            raise RetryElsewhere.after(exc) from None
         status = answer_status(up.status, data)
         data, ctype = self._whole_answer(route, rec, path, status, data,
                                          up.headers.get("Content-Type", "application/json"))

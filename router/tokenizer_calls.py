@@ -26,6 +26,7 @@ from router.scheduling import Route, Scheduling
 from router.streaming import READ_TIMEOUT, UPSTREAM_ERRORS, failure_kind
 from router.upstream_errors import read_bounded, relayed_error
 from scheduler.clip import clip_repr
+from scheduler.protocol import connection_refused
 from scheduler.tls import PeerContext
 
 log = logging.getLogger("router.proxy")
@@ -43,7 +44,7 @@ _RECHECK_AFTER_S = 1.0
 
 class TokenizerCalls:
     def __init__(self, sched: Scheduling, session: aiohttp.ClientSession, worker_tls: PeerContext,
-                 timeout: aiohttp.ClientTimeout, report_failed: Callable[[Route, str], None]) -> None:
+                 timeout: aiohttp.ClientTimeout, report_failed: Callable[[Route, str, bool], None]) -> None:
         self.sched = sched
         self.session = session
         self.worker_tls = worker_tls  # read for each call: a reload swaps its context
@@ -81,13 +82,13 @@ class TokenizerCalls:
             except READ_TIMEOUT:
                 # Not retried: a worker that takes this long on a tokenizer call is hung, and the
                 # client has waited the first-byte timeout already.
-                self.report_failed(route, "timeout")
+                self.report_failed(route, "timeout", False)
                 rec.error = "upstream_timeout"
                 return error_response(504, "the worker sent no answer in time", "upstream_error",
                                       code="upstream_timeout")
             except UPSTREAM_ERRORS as exc:
                 last_failure = f"{failure_kind(exc)}: {exc!r}"
-                self.report_failed(route, failure_kind(exc))
+                self.report_failed(route, failure_kind(exc), connection_refused(exc))
                 log.info("id=%s worker %s failed %s (%s); trying another", rec.id, route.worker_id,
                          path, last_failure)
                 continue

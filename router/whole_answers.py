@@ -26,7 +26,6 @@ from router.streaming import (
     UPSTREAM_ERRORS,
     RetryElsewhere,
     before_first_byte,
-    failure_kind,
 )
 from router.tokens import RESPONSES_PATH
 from router.upstream_errors import answer_status, read_bounded, relayed_error
@@ -61,7 +60,7 @@ class WholeForwarding:
         except READ_TIMEOUT as exc:
             raise AnswerTimedOut(repr(exc)) from None
         except UPSTREAM_ERRORS as exc:
-            raise RetryElsewhere(failure_kind(exc), repr(exc)) from None
+            raise RetryElsewhere.after(exc) from None
 
     async def _unless_down(self, fetch: Coroutine[Any, Any, tuple[int, bytes, str]],
                            worker_id: str) -> tuple[int, bytes, str]:

@@ -52,7 +52,7 @@ from router.tokens import answers_of, schedule_request_off_loop
 from router.ws_leases import TurnLeases, WsTurn
 from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions, ws_error
 from scheduler.client import SchedulerError, SchedulerRequestError, UnknownModelError
-from scheduler.protocol import CLIENT_LEFT
+from scheduler.protocol import CLIENT_LEFT, connection_refused
 
 log = logging.getLogger("router.ws")
 
@@ -207,7 +207,7 @@ class WsRelay:
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if rec.spans is not None:
                     rec.spans.attempt_failed("connect")
-                proxy.report_failed(route, "connect")
+                proxy.report_failed(route, "connect", connection_refused(exc))
                 proxy.release_lease(route, False, 0, 0, error="connect")  # it held nothing
                 exclude.append(route.worker_id)
                 log.info("ws id=%s worker %s unreachable (%r); retrying", rec.id, route.worker_id, exc)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import httpx
 
-from tests.router.procs import SimStack, sim_stack
+from tests.router.procs import SimStack, series_value, sim_stack
 from tests.router.stand_ins import open_leases, until
 
 SLOW = ("--time-scale", "5")  # tiny profile: ~32 ms per decode step
@@ -304,3 +304,34 @@ def test_the_shutdown_timeout_is_one_deadline_and_what_it_cuts_is_told_shutting_
     # Said when the stop begins, not only at the deadline: what it waits for (the queued call
     # counts, its handler is in flight too).
     assert "shutting down: 2 request(s) and 1 WebSocket(s) in flight, waiting up to 3 s" in out["log"]
+
+
+def _state_of(scheduler: str, url: str) -> tuple[str | None, str | None]:
+    """The worker's state and down cause, as the scheduler lists them."""
+    view = next(w for w in httpx.get(scheduler + "/v1/workers").json()["workers"] if w["url"] == url)
+    return view["state"], view.get("down_cause")
+
+
+def test_a_whole_answer_on_a_stopping_static_worker_is_finished_there_not_regenerated():
+    """A static worker (--workers) that gets SIGTERM stays listed: its refused port soon has the
+    scheduler report it down. It is draining, not hung (router/down_watch.py): the whole answer
+    it generates is still answered by it, not given up and generated again elsewhere."""
+    with sim_stack(2, *SLOW, gateway_flags=("--workers-refresh-ms", "200")) as stack:
+        body = {"model": "m", "prompt": "a long answer", "max_tokens": 100, "ignore_eos": True}  # ~3 s
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, stack.gateway + "/v1/completions", json=body, timeout=60)
+            stopping = _busy_worker(stack.scheduler)
+            time.sleep(0.3)  # its answer is under way
+            stack.workers[stopping].p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (state := _state_of(stack.scheduler, stopping))[0] != "down":  # in well under 1 s
+                assert time.monotonic() < deadline, "the stopping worker was never reported down"
+                time.sleep(0.05)
+            assert state == ("down", "refused")
+            assert not answer.done()  # the gateway learns of it while the answer is generated
+            r = answer.result(timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 100
+        assert r.headers["x-router-worker"] == stopping.removeprefix("http://")
+        assert series_value(stack.gateway, 'router_retries_total{reason="worker_down"}', 0) == 0
+        assert stack.workers[stopping].p.wait(20) == 0

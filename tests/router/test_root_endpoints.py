@@ -241,14 +241,16 @@ async def test_unreachable_workers_are_reported_and_tried_up_to_three_then_502()
     from scheduler.tls import PeerContext
 
     sched = _Sched([_view(w) for w in ("a", "b", "c", "d")])  # nothing listens at their ports
-    reported: list[tuple[str, str]] = []
+    reported: list[tuple[str, str, bool]] = []
     async with aiohttp.ClientSession() as session:
         calls = TokenizerCalls(sched, session, PeerContext(), aiohttp.ClientTimeout(total=5),
-                               lambda route, reason: reported.append((route.worker_id, reason)))
+                               lambda route, reason, refused: reported.append(
+                                   (route.worker_id, reason, refused)))
         rec = RequestRecord("id1", "POST", "/tokenize")
         rec.model = "m"
         answer = await calls.relay(make_mocked_request("POST", "/tokenize"), rec, "/tokenize",
                                    b'{"model": "m", "prompt": "x"}', {})
     assert answer.status == 502 and b"upstream_failed" in answer.body
-    assert [reason for _, reason in reported] == ["connect"] * 3
-    assert len({worker for worker, _ in reported}) == 3 and rec.worker == reported[-1][0]
+    # Refused, and reported so: nothing listens there (the scheduler's down cause, not hung).
+    assert [(reason, refused) for _, reason, refused in reported] == [("connect", True)] * 3
+    assert len({worker for worker, _, _ in reported}) == 3 and rec.worker == reported[-1][0]

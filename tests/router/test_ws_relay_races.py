@@ -133,7 +133,7 @@ class FakeProxy:
     def _failed(self, route, reason, rec):  # as the proxy's: with the request's (socket's) totals
         self.release_lease(route, False, rec.prompt_tokens * rec.choices, rec.output_tokens, error=reason)
 
-    def report_failed(self, route, reason):
+    def report_failed(self, route, reason, refused=False):
         pass
 
     def _prefilled(self, route):

@@ -1,0 +1,28 @@
+"""DownWatch: the answers waited for on a worker the scheduler reports down are given up when
+it may be hung, and left to finish when its port refuses connections (router/down_watch.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.down_watch import DownWatch
+from scheduler.protocol import CONNECTION_FAILED, REFUSED, UNRESPONSIVE
+
+
+@pytest.mark.parametrize("cause", [UNRESPONSIVE, CONNECTION_FAILED, "failing", None])
+async def test_a_worker_down_for_anything_but_a_refused_port_wakes_its_watchers(cause):
+    """None: a scheduler older than down causes (or a cause unknown to it) means what "down"
+    always meant here."""
+    watch = DownWatch()
+    with watch.watching("w0") as down, watch.watching("w1") as other:
+        watch.update([("w0", "down", cause), ("w1", "up", None)])
+        assert down.done() and not other.done()
+
+
+async def test_a_worker_down_refused_leaves_its_watchers_waiting():
+    watch = DownWatch()
+    with watch.watching("w0") as down:
+        watch.update([("w0", "down", REFUSED)])  # draining: it finishes what it holds
+        assert not down.done()
+        watch.update([("w0", "down", UNRESPONSIVE)])  # then it went silent: it may hang them
+        assert down.done()
