@@ -81,6 +81,23 @@ def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0) -> No
 
 
 
+def poll_until(pred, what: str, timeout_s: float = 30.0):
+    """pred()'s first truthy value, polled every 50 ms; the test fails naming `what` past the
+    timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scheduler_workers(scheduler: str) -> dict[str, dict]:
+    """The scheduler's GET /v1/workers, by worker id."""
+    return {w["worker_id"]: w for w in httpx.get(scheduler + "/v1/workers", timeout=5).json()["workers"]}
+
+
 def series_value(url: str, series: str, default: float | None = None) -> float:
     """One series of the /metrics page at `url`, named as the page writes it (with its labels,
     e.g. 'router_prompt_tokens_total{model="m"}'). Absent: `default`, or the test fails."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,8 @@ import pytest
 from tests.router.procs import (
     Proc,
     free_port,
+    poll_until,
+    scheduler_workers,
     series_value,
     start_gateway,
     start_scheduler,
@@ -46,26 +47,12 @@ def stack() -> Iterator[dict]:
         # Its view of the cordons refreshed often: a WebSocket leaves a worker once it knows.
         g, gu = start_gateway("--scheduler", su, "--workers-refresh-ms", "100")
         procs.append(g)
-        _until(lambda: all(w["healthy"] and w["models"] == ["m"] for w in _workers(su).values())
-               and len(_workers(su)) == 2, "both workers in rotation")
+        poll_until(lambda: all(w["healthy"] and w["models"] == ["m"] for w in scheduler_workers(su).values())
+               and len(scheduler_workers(su)) == 2, "both workers in rotation")
         yield {"scheduler": su, "scheduler_proc": s, "gateway": gu, "gateway_proc": g, "urls": urls}
     finally:
         for p in procs:
             p.stop()
-
-
-def _until(pred, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _workers(su: str) -> dict[str, dict]:
-    return {w["worker_id"]: w for w in httpx.get(su + "/v1/workers", timeout=5).json()["workers"]}
 
 
 def _admin(su: str, worker_id: str, action: str, token: str | None = TOKEN, **body) -> httpx.Response:
@@ -99,16 +86,17 @@ def _stream(gu: str) -> tuple[str, str]:
 
 def test_a_cordoned_worker_takes_no_new_request_and_uncordoned_it_takes_its_share(stack):
     su, gu = stack["scheduler"], stack["gateway"]
-    assert set(_served_by(gu, 12)) == set(_workers(su))  # both serve, to start with
+    assert set(_served_by(gu, 12)) == set(scheduler_workers(su))  # both serve, to start with
     # A stored response on one worker: its follow-ups can be served there only.
     created = httpx.post(gu + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 4},
                          timeout=60)
     assert created.status_code == 200, created.text
     cordoned = created.headers["x-router-worker"]
-    other = next(w for w in _workers(su) if w != cordoned)
+    other = next(w for w in scheduler_workers(su) if w != cordoned)
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(_stream, gu) for _ in range(4)]
-        _until(lambda: _workers(su)[cordoned]["in_flight_leases"] > 0, "a stream on the worker to cordon")
+        poll_until(lambda: scheduler_workers(su)[cordoned]["in_flight_leases"] > 0,
+                   "a stream on the worker to cordon")
         r = _admin(su, cordoned, "cordon", reason="driver upgrade")
         assert r.status_code == 200, r.text
         body = r.json()
@@ -125,7 +113,7 @@ def test_a_cordoned_worker_takes_no_new_request_and_uncordoned_it_takes_its_shar
         # The streams under way on the cordoned worker finished there.
         ended = [f.result(timeout=120) for f in streams]
     assert cordoned in {w for w, _ in ended} and all(last == "[DONE]" for _, last in ended), ended
-    view = _workers(su)[cordoned]
+    view = scheduler_workers(su)[cordoned]
     assert view["cordoned"] is True and view["cordon_reason"] == "driver upgrade"
     assert view["healthy"] is True and view["data_age_ms"] < 2000  # still scraped
     assert series_value(su, f'scheduler_worker_cordoned{{worker="{cordoned}"}}') == 1
@@ -153,10 +141,10 @@ def test_a_cordoned_worker_takes_no_new_request_and_uncordoned_it_takes_its_shar
 def test_the_admin_api_wants_the_admin_token(stack, token):
     su = stack["scheduler"]
     for action in ("cordon", "uncordon"):
-        r = _admin(su, next(iter(_workers(su))), action, token=token)
+        r = _admin(su, next(iter(scheduler_workers(su))), action, token=token)
         assert r.status_code == 401, r.text
         assert r.json()["error"]["type"] == "authentication_error"
-    assert not any(w["cordoned"] for w in _workers(su).values())
+    assert not any(w["cordoned"] for w in scheduler_workers(su).values())
 
 
 def test_a_scheduler_without_an_admin_token_refuses_the_admin_api(stack):
@@ -167,12 +155,12 @@ def test_a_scheduler_without_an_admin_token_refuses_the_admin_api(stack):
     try:
         su = f"http://127.0.0.1:{port}"
         wait_http(su + "/health", s)
-        wid = _until(lambda: next(iter(_workers(su)), None), "a worker listed")
+        wid = poll_until(lambda: next(iter(scheduler_workers(su)), None), "a worker listed")
         for token in (None, TOKEN, "wrong"):
             r = _admin(su, wid, "cordon", token=token)
             assert r.status_code == 403, r.text
             assert r.json()["error"]["code"] == "admin_disabled"
-        assert not _workers(su)[wid]["cordoned"]
+        assert not scheduler_workers(su)[wid]["cordoned"]
     finally:
         s.stop()
 
@@ -223,14 +211,15 @@ async def _websocket_through_cordons(stack: dict) -> dict:
         await ws.send_str(ask(400))
         first = json.loads((await ws.receive(timeout=30)).data)
         first_worker = await asyncio.to_thread(
-            _until, lambda: next((w for w, v in _workers(su).items() if v["in_flight_leases"]), None),
+            poll_until,
+            lambda: next((w for w, v in scheduler_workers(su).items() if v["in_flight_leases"]), None),
             "the socket's request in flight")
         other = next(w for w in by_id if w != first_worker)
         assert (await asyncio.to_thread(_admin, su, first_worker, "cordon")).status_code == 200
         await until(lambda: _gateway_knows(gu, {first_worker}))
         # The next request, sent while the first streams: held until that answer ends there.
         await ws.send_str(ask(5))
-        assert _workers(su)[first_worker]["in_flight_leases"] == 1  # the first's, still there
+        assert scheduler_workers(su)[first_worker]["in_flight_leases"] == 1  # the first's, still there
         out["in_flight"] = await _answer(ws, 400, first)
         out["next"] = await _answer(ws, 5)
         out["first_two"] = await asyncio.to_thread(served_since)
@@ -269,7 +258,7 @@ def test_a_websocket_leaves_a_cordoned_worker_at_its_next_request(stack):
     try:
         out = asyncio.run(_websocket_through_cordons(stack))
     finally:
-        for wid in _workers(su):
+        for wid in scheduler_workers(su):
             _admin(su, wid, "uncordon")
     first, other = out["first_worker"], out["other"]
     assert (out["in_flight"], out["next"], out["then"], out["idle_move"], out["nowhere_else"]) == (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,15 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.router.procs import Proc, series_value, start_gateway, start_scheduler, start_sim_workers
+from tests.router.procs import (
+    Proc,
+    poll_until,
+    scheduler_workers,
+    series_value,
+    start_gateway,
+    start_scheduler,
+    start_sim_workers,
+)
 
 TOKEN = "admin-token-3e1f"
 HEADER = "x-session-id"
@@ -38,26 +45,12 @@ def stack() -> Iterator[dict]:
                                   "--scheduler-channel", channel)
             procs.append(g)
             gateways.append(gu)
-        _until(lambda: len(_workers(su)) == 3 and all(w["healthy"] for w in _workers(su).values()),
-               "every worker in rotation")
+        poll_until(lambda: len(scheduler_workers(su)) == 3
+                   and all(w["healthy"] for w in scheduler_workers(su).values()), "every worker in rotation")
         yield {"scheduler": su, "gateways": gateways, "urls": urls}
     finally:
         for p in procs:
             p.stop()
-
-
-def _until(pred, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _workers(su: str) -> dict[str, dict]:
-    return {w["worker_id"]: w for w in httpx.get(su + "/v1/workers", timeout=5).json()["workers"]}
 
 
 def _admin(su: str, worker_id: str, action: str) -> None:
