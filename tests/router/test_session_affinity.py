@@ -16,15 +16,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.router.procs import (
-    Proc,
-    poll_until,
-    scheduler_workers,
-    series_value,
-    start_gateway,
-    start_scheduler,
-    start_sim_workers,
-)
+from tests.router.procs import poll_until, scheduler_workers, series_value, sim_stack, start_gateway
 
 TOKEN = "admin-token-3e1f"
 HEADER = "x-session-id"
@@ -32,25 +24,20 @@ HEADER = "x-session-id"
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict]:
-    procs: list[Proc] = []
-    try:
-        workers = start_sim_workers(3, "m")
-        procs += [p for p, _ in workers]
-        urls = [u for _, u in workers]
-        s, su = start_scheduler(urls, "--scrape-interval-ms", "100", "--admin-token", TOKEN)
-        procs.append(s)
-        gateways = []
-        for channel in ("ws", "http"):
-            g, gu = start_gateway("--scheduler", su, "--session-header", HEADER, "--debug-headers",
-                                  "--scheduler-channel", channel)
-            procs.append(g)
-            gateways.append(gu)
-        poll_until(lambda: len(scheduler_workers(su)) == 3
-                   and all(w["healthy"] for w in scheduler_workers(su).values()), "every worker in rotation")
-        yield {"scheduler": su, "gateways": gateways, "urls": urls}
-    finally:
-        for p in procs:
-            p.stop()
+    """3 sim workers, a scheduler, and two gateways naming sessions by HEADER, one on each
+    scheduler channel."""
+    flags = ("--session-header", HEADER, "--debug-headers")
+    with sim_stack(3, scheduler_flags=("--admin-token", TOKEN),
+                   gateway_flags=(*flags, "--scheduler-channel", "ws")) as sim:
+        su = sim.scheduler
+        second, second_url = start_gateway("--scheduler", su, *flags, "--scheduler-channel", "http")
+        try:
+            poll_until(lambda: len(scheduler_workers(su)) == 3
+                       and all(w["healthy"] for w in scheduler_workers(su).values()),
+                       "every worker in rotation")
+            yield {"scheduler": su, "gateways": [sim.gateway, second_url], "urls": list(sim.workers)}
+        finally:
+            second.stop()
 
 
 def _admin(su: str, worker_id: str, action: str) -> None:
