@@ -1,4 +1,5 @@
-"""Round-robin routing used while the scheduler is unreachable, with passive health.
+"""Routing used while the scheduler is unreachable: round robin, or by session, with passive
+health.
 
 The worker list is the last healthy set the scheduler reported (refreshed while
 it is up) plus the static --workers. A worker that fails a request rests for a
@@ -7,14 +8,45 @@ Static workers whose models are unknown are assumed to serve any model. A worker
 the scheduler last listed as cordoned (an operator's maintenance) is kept in the
 list, since stored responses are looked up there, but is not picked; a WebSocket on it leaves
 it at its next request (is_cordoned, router/ws_relay.py), in either mode.
+
+A request with a session key (router/sessions.py: the gateway's --session-header) is placed by
+rendezvous (highest-random-weight) hashing instead: of the usable workers for its model, the one
+whose score for (key, worker URL) is highest. So a session's turns stay on one worker (and its
+prefix cache) while the scheduler is away, every gateway replica picks the same one without
+sharing state (the score is a fixed integer mix, not Python's salted hash()), and when a worker
+rests, is cordoned, excluded or gone only its own sessions move, each to its next-highest
+worker. The URL names a worker, not its id: a static --workers entry's id is its URL, and a
+replica that never heard the scheduler's list knows the worker by that alone. This is not the
+scheduler's session table (it may keep a session elsewhere: a worker with room), so a session
+may change worker once when the scheduler goes away and once when it is back. Requests without
+a session key go round robin.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from scheduler.clip import clip_repr
+
+_MASK64 = (1 << 64) - 1
+
+
+def url_seed(url: str) -> int:
+    """A worker's 64-bit rendezvous value: its URL's blake2b digest, the same in every process."""
+    digest = hashlib.blake2b(url.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_score(session: int, seed: int) -> int:
+    """A session's score on a worker: splitmix64's finalizer of key XOR seed. Both steps are
+    bijections of 64-bit integers, so workers with different seeds never tie, and a few integer
+    operations per worker cost far less than a digest each."""
+    x = (session ^ seed) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 class NoWorkerError(Exception):
@@ -33,6 +65,10 @@ class KnownWorker:
     down_until: float = 0.0
     failures: int = field(default=0)
     cordoned: bool = False  # the scheduler's last word: no new requests for it
+    seed: int = field(init=False, repr=False)  # url_seed(url), for sessions' rendezvous picks
+
+    def __post_init__(self) -> None:
+        self.seed = url_seed(self.url)
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -91,7 +127,11 @@ class FallbackRouter:
                 out |= w.models
         return out
 
-    def pick(self, model: str, exclude: list[str]) -> KnownWorker:
+    def pick(self, model: str, exclude: list[str], session: int | None = None) -> KnownWorker:
+        """The next worker for `model` not in `exclude` (ids or URLs): round robin, or, with a
+        session key, the usable worker of highest rendezvous score (the module's docstring).
+        One that rests is picked only when all do (the one resting longest). Raises
+        NoWorkerError."""
         ws = self._all
         if any(w.models is not None for w in ws) and not any(w.models and model in w.models for w in ws):
             # Workers whose models are still unknown (never answered /v1/models) are not
@@ -100,6 +140,8 @@ class FallbackRouter:
         n = len(ws)
         now = time.monotonic()
         resting: KnownWorker | None = None
+        best: KnownWorker | None = None  # a session's pick so far, and its score
+        best_score = -1
         serving = cordoned = 0
         for i in range(n):
             w = ws[(self._next + i) % n]
@@ -115,8 +157,14 @@ class FallbackRouter:
                 if resting is None or w.down_until < resting.down_until:
                     resting = w
                 continue
-            self._next = (self._next + i + 1) % n
-            return w
+            if session is None:
+                self._next = (self._next + i + 1) % n
+                return w
+            score = rendezvous_score(session, w.seed)
+            if score > best_score:
+                best, best_score = w, score
+        if best is not None:
+            return best
         if resting is not None:  # everyone is resting: try the one resting longest rather than fail
             return resting
         if serving == 0:

@@ -5,7 +5,8 @@ Scheduler availability is one shared state per gateway process:
 - The first failed call starts the clock and a background probe.
 - Requests keep retrying the scheduler every try period until
   --wait-schedule-timeout-ms has passed since the first failure; then the gateway
-  switches to fallback mode (round robin over last-known healthy workers).
+  switches to fallback mode (round robin over last-known healthy workers; a session's
+  requests by rendezvous hashing, to one worker: router/fallback.py).
 - The probe (GET /health every --scheduler-probe-ms) switches back the moment the
   scheduler answers. Both switch durations are logged and exported.
 - A scheduler that refuses the gateway's token (401/403: --scheduler-token is not its
@@ -248,14 +249,14 @@ class Scheduling:
         # Fallback picks are not charged: without the scheduler nothing queues, and the model
         # may be one no worker serves (the counters would keep every name a client makes up).
         if self.fallback_active:
-            return self._fallback_pick(model, exclude, pin, pinned_url)
+            return self._fallback_pick(model, exclude, pin, pinned_url, body.get("session"))
         queued_at = time.monotonic()
         if spans is not None:
             spans.queued()
         async with self.queue.place(line, body.get("prompt_tokens") or 0, priority, flow, deadline):
             while True:
                 if self.fallback_active:
-                    return self._fallback_pick(model, exclude, pin, pinned_url)
+                    return self._fallback_pick(model, exclude, pin, pinned_url, body.get("session"))
                 now = time.monotonic()
                 remaining_ms = int((deadline - now) * 1000)
                 if remaining_ms <= 0:
@@ -418,15 +419,18 @@ class Scheduling:
             self.release_nowait(orphan_release(payload["lease_id"]))
 
     def _fallback_pick(self, model: str, exclude: list[str], pin: str | None = None,
-                       pinned_url: str | None = None) -> Route:
+                       pinned_url: str | None = None, session: int | None = None) -> Route:
+        """A worker without the scheduler: the pin, else by session (its key, router/sessions.py)
+        or round robin (router/fallback.py)."""
         if pin is not None and pinned_url is not None:
             if pin in exclude:
                 raise NoWorkerError(f"worker {pin!r}, which holds what this request continues, failed it")
             self.metrics.fallback_requests.inc()
             return Route(pin, pinned_url, None, "fallback_pinned", {}, fallback=True)
-        w = self.fallback.pick(model, exclude)
+        w = self.fallback.pick(model, exclude, session)
         self.metrics.fallback_requests.inc()
-        return Route(w.worker_id, w.url, None, "fallback_round_robin", {}, fallback=True)
+        policy = "fallback_round_robin" if session is None else "fallback_session"
+        return Route(w.worker_id, w.url, None, policy, {}, fallback=True)
 
     # ---- scheduler availability --------------------------------------------------------
     async def _scheduler_failed(self, exc: Exception, started: float, wait_ms: int = 0) -> None:

@@ -8,9 +8,11 @@ headers. The body is forwarded unchanged either way.
 
 The scheduler is sent a 63-bit digest of the value, never the value (it may be a user id or a
 conversation id): stable across processes and restarts (blake2b, not Python's salted hash()),
-so every gateway replica names a session by the same key. The key is not scoped by tenant: a
-session is only a placement hint, so two clients who pick the same value share a worker
-preference and nothing else.
+so every gateway replica names a session by the same key. While the scheduler is away the
+gateway places a session's requests itself by the same key (router/fallback.py: rendezvous
+hashing over the workers it knows), so they still share a worker. The key is not scoped by
+tenant: a session is only a placement hint, so two clients who pick the same value share a
+worker preference and nothing else.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import FallbackRouter, NoWorkerError
 from router.metrics import RouterMetrics
 from router.queue import AdmissionQueue, QueueDisplaced, QueueFull
+from router.sessions import session_key
 from router.sse import StreamTap, usage_of_body
 from router.tokens import (
     PREFIX_CHUNK_CHARS,
@@ -562,6 +564,51 @@ def test_fallback_round_robin_skips_workers_the_scheduler_listed_cordoned():
     assert not e.value.unknown_model and "cordoned" in str(e.value)
     fb.update_from_scheduler([("w1", "http://a", ["m"]), ("w2", "http://b", ["m"])])
     assert {fb.pick("m", []).worker_id for _ in range(4)} == {"w1", "w2"}
+
+
+def test_fallback_places_a_session_by_rendezvous_hashing():
+    """With a session key the fallback picks by rendezvous hashing of (key, worker URL): the same
+    worker each time and in another replica, sessions spread, and when a worker rests, is
+    excluded, cordoned or leaves, only its own sessions move (to several workers, not one)."""
+    views = [(f"w{i}", f"http://10.0.0.{i}:8000", ["m"]) for i in range(5)]
+    fb = FallbackRouter(["http://static:8000"], cooldown_s=60)
+    fb.update_from_scheduler(views)
+    keys = [session_key(f"conversation-{i}") for i in range(600)]
+    home = {k: fb.pick("m", [], k).url for k in keys}
+    for k in keys[:60]:  # round-robin picks in between turn the rotation, not a session's pick
+        fb.pick("m", [])
+        assert fb.pick("m", [], k).url == home[k]
+    # A replica that knows the same workers only as --workers, listed in another order.
+    replica = FallbackRouter(["http://static:8000", *reversed([u for _, u, _ in views])], cooldown_s=60)
+    assert {k: replica.pick("m", [], k).url for k in keys} == home
+    counts = Counter(home.values())  # 100 each on average
+    assert len(counts) == 6 and min(counts.values()) >= 60, counts
+
+    w2 = "http://10.0.0.2:8000"
+    orphans = [k for k in keys if home[k] == w2]
+
+    def placed(exclude: list[str] | None = None) -> dict[int, str]:
+        out = {k: fb.pick("m", exclude or [], k).url for k in keys}
+        assert all(out[k] == home[k] for k in keys if home[k] != w2)  # the others stay
+        assert w2 not in out.values() and len({out[k] for k in orphans}) >= 3
+        return out
+
+    fb.mark_failed(w2)
+    moved = placed()
+    fb.mark_ok(w2)
+    assert {k: fb.pick("m", [], k).url for k in keys} == home  # back from its rest
+    assert placed(["w2"]) == moved  # a failed attempt's retry goes where a rest sends it
+    fb.update_from_scheduler(views, frozenset({"w2"}))
+    assert placed() == moved
+    fb.update_from_scheduler([v for v in views if v[0] != "w2"])
+    assert placed() == moved
+    # A model only some workers serve (the static one, whose models are unknown, may): among
+    # those, by the same scores.
+    fb.update_from_scheduler([(wid, url, ["m", "n"] if wid in ("w0", "w1") else ["m"])
+                              for wid, url, _ in views])
+    serving = {views[0][1], views[1][1], "http://static:8000"}
+    assert {fb.pick("n", [], k).url for k in keys} == serving
+    assert all(fb.pick("n", [], k).url == home[k] for k in keys if home[k] in serving)
 
 
 def test_api_keys():
