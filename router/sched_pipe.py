@@ -25,6 +25,14 @@ Two wire forms, picked at connect time:
 `channel="auto"` (the default; `--scheduler-channel` / ROUTER_SCHEDULER_CHANNEL choose
 one, e.g. for A/B measurements) tries "ws" and falls back to "http".
 
+A TLS reload (scheduler/tls_reload.py: a renewed --scheduler-ca-file or client certificate)
+puts a new context in the PeerContext this channel reads. The connection open, made with the
+old one, is then retired at the next call: nothing new is written on it, the next calls go on
+a new connection made with the new context, and the old one closes once the calls in flight
+on it are answered (none lost). So a CA taken out of the bundle stops vouching for the
+scheduler at once, though the channel is never closed when idle. The check on each call is
+one identity comparison of contexts.
+
 Long-polls (wait_ms > 0) must not hold up the pipeline, so they, /v1/workers, health
 probes and failure reports keep using `scheduler.client.SchedulerClient`.
 Errors mean the same as there: UnknownModelError (404), SchedulerAuthError (401/403: the
@@ -107,7 +115,7 @@ class SchedulerPipe:
         # https://: the same connection in TLS, the certificate checked as SchedulerClient checks
         # it (the gateway's --scheduler-ca-file, else the system's CAs) and for this host name.
         # The context is read for each connection made (_ssl): a reload (scheduler/tls_reload.py)
-        # swaps it, and the connection open goes on with its own.
+        # swaps it, and the connection open is retired (_retire).
         self._https = u.scheme == "https"
         self._tls = tls if tls is not None else PeerContext()
         self._system_cas = ssl.create_default_context() if self._https and self._tls.current is None else None
@@ -145,6 +153,8 @@ class SchedulerPipe:
         )
         self.loop = asyncio.get_running_loop()
         self._pipe: _Pipe | _WsPipe | None = None
+        # Connections opened with a context a reload replaced, still owing answers.
+        self._retiring: set[_Pipe | _WsPipe] = set()
         self._connecting: asyncio.Future | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._closed = False
@@ -161,16 +171,19 @@ class SchedulerPipe:
         """The wire form in use: "ws", "http", or None before the first connection."""
         return self._pipe.kind if self._pipe is not None else None
 
-    def _ssl(self) -> ssl.SSLContext | None:
-        """The context of a connection made now; None: plain TCP (http://)."""
+    def _ssl(self, current: ssl.SSLContext | None) -> ssl.SSLContext | None:
+        """The context of a connection made now (`current`: the PeerContext's); None: plain
+        TCP (http://)."""
         if not self._https:
             return None
-        return self._tls.current if self._tls.current is not None else self._system_cas
+        return current if current is not None else self._system_cas
 
     async def _get_pipe(self) -> _Pipe | _WsPipe:
         pipe = self._pipe
         if pipe is not None and not pipe.closed:
-            return pipe
+            if pipe.opened_with is self._tls.current:
+                return pipe
+            self._retire(pipe)
         if self._connecting is None:
             self._connecting = self.loop.create_task(self._connect())
         try:
@@ -179,13 +192,27 @@ class SchedulerPipe:
             if self._connecting is not None and self._connecting.done():
                 self._connecting = None
 
+    def _retire(self, pipe: _Pipe | _WsPipe) -> None:
+        """`pipe` was opened with a context a TLS reload has replaced: the next calls go on a new
+        connection, and it closes once its calls in flight are answered (the watchdog still
+        times them out)."""
+        self._pipe = None
+        log.info("scheduler channel: TLS context reloaded; new calls go on a new connection, "
+                 "the old one closes once its %d call(s) in flight are answered", len(pipe.pending))
+        pipe.retire()
+        if not pipe.closed:
+            self._retiring.add(pipe)
+
     async def _connect(self) -> _Pipe | _WsPipe:
         pipe: _Pipe | _WsPipe | None = None
+        # Read once: a reload during the handshake leaves this connection marked with the
+        # context it was made with, retired at the next call.
+        current = self._tls.current
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self.channel != "http":
                     _, ws = await self.loop.create_connection(
-                        lambda: _WsPipe(self, self._upgrade), self.host, self.port, ssl=self._ssl()
+                        lambda: _WsPipe(self, self._upgrade), self.host, self.port, ssl=self._ssl(current)
                     )
                     try:
                         await ws.handshake
@@ -200,9 +227,10 @@ class SchedulerPipe:
                         raise
                 if pipe is None:
                     _, pipe = await self.loop.create_connection(lambda: _Pipe(self), self.host, self.port,
-                                                                ssl=self._ssl())
+                                                                ssl=self._ssl(current))
         except (OSError, TimeoutError) as exc:
             raise SchedulerUnavailableError(f"scheduler {self.host}:{self.port}: {exc!r}") from exc
+        pipe.opened_with = current
         self._pipe = pipe
         if self._watchdog is None:
             self._watchdog = self.loop.call_later(self._tick_s, self._check_timeouts)
@@ -227,6 +255,7 @@ class SchedulerPipe:
         load on the worker until the lease expired, 10 minutes)."""
         if self._pipe is pipe:
             self._pipe = None
+        self._retiring.discard(pipe)
         if unsent and not self._closed:
             self.loop.create_task(self._send_again(pipe.kind, unsent))
 
@@ -248,6 +277,9 @@ class SchedulerPipe:
         And an HTTP connection idle for idle_close_s is closed before the scheduler closes it."""
         pipe = self._pipe
         now = time.monotonic()
+        for old in list(self._retiring):  # retired after a TLS reload, answers still owed
+            if old.pending and now - old.pending[0][1] > self.timeout_s:
+                old.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
         if pipe is not None and pipe.pending and now - pipe.pending[0][1] > self.timeout_s:
             pipe.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
         elif isinstance(pipe, _Pipe) and not pipe.pending and now - pipe.idle_since >= self.idle_close_s:
@@ -262,7 +294,8 @@ class SchedulerPipe:
     async def schedule_raw(self, body: dict[str, Any]) -> tuple[int, dict]:
         """Like SchedulerClient.schedule_raw, for calls without wait_ms."""
         pipe = self._pipe
-        if pipe is None or pipe.closed:
+        # The identity check: a TLS reload retires the connection (_get_pipe).
+        if pipe is None or pipe.closed or pipe.opened_with is not self._tls.current:
             pipe = await self._get_pipe()
         fut = self.loop.create_future()
         if pipe.kind == "ws":
@@ -318,7 +351,7 @@ class SchedulerPipe:
 
     def _send_lazy(self, op: bytes, head: bytes, body: dict[str, Any]) -> None:
         pipe = self._pipe
-        if pipe is not None and not pipe.closed:
+        if pipe is not None and not pipe.closed and pipe.opened_with is self._tls.current:
             pipe.send_lazy(self._lazy_message(pipe, op, head, body))
         else:
             self.loop.create_task(self._send_later(op, head, body))
@@ -359,6 +392,8 @@ class SchedulerPipe:
             if not self._pipe.closed:
                 self._pipe._flush()  # releases still waiting for company
             self._pipe.abort(SchedulerUnavailableError("closed"))
+        for old in list(self._retiring):
+            old.abort(SchedulerUnavailableError("closed"))
 
 
 __all__ = ["CHANNELS", "IDLE_CLOSE_S", "RELEASE_DELAY_S", "SchedulerPipe", "_Pipe", "_WsPipe", "ws_frame"]

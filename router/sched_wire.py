@@ -5,7 +5,9 @@ connection each (router/sched_pipe.py explains why and picks one):
   identity), server frames parsed with a few bytes operations.
 - `_Pipe`: HTTP/1.1 pipelining of POST /v1/schedule and /v1/release.
 Both batch the calls of one event-loop iteration into one send(); a release may wait
-RELEASE_DELAY_S for company.
+RELEASE_DELAY_S for company. A connection opened with a TLS context that a reload has since
+replaced is retired (`retire()`): nothing new is written on it, and it closes once the calls
+in flight on it are answered.
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ class _ChannelProtocol(asyncio.Protocol):
         self.flush_scheduled = False
         self.lazy_timer: asyncio.TimerHandle | None = None
         self.closed = False
+        # The PeerContext.current this connection was opened with (its owner sets it): once a
+        # TLS reload has put another there, the connection is retired.
+        self.opened_with: Any = None
+        # Retired: its owner writes nothing new on it; closed once no call awaits an answer.
+        self.retiring = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -262,6 +269,29 @@ class _WsPipe(_ChannelProtocol):
             return
         for fut, answer in zip(futs, answers, strict=True):
             self._deliver(fut, answer)
+        if self.retiring and not self.pending:
+            self._close_retired()
+
+    def retire(self) -> None:
+        """Its owner opened another connection (a TLS reload): what this event-loop iteration
+        gave it goes out now, and it closes once every batch sent has its answer."""
+        self.retiring = True
+        self._flush()
+        if not self.pending:
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        """A close frame, then the TCP (TLS) close after what was written: the scheduler reads
+        every message sent before it (the releases not answered too), in order, so nothing
+        written is left to send again."""
+        if self.closed:
+            return
+        self.closed = True
+        self._cancel_lazy_timer()
+        self.unconfirmed.clear()
+        if self.transport is not None:
+            self.transport.write(ws_frame(b"\x03\xe8", 0x88))  # close, 1000 (normal)
+            self.transport.close()
 
     def abort(self, exc: Exception) -> None:
         self._close_transport()
@@ -361,7 +391,18 @@ class _Pipe(_ChannelProtocol):
                 self.abort(SchedulerUnavailableError("scheduler closed the connection"))
                 return
             if not self.pending:
+                if self.retiring:
+                    self.close_idle()
+                    return
                 self.idle_since = time.monotonic()
+
+    def retire(self) -> None:
+        """Its owner opened another connection (a TLS reload): what this event-loop iteration
+        gave it goes out now, and it closes once every call written has its answer."""
+        self.retiring = True
+        self._flush()
+        if not self.pending:
+            self.close_idle()
 
     def close_idle(self) -> None:
         """Close the connection, no call awaiting an answer: gracefully (a FIN, not a reset),

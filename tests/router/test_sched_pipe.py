@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import pytest
 from router.sched_pipe import IDLE_CLOSE_S, SchedulerPipe, _Pipe, _WsPipe, ws_frame
 from scheduler.client import SchedulerUnavailableError, UnknownModelError
 from scheduler.connection_limit import DEFAULT_KEEPALIVE_TIMEOUT_S
+from scheduler.tls import PeerContext
 from tests.router.procs import (
     Proc,
     free_port,
@@ -258,6 +260,68 @@ async def test_releases_not_yet_sent_when_the_connection_drops_go_on_the_next_on
     finally:
         pipe.close()
 
+
+
+@pytest.mark.parametrize("channel", ["ws", "http"])
+async def test_a_tls_reload_moves_the_calls_to_a_new_connection_and_those_in_flight_are_answered(
+        scheduler, channel):
+    """A reload (scheduler/tls_reload.py) puts a new context in the PeerContext: the connection
+    made with the old one is retired at the next call. The calls written on it before (and a
+    release waiting there for company) are still answered on it, then it closes; the calls after
+    go on a new connection, made with the new context. None is lost. (The scheduler here is
+    http://: the same check of the context's identity, no handshake; the HTTPS stack:
+    tests/router/test_tls_reload.py.)"""
+    peer = PeerContext(ssl.create_default_context())
+    pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel, tls=peer)
+
+    async def open_leases() -> int:
+        async with httpx.AsyncClient() as c:
+            workers = (await c.get(scheduler + "/v1/workers")).json()["workers"]
+        return sum(w["in_flight_leases"] for w in workers)
+
+    try:
+        base = await open_leases()
+        status, first = await pipe.schedule_raw({"model": "m"})
+        old = pipe._pipe
+        assert status == 200 and old is not None
+        owed_at_retire: list[int] = []
+        retire = getattr(old, "retire", None)  # (None: a pipe that never retires a connection)
+
+        def retire_and_count() -> None:
+            assert retire is not None
+            retire()
+            owed_at_retire.append(len(old.pending))
+
+        old.retire = retire_and_count  # type: ignore[method-assign]
+        before = [asyncio.ensure_future(pipe.schedule_raw({"model": "m"})) for _ in range(20)]
+        await asyncio.sleep(0)  # written on the old connection, or about to be
+        pipe.release_nowait({"lease_id": first["lease_id"], "ok": True})  # waits there for company
+        peer.current = ssl.create_default_context()  # as a reload does
+        after = [asyncio.ensure_future(pipe.schedule_raw({"model": "m"})) for _ in range(20)]
+        results = await asyncio.wait_for(asyncio.gather(*before, *after), 10)
+        assert [s for s, _ in results] == [200] * 40
+        new = pipe._pipe
+        assert new is not None and new is not old and new.opened_with is peer.current
+        assert owed_at_retire and owed_at_retire[0] > 0  # calls in flight at the switch
+        assert pipe.kind == channel
+        for _ in range(100):  # closed once its answers came
+            if old.closed:
+                break
+            await asyncio.sleep(0.02)
+        assert old.closed and not pipe._retiring
+        for _, payload in results:
+            pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+        for _ in range(100):  # every lease given back: the one released on the old connection too
+            if await open_leases() == base:
+                break
+            await asyncio.sleep(0.05)
+        assert await open_leases() == base
+        # Steady again: the next calls stay on the new connection.
+        status, payload = await pipe.schedule_raw({"model": "m"})
+        assert status == 200 and pipe._pipe is new
+        pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+    finally:
+        pipe.close()
 
 
 @pytest.mark.parametrize("channel", ["ws", "http"])

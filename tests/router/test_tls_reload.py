@@ -4,8 +4,9 @@ connection and a stream opened before go on, keeps its certificate (and says so 
 when the new key does not match, and on SIGHUP reloads its certificate and its API keys at once;
 its client certificate and the CA bundle it checks workers with are reloaded, and a CA taken out
 of that bundle (the gateway's, the scheduler's for its scrapes) no longer vouches for a worker on
-new connections; a worker reloads its served certificate on SIGHUP. (The scheduler's part:
-tests/scheduler/test_tls_reload.py.)"""
+new connections; a CA taken out of the gateway's bundle for the scheduler no longer vouches for
+it on the scheduler channel opened before (it moves to a new connection); a worker reloads its
+served certificate on SIGHUP. (The scheduler's part: tests/scheduler/test_tls_reload.py.)"""
 
 from __future__ import annotations
 
@@ -322,3 +323,65 @@ def test_a_ca_taken_out_of_the_workers_bundle_no_longer_vouches_for_new_connecti
     until(lambda: gateway_statuses() == (200, 200))
     for p in (worker, scheduler, gateway):
         assert "Traceback" not in p.output(), p.output()[-3000:]
+
+
+def test_the_scheduler_channel_moves_to_the_reloaded_context(echo, procs, pki, tmp_path):
+    """A gateway on an HTTPS scheduler through its WebSocket channel, which it never closes when
+    idle. Its --scheduler-ca-file renewed with the other CA only (the CA retired, or compromised):
+    the channel open, made when the CA vouched for the scheduler, is not used any more, and the
+    requests after it are not scheduled by the scheduler (round robin over --workers answers
+    them). The scheduler's certificate renewed from the other CA: the gateway schedules through
+    it again, on a channel checked against the other CA. (The worker list refresh, which would
+    also find the scheduler untrusted, is slowed down so that only the channel is tested.)"""
+    sched_live, gw_live = tmp_path / "scheduler", tmp_path / "gateway"
+    sched_live.mkdir()
+    gw_live.mkdir()
+    replace(pki.server_cert, sched_live / "tls.crt")
+    replace(pki.server_key, sched_live / "tls.key")
+    replace(pki.ca, gw_live / "scheduler-ca.pem")
+    sport, gport = free_port(), free_port()
+    scheduler_url = f"https://127.0.0.1:{sport}"
+    gateway_url = f"http://127.0.0.1:{gport}"
+
+    def decisions() -> float:
+        """The schedule decisions the scheduler made (every policy and outcome)."""
+        text = httpx.get(scheduler_url + "/metrics", verify=checks[0], timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("scheduler_decisions_total{"))
+
+    def completion() -> int:
+        return httpx.post(gateway_url + "/v1/completions", json=BODY, timeout=30).status_code
+
+    def mode() -> str:
+        return httpx.get(gateway_url + "/health", timeout=10).json()["mode"]
+
+    checks = [trusting(pki)]  # the test's own check of the scheduler's certificate
+    start(procs, ["-m", "scheduler", "--port", str(sport), "--workers", echo, "--scrape-interval-ms", "100",
+                  "--ssl-certfile", str(sched_live / "tls.crt"), "--ssl-keyfile", str(sched_live / "tls.key"),
+                  "--ssl-reload-s", str(POLL_S)],
+          lambda: httpx.get(scheduler_url + "/v1/workers", verify=trusting(pki), timeout=2)
+          .json()["workers"][0]["healthy"], f"scheduler-tls-reload-{sport}")
+    gateway = start(procs, ["-m", "router", "--port", str(gport), "--scheduler", scheduler_url,
+                            "--scheduler-ca-file", str(gw_live / "scheduler-ca.pem"),
+                            "--scheduler-channel", "ws", "--workers", echo, "--workers-refresh-ms", "600000",
+                            "--ssl-reload-s", str(POLL_S)],
+                    lambda: mode() == "scheduled" and completion() == 200, f"gateway-tls-reload-{gport}")
+    before = decisions()
+    assert completion() == 200 and decisions() == before + 1  # scheduled, through the channel
+
+    replace(pki.other_ca, gw_live / "scheduler-ca.pem")
+    until(lambda: "TLS context for calling the scheduler reloaded (file changed)" in gateway.output())
+    before = decisions()
+    assert [completion() for _ in range(5)] == [200] * 5  # answered, round robin
+    assert decisions() == before  # none scheduled through the channel opened before
+    assert "scheduler channel: TLS context reloaded" in gateway.output()
+
+    c_cert, c_key = c_files(pki)
+    replace(c_key, sched_live / "tls.key")
+    replace(c_cert, sched_live / "tls.crt")
+    until(lambda: served(sport) == der(c_cert))
+    checks[0] = ssl.create_default_context(cafile=str(pki.other_ca))
+    until(lambda: mode() == "scheduled", within_s=30)
+    before = decisions()
+    assert completion() == 200 and decisions() == before + 1  # through a channel the other CA checked
+    assert "Traceback" not in gateway.output(), gateway.output()[-3000:]
