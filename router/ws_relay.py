@@ -23,6 +23,15 @@ refusals are, and once the worker has ended the answers it owes (the request in 
 finishes there) the socket is moved the same way. A cordoned worker still serves: when no
 other worker can take the socket, it goes back there, pinned, rather than lose its requests.
 
+A TLS reload (scheduler/tls_reload.py: a renewed --worker-ca-file or client certificate) does
+not cut a socket's conversation, as proxies leave the connections open at a configuration
+change; but a CA taken out of the bundle must not vouch for a worker forever. So the upstream
+WebSocket opened under a context a reload has since replaced is opened again at the socket's
+next request, a turn boundary, as a cordoned worker's is left: the request is held, the answers
+owed end on the old connection, and the socket is placed again, on the same worker first (its
+prefix cache), with the context in force; where that worker no longer passes the check, on
+another, else the socket is closed (1001). A socket that sends nothing keeps its connection.
+
 Each request holds a lease of its own on the socket's worker, from its message to its answer's
 end (router/ws_leases.py; the first one's is the lease the socket was placed with). A worker
 that drops the connection with answers owed is reported, as a stream cut mid-answer is. The
@@ -108,6 +117,10 @@ class WsRelay:
         self.held = False
         # The socket's worker is cordoned: it moves once the worker owes no answer.
         self.leaving = False
+        # The worker_tls.current the upstream was opened with; a reload replaced it: the
+        # upstream is opened again (reopen: it "leaves" for the same worker first).
+        self.opened_with: Any = None
+        self.reopen = False
         # How many of the newest requests in session.pending no worker has (refused, or held).
         self.outside = 0
         self.leases = TurnLeases(proxy, rec)
@@ -193,6 +206,7 @@ class WsRelay:
             headers = proxy._upstream_headers(self.request, rec.id, "/v1/ws", rec.spans)
             if rec.spans is not None:  # the worker's parent span is this connection's
                 headers["traceparent"] = rec.spans.attempt(route.worker_id, route.url + "/v1/ws")
+            opened_with = proxy.worker_tls.current
             try:
                 self.upstream = await proxy.session.ws_connect(
                     route.url + "/v1/ws",
@@ -202,7 +216,7 @@ class WsRelay:
                     # A worker whose host died without closing the connection is noticed (its
                     # owed requests' leases would otherwise be renewed while the client waits).
                     heartbeat=proxy.cfg.ws_heartbeat_s,
-                    ssl=proxy.worker_tls.request_ssl,
+                    ssl=opened_with if opened_with is not None else True,  # request_ssl's
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if rec.spans is not None:
@@ -219,6 +233,7 @@ class WsRelay:
                 proxy._release(route, rec, ok=True, error=CLIENT_LEFT, held_kv=False)
                 raise
             self.route = route
+            self.opened_with = opened_with
             rec.worker = route.worker_id
             if turn is not None and turn in owed:
                 self.leases.give(turn, route)
@@ -231,9 +246,11 @@ class WsRelay:
     async def _move(self, leaving: bool = False) -> bool:
         """The socket goes to another worker with what it still owes: the worker said 1001, or
         (leaving) it is cordoned and has ended every answer it owed. A cordoned worker still
-        serves: when no other worker can take the socket, it goes back there."""
+        serves: when no other worker can take the socket, it goes back there. Or (reopen) its
+        connection was opened under a TLS context since reloaded: to the same worker first."""
         self.held = True
         self.leaving = False  # from here requests sent meanwhile join the move
+        reopen, self.reopen = self.reopen and leaving, False  # (a worker's 1001: elsewhere)
         old = self.route
         assert old is not None and self.upstream is not None
         await self.upstream.close()
@@ -245,18 +262,21 @@ class WsRelay:
         self.outside = len(pending)
         self.route = self.upstream = None
         status = self.rec.status
-        failed = await self.place([old.worker_id])
-        if failed is not None and leaving:
+        failed = await self.place([], pin=old) if reopen else None
+        if failed is not None or not reopen:
+            failed = await self.place([old.worker_id])
+        if failed is not None and leaving and not reopen:
             # No other worker can take it now (each is cordoned, down or full): the cordoned
             # one, as requests pinned there still go, rather than a socket cut.
             log.info("ws id=%s: no other worker than the cordoned %s can take it now (%s); "
                      "back to it", self.rec.id, old.worker_id, failed)
             failed = await self.place([], pin=old)
+        self.rec.status = status  # it was served until now (a failed try above set another)
         if failed is not None:
-            self.rec.status = status  # it was served until now
             return False
+        why = " (TLS context reloaded)" if reopen else " (cordoned)" if leaving else ""
         log.info("ws id=%s moved from %s%s to %s with %d request(s) owed", self.rec.id,
-                 old.worker_id, " (cordoned)" if leaving else "", self.route.worker_id, len(pending))
+                 old.worker_id, why, self.route.worker_id, len(pending))
         while self.outside:  # requests the client sends meanwhile join the end
             turn = pending[len(pending) - self.outside]
             if turn.worker_id != self.route.worker_id:
@@ -283,9 +303,11 @@ class WsRelay:
     async def send_request(self, turn: WsTurn) -> None:
         pending = self.session.pending
         pending.append(turn)
-        if not self.held and self.route is not None and self.proxy.sched.fallback.is_cordoned(
-                self.route.worker_id):
-            self.held = self.leaving = True  # cordoned: this request goes to another worker
+        if not self.held and self.route is not None:
+            if self.proxy.sched.fallback.is_cordoned(self.route.worker_id):
+                self.held = self.leaving = True  # cordoned: this request goes to another worker
+            elif self.opened_with is not self.proxy.worker_tls.current:
+                self.held = self.leaving = self.reopen = True  # TLS reloaded: a new connection
         if self.held:
             self.outside += 1
             if self.leaving and len(pending) == self.outside and self.upstream is not None:

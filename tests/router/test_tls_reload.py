@@ -10,6 +10,7 @@ served certificate on SIGHUP. (The scheduler's part: tests/scheduler/test_tls_re
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
@@ -384,4 +386,68 @@ def test_the_scheduler_channel_moves_to_the_reloaded_context(echo, procs, pki, t
     until(lambda: mode() == "scheduled", within_s=30)
     before = decisions()
     assert completion() == 200 and decisions() == before + 1  # through a channel the other CA checked
+    assert "Traceback" not in gateway.output(), gateway.output()[-3000:]
+
+
+async def _answer(ws: aiohttp.ClientWebSocketResponse) -> list[str] | int:
+    """One request's messages up to its `done`; or the close code, if the socket closes first."""
+    messages: list[str] = []
+    while True:
+        msg = await ws.receive(timeout=30)
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            return ws.close_code or 0
+        messages.append(msg.data)
+        if json.loads(msg.data).get("type") == "done":
+            return messages
+
+
+async def test_a_websocket_reopens_its_worker_connection_at_its_next_request_after_a_reload(
+        procs, pki, tmp_path):
+    """A client's WebSocket stays open through a reload of the gateway's worker CA bundle: its
+    next request goes on a connection to the worker opened with the reloaded context (the same
+    worker, renewed from the other CA meanwhile: the conversation goes on). And once the bundle
+    no longer vouches for the worker, the socket's next request is not answered by it: the
+    socket is closed (1001, no other worker), where the connection opened before went on."""
+    both = tmp_path / "both.pem"
+    both.write_text(pki.ca.read_text() + pki.other_ca.read_text())
+    worker_live = tmp_path / "worker"
+    worker, wport = https_worker(procs, pki, worker_live)
+    bundle = tmp_path / "workers-ca.pem"
+    replace(both, bundle)
+    gport = free_port()
+    gateway = await asyncio.to_thread(
+        start, procs, ["-m", "router", "--port", str(gport), "--workers", f"https://127.0.0.1:{wport}",
+                       "--worker-ca-file", str(bundle), "--ssl-reload-s", str(POLL_S),
+                       "--fallback-cooldown-ms", "10"],
+        lambda: httpx.get(f"http://127.0.0.1:{gport}/health", timeout=2).status_code == 200,
+        f"gateway-tls-reload-{gport}")
+
+    def reloaded(times: int) -> bool:
+        return gateway.output().count("TLS context for calling workers reloaded (file changed)") >= times
+
+    ask = json.dumps(BODY)
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(f"http://127.0.0.1:{gport}/v1/ws") as ws:
+        await ws.send_str(ask)
+        first = await _answer(ws)
+        assert isinstance(first, list) and '"choices"' in first[0]
+
+        # The worker renewed from the other CA, the gateway's bundle that CA only.
+        c_cert, c_key = c_files(pki)
+        replace(c_key, worker_live / "tls.key")
+        replace(c_cert, worker_live / "tls.crt")
+        os.kill(worker.pid, signal.SIGHUP)
+        replace(pki.other_ca, bundle)
+        await asyncio.to_thread(until, lambda: served(wport) == der(c_cert) and reloaded(1))
+        await ws.send_str(ask)
+        second = await _answer(ws)
+        assert isinstance(second, list) and '"choices"' in second[0]  # the conversation goes on
+        worker_url = f"https://127.0.0.1:{wport}"  # the same worker, a new connection
+        assert f"moved from {worker_url} (TLS context reloaded) to {worker_url} " in gateway.output()
+
+        # The CA alone again: it does not vouch for the renewed worker.
+        replace(pki.ca, bundle)
+        await asyncio.to_thread(until, lambda: reloaded(2))
+        await ws.send_str(ask)
+        assert await _answer(ws) == 1001  # not answered by a worker the bundle does not vouch for
     assert "Traceback" not in gateway.output(), gateway.output()[-3000:]
