@@ -38,8 +38,10 @@ CLIENT_HELP = {
 RELOAD_HELP = ("seconds between looks at the TLS files (--ssl-certfile, --ssl-keyfile, "
                "--ssl-ca-certs, the client certificate and the CA bundles for peers; their stat, "
                "following symlinks: a Kubernetes Secret volume's swap is seen): changed files are "
-               "loaded for new connections (open ones go on), files that do not load keep those in "
-               "force and log an ERROR; SIGHUP re-reads them at once; 0: only on SIGHUP")
+               "loaded for new connections (open ones go on; the gateway's scheduler channel and "
+               "its WebSockets to workers reconnect at their next call), files that do not load "
+               "keep those in force and log an ERROR; SIGHUP re-reads them at once; 0: only on "
+               "SIGHUP")
 
 
 class TlsError(Exception):
@@ -171,7 +173,9 @@ class PeerContext:
     builds (tls_reload.py's PeerTls swaps `current`; a context cannot unlearn a CA or a client
     certificate loaded into it). Callers read it for each connection they open (aiohttp's
     per-request ssl=), never keep it: connections opened after a reload use the new one, and
-    those open go on with theirs."""
+    those open go on with theirs. Those kept open indefinitely compare the context they were
+    opened with to `current` (an identity check) and reconnect when it was replaced: the
+    gateway's scheduler channel (router/sched_pipe.py) and WebSocket relays (router/ws_relay.py)."""
 
     __slots__ = ("current",)
 

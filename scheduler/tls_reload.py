@@ -19,7 +19,11 @@ scheduler/file_watch.py) and re-read at once on SIGHUP. What changes:
   for a peer, and a client certificate of another key type (RSA, then ECDSA) replaces the old
   one, from the next connection. Connections already open go on with the context they started
   with (aiohttp keys its pool by the context: those of the old one are not reused, and close
-  once idle). Not loaded into the context in use: load_verify_locations only adds CAs, and
+  once idle), but none is kept for long: the gateway's pipelined channel to the scheduler
+  (router/sched_pipe.py), which never closes when idle, moves to a new connection at its next
+  call (the calls in flight on the old one are answered there), and a client's WebSocket
+  relayed to a worker (router/ws_relay.py) opens a new one at its next request. Not loaded
+  into the context in use: load_verify_locations only adds CAs, and
   load_cert_chain keeps a certificate of another key type beside the new one.
 
 Fail safe: files that do not load (half written, a key that does not match its certificate,
