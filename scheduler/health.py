@@ -1,7 +1,8 @@
 """Per-worker health: a small circuit breaker driven by scrapes, probes and gateway reports.
 
 States: unknown (never reached) -> up; up -> down after `fail_streak` consecutive
-connection-level failures, at once on a gateway's report of a connection-level failure, after
+connection-level failures, at once on a gateway's report of a connection-level failure or of a
+draining worker's 503 "shutting down" answer, after
 `report_streak` gateway reports in a row of requests the worker failed otherwise (an HTTP 5xx,
 a timeout; an ok request in between resets it), or when nothing succeeded for `dead_after_s`
 (a silent host); down -> half_open after
@@ -13,9 +14,10 @@ it as saturated instead).
 A down worker's `down_cause` is the cause of its latest failure (scheduler/protocol.py's
 REFUSED, UNRESPONSIVE, ...): every failure carries one, and one seen while down replaces it
 (but an error answer, FAILING, replaces none).
-A gateway acts on it: the answers it waits for on a worker that went down REFUSED are left
-to finish (a draining worker closed its port; a dead one's connections failed already),
-those on one that went silent are given up for other workers (it may be hung).
+A gateway acts on it: the answers it waits for on a worker that went down REFUSED or DRAINING
+are left to finish (a draining worker closed its port, or answers new requests 503 "shutting
+down" until it does; a dead one's connections failed already), those on one that went silent
+are given up for other workers (it may be hung).
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class Health:
         self.failure_cause = cause
         # While down, the latest failure says best what the worker is now (draining, dead,
         # hung); but an error answer only that it answers. (A draining worker answers 503 to
-        # what gateways send it on their kept-alive connections after its port closed: that
-        # must not turn it from refused to possibly hung.)
+        # what gateways send it on their kept-alive connections after its port closed: from a
+        # gateway older than the "draining" kind, that must not turn it from refused to
+        # possibly hung.)
         if self.state == DOWN and cause != FAILING:
             self._down_cause = cause
 
@@ -126,7 +129,8 @@ class Health:
         self.request_failures = 0
 
     def force_down(self, error: str, cause: str | None = None) -> bool:
-        """Gateway saw a connection failure: out of rotation at once."""
+        """Gateway saw a connection failure, or a draining worker's refusal: out of rotation
+        at once."""
         self._failed(error, cause)
         self.consecutive_successes = 0
         self.request_failures = 0

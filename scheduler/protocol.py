@@ -20,8 +20,9 @@ GET  /v1/workers    -> {"workers": [WorkerView, ...]}
 POST /v1/workers    WorkerRegistration (Authorization: Bearer <registration token>); posting
                     again is the heartbeat -> 201 created / 200 refreshed
 DELETE /v1/workers/{worker_id}                  (same token) -> 204
-POST /v1/workers/{worker_id}/failure {"error", "refused"}  gateway saw a connection failure
-                    ("refused": true when the worker's port refused the connection) -> 204
+POST /v1/workers/{worker_id}/failure {"error", "refused"}  gateway saw a request fail there
+                    ("error": its failure kind, e.g. "connect", "http_500", "draining";
+                    "refused": true when the worker's port refused the connection) -> 204
 
 prefix_hashes: cumulative fingerprints (hash i covers the prompt up to chunk i).
 """
@@ -45,8 +46,12 @@ MAX_SESSION_KEY = (1 << 63) - 1
 
 # Why the scheduler took a worker out (WorkerView.down_cause, set while its state is "down"): the
 # cause of its latest failure. A gateway gives up the answers it waits for on a down worker
-# unless it went down REFUSED (router/down_watch.py).
+# unless it went down REFUSED or DRAINING (router/down_watch.py).
 REFUSED = "refused"  # its port refuses connections: nothing listens (it drains, or its process is gone)
+# It answers new requests 503 "shutting down" and finishes those it took (SIGTERM): our worker
+# before its port closes, vLLM's --shutdown-mode drain for its whole drain (its port stays
+# open). Also the gateway's failure kind for such an answer (router/upstream_errors.py).
+DRAINING = "draining"
 CONNECTION_FAILED = "connection"  # connections reset, cut, or not made (an unreachable host, TLS)
 UNRESPONSIVE = "unresponsive"  # timeouts, silence: connections taken and nothing answered (hung)
 FAILING = "failing"  # it answers, with errors (HTTP 5xx to its scrapes, or to requests in a row)

@@ -28,6 +28,7 @@ from scheduler.policies import Pick, PolicyEnv, Request, make_policy
 from scheduler.protocol import (
     CLIENT_LEFT,
     CONNECTION_FAILED,
+    DRAINING,
     FAILING,
     MAX_TOKENS_COUNTED,
     REFUSED,
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 UNKNOWN_MODEL = "unknown_model"
 # The gateway's failure kinds that say the worker's connection failed (router/streaming.py:
 # refused, reset or cut, closed before a byte); its others (http_5xx, timeout, idle_timeout)
-# say a request failed on a worker that answered, or was slow.
+# say a request failed on a worker that answered, or was slow; "draining" (router/draining.py)
+# that the worker refused it with a 503 "shutting down".
 CONNECTION_FAILURES = frozenset({"connect", "connection", "empty_stream"})
 # Its kinds that say the worker took the request and answered nothing in time ("worker_down":
 # the gateway gave up on a worker reported down while it waited).
@@ -58,9 +60,12 @@ _NO_PLACE = frozenset({"waiting", "running", "running_cap", "prefill_backlog"})
 def cause_of_report(error: str | None, refused: bool = False) -> str:
     """The down cause (scheduler/protocol.py) a gateway's failure kind says; `refused`: its
     connection was refused (a report says so; "connect" alone, from an older gateway, may be
-    a connect timeout or an unreachable host too)."""
+    a connect timeout or an unreachable host too). The kind "draining" (a 503 "shutting down"
+    answer) is its own cause: an older gateway sends "http_503" for it, a failure as before."""
     if refused:
         return REFUSED
+    if error == DRAINING:
+        return DRAINING
     if error in CONNECTION_FAILURES:
         return CONNECTION_FAILED
     return UNRESPONSIVE if error in SILENCES else FAILING
@@ -571,13 +576,14 @@ class SchedulerService:
     def report_failure(self, worker_id: str, error: str, refused: bool = False) -> bool:
         """A gateway's report: `error` is its failure kind (router/streaming.py), `refused`
         whether the worker's port refused the connection. A connection that was refused, reset
-        or closed empty takes the worker out at once; anything else (an HTTP 5xx, a timeout)
-        only after cfg.failure_report_streak in a row."""
+        or closed empty takes the worker out at once, and so does a draining worker's 503 (it
+        takes no new request, however many its scrapes say it has room for); anything else (an
+        HTTP 5xx, a timeout) only after cfg.failure_report_streak in a row."""
         w = self.registry.workers.get(worker_id)
         if w is None:
             return False
         cause = cause_of_report(error, refused)
-        if error in CONNECTION_FAILURES:
+        if error in CONNECTION_FAILURES or cause == DRAINING:
             changed = w.health.force_down(f"gateway: {error}{' (refused)' if refused else ''}", cause)
         else:
             changed = w.health.on_request_failed(f"gateway: {error}", self.cfg.failure_report_streak,

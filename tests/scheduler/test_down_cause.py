@@ -15,8 +15,9 @@ from scheduler.app import build_app
 from scheduler.config import SchedulerConfig
 from scheduler.discovery.static import add_static_workers
 from scheduler.health import DOWN, HALF_OPEN, UP, Health
-from scheduler.protocol import CONNECTION_FAILED, FAILING, REFUSED, UNRESPONSIVE, WorkerView
-from scheduler.service import SchedulerService
+from scheduler.policies import Request
+from scheduler.protocol import CONNECTION_FAILED, DRAINING, FAILING, REFUSED, UNRESPONSIVE, WorkerView
+from scheduler.service import SchedulerService, cause_of_report
 from tests.scheduler.helpers import make_service, worker
 from tests.scheduler.test_scrape_http import StandIn, _until, scraping
 
@@ -104,6 +105,68 @@ def test_a_streak_of_failed_requests_names_its_cause(kind, cause):
     assert worker(svc, "w1").health.down_cause == cause
 
 
+@pytest.mark.parametrize(("kind", "refused", "cause"), [
+    ("draining", False, DRAINING),
+    ("connect", True, REFUSED),
+    ("connect", False, CONNECTION_FAILED),
+    ("timeout", False, UNRESPONSIVE),
+    ("worker_down", False, UNRESPONSIVE),
+    ("http_503", False, FAILING),  # an older gateway's kind for a draining worker's 503 too
+    ("http_500", False, FAILING),
+    (None, False, FAILING),
+])
+def test_each_failure_kind_names_its_cause(kind, refused, cause):
+    assert cause_of_report(kind, refused) == cause
+
+
+def _placed(svc: SchedulerService, exclude: frozenset[str] | None = None) -> str:
+    """The worker a request is placed on now (its lease is left open)."""
+    out = svc.decide(Request("m", 10, 10, exclude=exclude), time.monotonic())
+    assert isinstance(out, dict), out
+    return out["worker_id"]
+
+
+def test_one_draining_report_takes_the_worker_out_at_once_and_stays_its_cause():
+    """A worker that answers 503 `shutting_down` takes no new request: the first such report
+    takes it out (no streak), as draining, which no error answer then turns into failing."""
+    svc = make_service("round_robin", n=2)  # failure_report_streak 3
+    assert svc.report_failure("w1", "draining")
+    h = worker(svc, "w1").health
+    assert h.state == DOWN and h.down_cause == DRAINING
+    assert {_placed(svc) for _ in range(6)} == {"w0"}
+    for _ in range(3):  # more of the same, and an older gateway's reports of it
+        svc.report_failure("w1", "draining")
+        svc.report_failure("w1", "http_503")
+    assert h.down_cause == DRAINING
+    svc.report_failure("w1", "connect", refused=True)  # its port closed at the end of its drain
+    assert h.down_cause == REFUSED
+
+
+def test_three_shutting_down_reports_from_an_older_gateway_still_read_failing():
+    """Today's behaviour for a gateway that does not know the kind: its three "http_503"
+    reports make the worker failing."""
+    svc = make_service(n=2)
+    for _ in range(3):
+        svc.report_failure("w1", "http_503")
+    assert worker(svc, "w1").health.down_cause == FAILING
+
+
+def test_a_half_open_workers_trial_that_finds_it_draining_puts_it_back_draining():
+    """vLLM's drain keeps its port open and its /metrics answering: the worker comes back half
+    open, and its trial request gets the 503 again. The lease's release says "draining" (and
+    may come before the failure report): the worker goes down draining, never failing."""
+    svc = make_service("round_robin", n=2)
+    w1 = worker(svc, "w1")
+    svc.report_failure("w1", "draining")
+    assert w1.health.on_success(time.monotonic(), 1)
+    svc.on_health_change(w1)
+    assert w1.health.state == HALF_OPEN
+    trial = svc.decide(Request("m", 10, 10, exclude=frozenset({"w0"})), time.monotonic())
+    assert isinstance(trial, dict) and trial["worker_id"] == "w1"
+    assert svc.release(trial["lease_id"], ok=False, error="draining")
+    assert w1.health.state == DOWN and w1.health.down_cause == DRAINING
+
+
 async def test_the_failure_endpoint_reads_refused_and_an_older_gateways_report_still_works():
     svc = make_service(n=2)
     async with TestClient(TestServer(build_app(svc))) as c:
@@ -114,6 +177,17 @@ async def test_the_failure_endpoint_reads_refused_and_an_older_gateways_report_s
         views = {v["worker_id"]: v for v in (await (await c.get("/v1/workers")).json())["workers"]}
     assert (views["w0"]["state"], views["w0"]["down_cause"]) == (DOWN, REFUSED)
     assert (views["w1"]["state"], views["w1"]["down_cause"]) == (DOWN, CONNECTION_FAILED)
+
+
+async def test_the_failure_endpoint_and_the_worker_list_show_a_draining_worker():
+    svc = make_service(n=2)
+    async with TestClient(TestServer(build_app(svc))) as c:
+        r = await c.post("/v1/workers/w1/failure", json={"error": "draining"})
+        assert r.status == 204
+        views = {v["worker_id"]: v for v in (await (await c.get("/v1/workers")).json())["workers"]}
+    assert (views["w1"]["state"], views["w1"]["down_cause"]) == (DOWN, DRAINING)
+    assert views["w1"]["last_error"] == "gateway: draining"
+    assert (views["w0"]["state"], views["w0"]["down_cause"]) == (UP, None)
 
 
 def test_a_list_without_down_cause_reads_as_none():
