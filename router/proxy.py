@@ -28,6 +28,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
+from router.draining import failure_kind_of
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
@@ -417,28 +418,31 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
                     504, f"the worker sent no answer within {self.cfg.request_timeout_ms} ms",
                     "upstream_error", code="upstream_timeout")
             except RetryElsewhere as r:
-                last_failure = f"{r.reason}: {r.detail}" if r.detail else r.reason
+                # A draining worker's 503 is reported "draining" (router/draining.py): the
+                # scheduler takes it out at once and leaves what it is finishing there.
+                reason = failure_kind_of(r.reason, r.detail)
+                last_failure = f"{reason}: {r.detail}" if r.detail else reason
                 if spans is not None:
-                    spans.attempt_failed(r.reason)
+                    spans.attempt_failed(reason)
                 overloaded = r.overloaded
                 if overloaded:
                     # Full, not down: no failure report (that would take it out of rotation),
                     # and no KV credit for tokens it never held.
                     self._release(route, rec, ok=True, error="overloaded", held_kv=False)
                 else:
-                    self._failed(route, r.reason, rec, r.refused)
-                    if pinned is not None and previous is not None and r.reason in UNREACHABLE:
+                    self._failed(route, reason, rec, r.refused)
+                    if pinned is not None and previous is not None and reason in UNREACHABLE:
                         # No other worker holds what it continues: no retry, and the answer
                         # every call on the response gets while its worker is out of reach.
                         rec.error = last_failure
-                        return self.owner_unreachable(previous, pinned, r.reason, "previous_response_id")
+                        return self.owner_unreachable(previous, pinned, reason, "previous_response_id")
                 exclude.append(route.worker_id)
                 # No worker holds the request until the next attempt is placed: a client that
                 # leaves meanwhile was served by none (its prompt is no input a worker took).
                 rec.worker = "-"
                 if attempt < self.cfg.retry_count:
                     rec.retries += 1
-                    self.metrics.retries.labels(r.reason).inc()
+                    self.metrics.retries.labels(reason).inc()
                     log.info(
                         "id=%s worker %s failed before the first byte (%s); retrying",
                         rec.id,
@@ -552,9 +556,9 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         self._release(route, rec, ok=False, error=reason)
 
     def report_failed(self, route: Route, reason: str, refused: bool = False) -> None:
-        """The worker failed a request (`reason`: router/streaming.py's kinds; `refused`: its
-        port refused the connection): the fallback's round robin passes it over, and the
-        scheduler is told."""
+        """The worker failed a request (`reason`: router/streaming.py's kinds, or "draining":
+        router/draining.py; `refused`: its port refused the connection): the fallback's round
+        robin passes it over, and the scheduler is told."""
         self.sched.fallback.mark_failed(route.url)
         client = self.sched.client
         if client is not None and not route.fallback:

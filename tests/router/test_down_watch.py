@@ -1,12 +1,13 @@
 """DownWatch: the answers waited for on a worker the scheduler reports down are given up when
-it may be hung, and left to finish when its port refuses connections (router/down_watch.py)."""
+it may be hung, and left to finish when its port refuses connections or it drains
+(router/down_watch.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from router.down_watch import DownWatch
-from scheduler.protocol import CONNECTION_FAILED, REFUSED, UNRESPONSIVE
+from scheduler.protocol import CONNECTION_FAILED, DRAINING, REFUSED, UNRESPONSIVE
 
 
 @pytest.mark.parametrize("cause", [UNRESPONSIVE, CONNECTION_FAILED, "failing", None])
@@ -19,10 +20,13 @@ async def test_a_worker_down_for_anything_but_a_refused_port_wakes_its_watchers(
         assert down.done() and not other.done()
 
 
-async def test_a_worker_down_refused_leaves_its_watchers_waiting():
+@pytest.mark.parametrize("cause", [REFUSED, DRAINING])
+async def test_a_worker_down_refused_or_draining_leaves_its_watchers_waiting(cause):
+    """Its port closed, or it answers 503 `shutting_down` (router/draining.py): it finishes
+    what it holds."""
     watch = DownWatch()
     with watch.watching("w0") as down:
-        watch.update([("w0", "down", REFUSED)])  # draining: it finishes what it holds
+        watch.update([("w0", "down", cause)])
         assert not down.done()
         watch.update([("w0", "down", UNRESPONSIVE)])  # then it went silent: it may hang them
         assert down.done()

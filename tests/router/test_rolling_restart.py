@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -334,4 +335,65 @@ def test_a_whole_answer_on_a_stopping_static_worker_is_finished_there_not_regene
         assert r.json()["usage"]["completion_tokens"] == 100
         assert r.headers["x-router-worker"] == stopping.removeprefix("http://")
         assert series_value(stack.gateway, 'router_retries_total{reason="worker_down"}', 0) == 0
+        assert stack.workers[stopping].p.wait(20) == 0
+
+
+def _watch_causes(scheduler: str, url: str, stop: threading.Event) -> list[tuple[str | None, str | None]]:
+    """Every (state, down cause) the scheduler lists for the worker at `url` until `stop`,
+    polled every 20 ms (at most 60 s)."""
+    seen: list[tuple[str | None, str | None]] = []
+    deadline = time.monotonic() + 60
+    while not stop.is_set() and time.monotonic() < deadline:
+        state = _state_of(scheduler, url)
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        time.sleep(0.02)
+    return seen
+
+
+def test_a_draining_workers_shutting_down_answers_are_retried_and_do_not_make_it_failing():
+    """A worker SIGTERMed while it generates a long whole answer answers what reaches it on the
+    gateway's kept-alive connections 503 `shutting_down` (its port is closed; the scheduler's
+    next scrapes, 3 s apart here, would find that out in seconds). Each such request is retried
+    on the other worker at once; the gateway reports the refusal as "draining", so the scheduler
+    takes the worker out at once with that cause, which the gateway's down-watch leaves alone:
+    the long answer is finished by the draining worker, not generated again elsewhere. Reported
+    as "http_503" (before), three of them made the worker "failing", and the gateway, at its
+    next worker-list refresh, gave up the long answer and had it regenerated on the other."""
+    with sim_stack(2, *SLOW, gateway_flags=("--workers-refresh-ms", "200"),
+                   scheduler_flags=("--policy", "round_robin", "--scrape-interval-ms", "3000",
+                                    "--stale-after-ms", "60000")) as stack:
+        gw = stack.gateway
+        short = {"model": "m", "prompt": "warm", "max_tokens": 20, "ignore_eos": True}
+        with ThreadPoolExecutor(12) as pool:
+            # Kept-alive connections to both workers (round robin: six requests each at once).
+            warm = [pool.submit(httpx.post, gw + "/v1/completions", json=short, timeout=30)
+                    for _ in range(12)]
+            assert [f.result(timeout=30).status_code for f in warm] == [200] * 12
+            body = {"model": "m", "prompt": "a long answer", "max_tokens": 100, "ignore_eos": True}  # ~3 s
+            answer = pool.submit(httpx.post, gw + "/v1/completions", json=body, timeout=60)
+            stopping = _busy_worker(stack.scheduler)
+            time.sleep(0.3)  # its answer is under way
+            stop_watching = threading.Event()
+            causes = pool.submit(_watch_causes, stack.scheduler, stopping, stop_watching)
+            stack.workers[stopping].p.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # it drains: its port is closed
+            meanwhile = []
+            for _ in range(8):  # round robin sends about half of them to the draining worker first
+                meanwhile.append(httpx.post(gw + "/v1/completions", json={**short, "max_tokens": 4},
+                                            timeout=30))
+                time.sleep(0.05)
+            r = answer.result(timeout=60)
+            stop_watching.set()
+            seen = causes.result(timeout=10)
+        stopped = stopping.removeprefix("http://")
+        assert [m.status_code for m in meanwhile] == [200] * 8, [m.text for m in meanwhile]
+        assert stopped not in {m.headers["x-router-worker"] for m in meanwhile}
+        assert series_value(gw, 'router_retries_total{reason="draining"}', 0) >= 1
+        assert ("down", "draining") in seen, seen
+        assert ("down", "failing") not in seen, seen
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 100
+        assert r.headers["x-router-worker"] == stopped  # finished there, not regenerated
+        assert series_value(gw, 'router_retries_total{reason="worker_down"}', 0) == 0
         assert stack.workers[stopping].p.wait(20) == 0
