@@ -31,14 +31,12 @@ from collections.abc import Awaitable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-import aiohttp
-
-from scheduler.protocol import DRAINING, REFUSED
+from scheduler.protocol import REFUSED
 
 DOWN = "down"  # the scheduler's circuit state for a worker it took out (WorkerView.state)
 # WorkerView.down_cause: the answers on a worker down for this cause are left to finish (None:
 # unknown, e.g. from a scheduler older than causes, is taken for hung, as before).
-NOT_HUNG = frozenset({REFUSED, DRAINING})  # DRAINING: it answers 503 "shutting down" (router/draining.py)
+NOT_HUNG = frozenset({REFUSED})
 
 _T = TypeVar("_T")
 
@@ -50,21 +48,57 @@ class WorkerDown(Exception):
 async def unless_down(call: Awaitable[_T], down: asyncio.Future[None]) -> _T:
     """`call`'s result, or WorkerDown once `down` (DownWatch.watching) resolves first: a hung
     worker (connections taken, nothing answered) would hold the call until its timeout (the
-    request timeout, 30 minutes by default; for ever, for a stored response's replay)."""
-    task = asyncio.ensure_future(call)
-    try:
-        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the client left
-        task.cancel()
-        if task.done() and not task.cancelled() and task.exception() is None:
-            result = task.result()
-            if isinstance(result, aiohttp.ClientResponse):  # opened just now: not left open
-                result.close()
-        raise
-    if not task.done():
-        task.cancel()
+    request timeout, 30 minutes by default; for ever, for a stored response's replay).
+
+    `call` runs in the caller's own task, which `down` cancels, as asyncio.timeout() does: no
+    task of its own and no asyncio.wait() per call (a stream waits twice, for its head and its
+    first chunk, on every request). The cancel is counted (Task.cancelling), so the caller's
+    other cancels (the client left, a timeout around this) still reach it as before."""
+    if down.done() and not down.cancelled():
+        if asyncio.iscoroutine(call):
+            call.close()  # never started: no "never awaited" warning
         raise WorkerDown
-    return task.result()
+    task = asyncio.current_task()
+    assert task is not None
+    state = _Watch(task)
+    down.add_done_callback(state.on_down)
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if state.take_back():
+            raise WorkerDown from None
+        raise
+    finally:
+        # A done future's callbacks are already scheduled, so removing on_down may come late:
+        # `active` keeps a late one from cancelling whatever the task awaits next.
+        state.active = False
+        down.remove_done_callback(state.on_down)
+        state.take_back()
+
+
+class _Watch:
+    """One unless_down() wait: whether `down` cancelled the task, and taking that cancel back."""
+
+    __slots__ = ("active", "fired", "task")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        self.active = True
+        self.fired = False
+
+    def on_down(self, fut: asyncio.Future[None]) -> None:
+        # A cancelled `down` is DownWatch.watching's end, not a worker down.
+        if self.active and not self.fired and not fut.cancelled():
+            self.fired = True
+            self.task.cancel()
+
+    def take_back(self) -> bool:
+        """Withdraw this wait's cancel, once: True when it was the task's only one (the call
+        ended by it alone), False when there was none or another cancel is pending too."""
+        if not self.fired:
+            return False
+        self.fired = False
+        return self.task.uncancel() == 0
 
 
 class DownWatch:
