@@ -31,12 +31,12 @@ from collections.abc import Awaitable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from scheduler.protocol import REFUSED
+from scheduler.protocol import DRAINING, REFUSED
 
 DOWN = "down"  # the scheduler's circuit state for a worker it took out (WorkerView.state)
 # WorkerView.down_cause: the answers on a worker down for this cause are left to finish (None:
 # unknown, e.g. from a scheduler older than causes, is taken for hung, as before).
-NOT_HUNG = frozenset({REFUSED})
+NOT_HUNG = frozenset({REFUSED, DRAINING})  # DRAINING: it answers 503 "shutting down" (router/draining.py)
 
 _T = TypeVar("_T")
 
