@@ -29,8 +29,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp import http_exceptions, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -47,6 +47,11 @@ from scheduler.receive_timeout import (
     require_aiohttp_handler,
     require_aiohttp_runner,
 )
+
+# An unknown request method, logged at DEBUG (scanners send them). aiohttp before 3.11.18 lacks
+# the class; importing it by name would end such an install in an ImportError traceback, before
+# require_aiohttp_handler says in one line which aiohttp to install (it refuses those releases).
+BadHttpMethod: type[Exception] = getattr(http_exceptions, "BadHttpMethod", HttpProcessingError)
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]

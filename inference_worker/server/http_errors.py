@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
+from aiohttp import http_exceptions, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -38,6 +38,11 @@ from inference_worker.server.receive_timeout import (
     require_aiohttp_handler,
     require_aiohttp_runner,
 )
+
+# An unknown request method, logged at DEBUG (scanners send them). aiohttp before 3.11.18 lacks
+# the class; importing it by name would end such an install in an ImportError traceback, before
+# require_aiohttp_handler says in one line which aiohttp to install (it refuses those releases).
+BadHttpMethod: type[Exception] = getattr(http_exceptions, "BadHttpMethod", HttpProcessingError)
 
 logger = logging.getLogger("inference_worker.server")
 

@@ -161,12 +161,17 @@ SERVICES = {
 }
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["", "before-3.11.18"])
 @pytest.mark.parametrize("service", list(SERVICES))
-def test_a_service_on_an_aiohttp_lacking_a_name_exits_with_one_line(service):
+def test_a_service_on_an_aiohttp_lacking_a_name_exits_with_one_line(service, older):
     """The real start-up, in a child whose check reads the stand-in: exit 1 and the one line,
-    no traceback, nothing served."""
+    no traceback, nothing served. `older`: aiohttp.http_exceptions also lacks BadHttpMethod, as
+    before 3.11.18, whose import by name ended start-up in an ImportError traceback."""
     check_mod, main_mod, argv = SERVICES[service]
     code = textwrap.dedent(f"""\
+        import aiohttp.web  # aiohttp's own modules, before the name goes
+        if {older}:
+            del aiohttp.http_exceptions.BadHttpMethod
         import {check_mod} as check
         from tests.scheduler.test_aiohttp_fit import handler_without
         check.RequestHandler = handler_without("_upgraded")
