@@ -115,6 +115,21 @@ class _ChannelProtocol(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
 
+    def retire(self) -> None:
+        """Its owner opened another connection (a TLS reload): what this event-loop iteration
+        gave it goes out now, and it closes (_close_retired) once every call sent on it has its
+        answer."""
+        self.retiring = True
+        self._flush()
+        if not self.pending:
+            self._close_retired()
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _close_retired(self) -> None:
+        raise NotImplementedError
+
     def _deliver(self, fut: asyncio.Future | None, answer: tuple[int, Any]) -> None:
         """Hand an answer to its call; a schedule call whose caller left gives its lease back."""
         if fut is None:
@@ -272,14 +287,6 @@ class _WsPipe(_ChannelProtocol):
         if self.retiring and not self.pending:
             self._close_retired()
 
-    def retire(self) -> None:
-        """Its owner opened another connection (a TLS reload): what this event-loop iteration
-        gave it goes out now, and it closes once every batch sent has its answer."""
-        self.retiring = True
-        self._flush()
-        if not self.pending:
-            self._close_retired()
-
     def _close_retired(self) -> None:
         """A close frame, then the TCP (TLS) close after what was written: the scheduler reads
         every message sent before it (the releases not answered too), in order, so nothing
@@ -396,13 +403,8 @@ class _Pipe(_ChannelProtocol):
                     return
                 self.idle_since = time.monotonic()
 
-    def retire(self) -> None:
-        """Its owner opened another connection (a TLS reload): what this event-loop iteration
-        gave it goes out now, and it closes once every call written has its answer."""
-        self.retiring = True
-        self._flush()
-        if not self.pending:
-            self.close_idle()
+    def _close_retired(self) -> None:
+        self.close_idle()
 
     def close_idle(self) -> None:
         """Close the connection, no call awaiting an answer: gracefully (a FIN, not a reset),

@@ -230,6 +230,13 @@ async def test_a_burst_larger_than_one_message_allows_is_split(scheduler):
         pipe.close()
 
 
+async def open_leases(scheduler: str) -> int:
+    """The leases the scheduler holds open, over all its workers."""
+    async with httpx.AsyncClient() as c:
+        workers = (await c.get(scheduler + "/v1/workers")).json()["workers"]
+    return sum(w["in_flight_leases"] for w in workers)
+
+
 @pytest.mark.parametrize("channel", ["ws", "http"])
 async def test_releases_not_yet_sent_when_the_connection_drops_go_on_the_next_one(scheduler, channel):
     """A release waits up to 2 ms for company before it is written. When the connection dropped
@@ -237,29 +244,23 @@ async def test_releases_not_yet_sent_when_the_connection_drops_go_on_the_next_on
     expired (10 minutes)."""
     pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel)
 
-    async def open_leases() -> int:
-        async with httpx.AsyncClient() as c:
-            workers = (await c.get(scheduler + "/v1/workers")).json()["workers"]
-        return sum(w["in_flight_leases"] for w in workers)
-
     try:
-        base = await open_leases()
+        base = await open_leases(scheduler)
         results = await asyncio.gather(*(pipe.schedule_raw({"model": "m"}) for _ in range(5)))
-        assert await open_leases() == base + 5
+        assert await open_leases(scheduler) == base + 5
         for _, payload in results:
             pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
         dropped = pipe._pipe
         assert dropped is not None
         dropped.abort(SchedulerUnavailableError("connection reset"))  # before the releases went out
         for _ in range(100):
-            if await open_leases() == base:
+            if await open_leases(scheduler) == base:
                 break
             await asyncio.sleep(0.05)
-        assert await open_leases() == base
+        assert await open_leases(scheduler) == base
         assert pipe._pipe is not dropped and pipe.kind == channel
     finally:
         pipe.close()
-
 
 
 @pytest.mark.parametrize("channel", ["ws", "http"])
@@ -274,13 +275,8 @@ async def test_a_tls_reload_moves_the_calls_to_a_new_connection_and_those_in_fli
     peer = PeerContext(ssl.create_default_context())
     pipe = SchedulerPipe(scheduler, timeout_s=5, channel=channel, tls=peer)
 
-    async def open_leases() -> int:
-        async with httpx.AsyncClient() as c:
-            workers = (await c.get(scheduler + "/v1/workers")).json()["workers"]
-        return sum(w["in_flight_leases"] for w in workers)
-
     try:
-        base = await open_leases()
+        base = await open_leases(scheduler)
         status, first = await pipe.schedule_raw({"model": "m"})
         old = pipe._pipe
         assert status == 200 and old is not None
@@ -312,10 +308,10 @@ async def test_a_tls_reload_moves_the_calls_to_a_new_connection_and_those_in_fli
         for _, payload in results:
             pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
         for _ in range(100):  # every lease given back: the one released on the old connection too
-            if await open_leases() == base:
+            if await open_leases(scheduler) == base:
                 break
             await asyncio.sleep(0.05)
-        assert await open_leases() == base
+        assert await open_leases(scheduler) == base
         # Steady again: the next calls stay on the new connection.
         status, payload = await pipe.schedule_raw({"model": "m"})
         assert status == 200 and pipe._pipe is new
