@@ -3,8 +3,14 @@ several gateway replicas, each request's fate written down as the client saw it.
 
 A request goes to one replica (round robin by index) and moves to the next only when no
 answer came at all: the connection was refused, reset or closed before a status line (as a
-load balancer in front of replicas retries a request no replica took). Anything after a
-status line is the answer, kept as it came.
+load balancer in front of replicas retries a request no replica took; a SIGKILLed gateway's
+requests still waiting for their worker end that way). Anything after a status line is the
+answer, kept as it came: a stream whose gateway dies after its first event is cut, not
+replayed (a load balancer cannot replay half an answer either).
+
+A surge (`Surge`) adds clients for a while on top of the steady ones, so that the load
+exceeds what the workers run at once and requests wait in the gateways' queues and the
+scheduler's held calls (the steady load alone never saturates the cluster).
 
 Every answer is checked whole: the sim workers run each request to `max_tokens`
 (`ignore_eos`), so an answer of fewer tokens, or a stream without its `[DONE]`, is a failure
@@ -63,6 +69,16 @@ class Workload:
         return stream, body
 
 
+@dataclass(frozen=True)
+class Surge:
+    """`extra` more clients in a closed loop from `start_s` to `end_s` of the run (requests
+    sent then; those in flight at `end_s` end as usual)."""
+
+    start_s: float
+    end_s: float
+    extra: int
+
+
 @dataclass
 class Outcome:
     """One request as its client saw it; times are seconds on the run's clock."""
@@ -90,6 +106,8 @@ class Outcome:
     error_s: float | None = None  # when the error (event, body or cut) came
     transport_error: str | None = None  # the connection failed after the answer began
     unfinished: bool = False  # still running at the run's wall-clock cap
+    surge: bool = False  # sent by a surge's client, not a steady one
+    queue_ms: float | None = None  # x-router-queue-ms: how long its gateway looked for a worker
 
     @property
     def gateway(self) -> int | None:
@@ -115,7 +133,8 @@ def _error_of(doc: Any) -> tuple[str, str] | None:
 
 class ChaosClient:
     """`await client.run(count, stop)` keeps `concurrency` requests in flight until `count`
-    were sent or `stop` is set, and returns one Outcome per request sent."""
+    were sent or `stop` is set (plus each surge's while it lasts), and returns one Outcome per
+    request sent."""
 
     def __init__(self, gateway_urls: list[str], workload: Workload, concurrency: int,
                  clock: float, request_timeout_s: float = 300.0) -> None:
@@ -126,31 +145,35 @@ class ChaosClient:
         self.request_timeout_s = request_timeout_s
         self.outcomes: list[Outcome] = []
         self.id_prefix = f"chaos-{uuid.uuid4().hex[:6]}-"
+        self._indexes = itertools.count()  # shared by every client loop: one id per request
 
     def now(self) -> float:
         return time.monotonic() - self.clock
 
-    async def run(self, count: int, stop: asyncio.Event) -> list[Outcome]:
-        indexes = itertools.count()
+    async def run(self, count: int, stop: asyncio.Event, surges: tuple[Surge, ...] = ()) -> list[Outcome]:
         # Connections are not shared across requests' fates: a replica that went away leaves
         # no pooled connection for the next request to trip on (a fresh one is refused at once).
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
 
-            async def loop() -> None:
-                while not stop.is_set():
-                    index = next(indexes)
+            async def loop(until_s: float = float("inf"), surge: bool = False) -> None:
+                while not stop.is_set() and self.now() < until_s:
+                    index = next(self._indexes)
                     if index >= count:
                         return
-                    await self._one(session, index)
+                    await self._one(session, index, surge)
 
-            await asyncio.gather(*(loop() for _ in range(self.concurrency)))
+            async def surging(s: Surge) -> None:
+                await asyncio.sleep(max(0.0, s.start_s - self.now()))
+                await asyncio.gather(*(loop(s.end_s, True) for _ in range(s.extra)))
+
+            await asyncio.gather(*(loop() for _ in range(self.concurrency)), *(surging(s) for s in surges))
         return self.outcomes
 
-    async def _one(self, session: aiohttp.ClientSession, index: int) -> None:
+    async def _one(self, session: aiohttp.ClientSession, index: int, surge: bool = False) -> None:
         stream, body = self.workload.request(index)
         out = Outcome(index=index, request_id=f"{self.id_prefix}{index}", stream=stream,
-                      max_tokens=body["max_tokens"], start_s=self.now())
+                      max_tokens=body["max_tokens"], start_s=self.now(), surge=surge)
         self.outcomes.append(out)
         try:
             await self._send(session, out, body)
@@ -186,6 +209,8 @@ class ChaosClient:
                 out.status = resp.status
                 out.worker = resp.headers.get("x-router-worker")
                 out.policy = resp.headers.get("x-router-policy")
+                queue_ms = resp.headers.get("x-router-queue-ms")
+                out.queue_ms = float(queue_ms) if queue_ms is not None else None
                 try:
                     if out.stream and resp.status == 200 and resp.content_type == "text/event-stream":
                         await self._read_stream(resp, out)

@@ -9,7 +9,9 @@ time of the run, then its recovery:
 - `stop`: SIGSTOP (a hung process: its connections open, nothing answered), then SIGCONT
   `recover_after_s` later.
 The record keeps the evidence that it happened: the pid signalled, its exit status (-9 for a
-SIGKILL), the process state seen while stopped, the new pid and when it served again.
+SIGKILL), the process state seen while stopped, the new pid and when it served again; and,
+when the injector is given a `before_signal` look, what the cluster held just before the
+signal (e.g. the requests waiting in the gateways' queues when the scheduler is killed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,7 @@ class FaultRecord:
     new_pid: int | None = None
     continued_s: float | None = None
     errors: list[str] = field(default_factory=list)
+    before: dict[str, Any] | None = None  # the cluster's state just before the signal
 
     @property
     def recovered_s(self) -> float | None:
@@ -92,10 +96,13 @@ class Injector:
     """Runs a schedule of faults against a cluster; `records` fills in as they happen."""
 
     def __init__(self, cluster: Cluster, faults: list[Fault], clock: float,
-                 exit_wait_s: float = 90.0) -> None:
+                 exit_wait_s: float = 90.0,
+                 before_signal: Callable[[Fault], Awaitable[dict[str, Any] | None]] | None = None) -> None:
         self.cluster = cluster
         self.faults = faults
         self.clock = clock
+        # Awaited just before each signal (its time is the look's cost: a few ms on 127.0.0.1).
+        self.before_signal = before_signal
         # How long a SIGTERMed process may take to drain and exit (above every service's
         # --shutdown-timeout: the gateway's 50 s, a worker's 30 s).
         self.exit_wait_s = exit_wait_s
@@ -116,6 +123,8 @@ class Injector:
         await asyncio.sleep(max(0.0, rec.fault.at_s - self.now()))
         proc = process_of(self.cluster, rec.fault.target)
         try:
+            if self.before_signal is not None:
+                rec.before = await self.before_signal(rec.fault)
             if rec.fault.action == "stop":
                 await self._hang(proc, rec)
             else:

@@ -18,6 +18,12 @@ to survive it.
 - A gateway SIGTERMed: it closes its listener (new connections go to the other replica) and
   finishes its streams within its `--shutdown-timeout`; "what is still running then is cut
   with a `shutting_down` error". -> `cut_at_gateway_drain_deadline`.
+- A gateway SIGKILLed (a crash): nothing of it survives, and no design can save an answer a
+  dead process was sending. A request it had not begun to answer (held, or waiting for its
+  worker's first byte) loses its connection before a status line, and the client, as a load
+  balancer would, sends it to the other replica: it must then end whole. One whose answer had
+  begun (a stream's first event, a status line) is cut by the crash, not replayed.
+  -> `cut_gateway_killed`.
 - A worker hung (SIGSTOP): a whole answer is retried once the scheduler reports it down
   (router/down_watch.py); a stream waits, and only one silent past `--idle-stream-timeout-ms`
   ends with an error event. -> `stream_idle_on_hung_worker`.
@@ -41,6 +47,7 @@ LIMITS = {
         "stream cut: its worker was SIGKILLed after its first event reached its client",
     "cut_at_worker_drain_deadline": "still running when its SIGTERMed worker's --shutdown-timeout ran out",
     "cut_at_gateway_drain_deadline": "still running when its SIGTERMed gateway's --shutdown-timeout ran out",
+    "cut_gateway_killed": "answer begun (status line, a stream's events) when its gateway was SIGKILLed",
     "stream_idle_on_hung_worker": "stream silent past --idle-stream-timeout-ms on a stopped worker",
     "refused_queue_full": "429 queue_full: the gateway's queue was full",
 }
@@ -58,6 +65,7 @@ class Settings:
     cut_grace_s: float = 5.0
     # After a fault's recovery, how long its effects may last (scrapes, probation, refreshes).
     settle_s: float = 3.0
+    lease_ttl_s: float = 600.0  # the scheduler's --lease-ttl-s: a lease no gateway releases expires
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,13 @@ def _gateway_deadline(o: Outcome, f: FaultView, s: Settings) -> bool:
             and o.gateway == f.gateway and _after(o, f, s.gateway_shutdown_s))
 
 
+def _cut_by_gateway_kill(o: Outcome, f: FaultView, s: Settings) -> bool:
+    return (f.action == "kill" and f.kind == "gateway" and o.gateway == f.gateway
+            and o.status is not None and o.transport_error is not None
+            and o.start_s < f.signal_s and o.error_s is not None
+            and f.signal_s - 1.0 <= o.error_s <= f.signal_s + s.cut_grace_s)
+
+
 def _idle_on_hang(o: Outcome, f: FaultView, s: Settings) -> bool:
     return (f.action == "stop" and f.kind == "worker" and o.stream and o.started
             and o.error_code == "upstream_error" and "idle_timeout" in (o.error_message or "")
@@ -139,6 +154,7 @@ RULES: dict[str, Rule] = {
     "stream_cut_worker_killed": _cut_by_kill,
     "cut_at_worker_drain_deadline": _worker_deadline,
     "cut_at_gateway_drain_deadline": _gateway_deadline,
+    "cut_gateway_killed": _cut_by_gateway_kill,
     "stream_idle_on_hung_worker": _idle_on_hang,
 }
 

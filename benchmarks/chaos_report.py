@@ -14,8 +14,10 @@ from benchmarks.chaos_outcomes import CLASSES, LIMITS, LOST, FaultView, Settings
 
 STEADY = "no fault"
 SHORT = {"ok": "ok", "stream_cut_worker_killed": "cut:kill", "cut_at_worker_drain_deadline": "cut:w-drain",
-         "cut_at_gateway_drain_deadline": "cut:gw-drain", "stream_idle_on_hung_worker": "idle:hang",
+         "cut_at_gateway_drain_deadline": "cut:gw-drain", "cut_gateway_killed": "cut:gw-kill",
+         "stream_idle_on_hung_worker": "idle:hang",
          "refused_queue_full": "429:full", LOST: "LOST"}
+SHOWN = 12  # the items of a long list of evidence printed
 def _ttft(outcomes: list[Outcome]) -> dict[str, float | int | None]:
     ms = np.array([o.ttft_s * 1000 for o in outcomes if o.ok and o.ttft_s is not None])
     if not ms.size:
@@ -106,6 +108,10 @@ def checks_text(checks: list[FaultCheck]) -> str:
         failed = [k for k, ok in c.checks.items() if not ok]
         lines.append(f"{c.fault:<16} {'verified' if c.passed else 'NOT VERIFIED: ' + ', '.join(failed)}")
         for k, v in c.evidence.items():
-            if v is not None:
+            if isinstance(v, list) and len(v) > SHOWN:  # a time series: every few, all in the JSON
+                step = -(-len(v) // SHOWN)
+                lines.append(f"    {k} (every {step}th of {len(v)}):")
+                lines.extend(f"      {x}" for x in v[::step])
+            elif v is not None:
                 lines.append(f"    {k}: {v}")
     return "\n".join(lines)

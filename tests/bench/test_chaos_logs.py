@@ -40,3 +40,25 @@ def test_a_requests_lines_are_found_by_its_id_and_not_by_a_longer_one(tmp_path: 
     (tmp_path / "gateway.log").write_text(LINES)
     found = log_lines_for(tmp_path, ["chaos-x-1"])
     assert len(found["chaos-x-1"]) == 1 and "id=chaos-x-1 " in found["chaos-x-1"][0]
+
+
+HELD = """\
+2026-11-27 16:04:19,607 INFO router.access: id=chaos-x-12 POST /v1/chat/completions model=llama2 \
+worker=127.0.0.1:59147 status=200 stream=1 queue_ms=3731.2 ttft_ms=6721.8 e2e_ms=7784.3 tokens_in=1784 \
+tokens_out=24 retries=1
+2026-11-27 16:04:19,700 INFO router.access: id=chaos-x-1 POST /v1/chat/completions model=llama2 \
+worker=127.0.0.1:59147 status=200 stream=0 queue_ms=1.0 ttft_ms=- e2e_ms=700.0 tokens_in=10 \
+tokens_out=2 retries=0
+"""
+
+
+def test_the_requests_held_at_an_instant_are_known_by_id_and_by_gateway(tmp_path: Path):
+    (tmp_path / "gateway.log").write_text(HELD)
+    (tmp_path / "gateway1.log").write_text(HELD.split("\n", 1)[1])  # chaos-x-1 again, on gateway1
+    logs = GatewayLogs(tmp_path, datetime(2026, 11, 27, 16, 4, 0).timestamp())
+    # chaos-x-12 began at 19.607 - 7.784 = 11.823 s and looked for a worker for 3.731 s.
+    assert [a.request_id for a in logs.held_at(12.0)] == ["chaos-x-12"]
+    assert logs.held_at(11.7) == [] and logs.held_at(15.6) == []
+    assert logs.held_at(19.5) == []  # chaos-x-1's 1 ms is a schedule call answered at once
+    twice = logs.answered_twice()
+    assert list(twice) == ["chaos-x-1"] and sorted(a.gateway for a in twice["chaos-x-1"]) == [0, 1]

@@ -91,3 +91,23 @@ def test_each_request_of_a_workload_is_the_same_on_every_run():
     assert kinds == {True, False}  # both streamed and whole answers
     body = next(w.request(i)[1] for i in range(50) if w.request(i)[0])
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_a_stream_begun_on_a_sigkilled_gateway_is_cut_by_the_crash_one_not_begun_is_lost():
+    kill = FaultRecord(Fault(40, "kill", "gateway0", 2), pid=4, signal_s=40.0, exit_code=-9, ready_s=43.0)
+    views = fault_views([kill], WORKERS)
+
+    def on_gateway0(status: int | None, start_s: float, error_s: float) -> Outcome:
+        return Outcome(index=7, request_id="r7", stream=True, max_tokens=50, start_s=start_s, end_s=error_s,
+                       gateways=[0], status=status, worker=WORKERS[1], started=status is not None, tokens=9,
+                       transport_error="ClientPayloadError: Response payload is not completed",
+                       error_s=error_s)
+
+    assert classify(on_gateway0(200, 38.0, 40.01), views, S) == ("cut_gateway_killed", views[0])
+    # The same cut on the other gateway, or long after the kill, is not the crash's.
+    other = on_gateway0(200, 38.0, 40.01)
+    other.gateways = [1]
+    assert classify(other, views, S)[0] == LOST
+    assert classify(on_gateway0(200, 38.0, 50.0), views, S)[0] == LOST
+    # No status line: the client should have sent it to the other gateway, and did not.
+    assert classify(on_gateway0(None, 38.0, 40.01), views, S)[0] == LOST
