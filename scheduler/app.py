@@ -21,6 +21,7 @@ from scheduler.channel import (
     OPEN_CHANNELS,
     caller_gone,
     close_channels,
+    gateway_instance,
     request_of,
     run_batch_bytes,
     serve_channel,
@@ -134,6 +135,9 @@ def parse_schedule(raw: bytes) -> tuple[Request, int, int]:
 
 async def schedule(request: web.Request) -> web.Response:
     svc = request.app[SERVICE_KEY]
+    gateway = gateway_instance(request)  # its leases end with it (scheduler/gateways.py)
+    if isinstance(gateway, web.Response):
+        return gateway
     try:
         req, wait_ms, waited_ms = parse_schedule(await read_body(request))
     except BadRequest as exc:
@@ -144,6 +148,8 @@ async def schedule(request: web.Request) -> web.Response:
             # Nobody to answer (a call read late, its gateway gone meanwhile): the lease back.
             svc.release(out["lease_id"], ok=True, error=CLIENT_LEFT)
             return web.Response(status=499)
+        if gateway is not None:
+            svc.leases.tag(out["lease_id"], gateway)
         return web.Response(body=to_json(out), content_type="application/json")
     if out == UNKNOWN_MODEL:
         return error_response(404, f"no worker serves model {clip_repr(req.model)}", "model",
@@ -181,7 +187,10 @@ async def renew(request: web.Request) -> web.Response:
 
 
 async def batch(request: web.Request) -> web.Response:
-    answers = run_batch_bytes(request.app[SERVICE_KEY], await read_body(request))
+    gateway = gateway_instance(request)
+    if isinstance(gateway, web.Response):
+        return gateway
+    answers = run_batch_bytes(request.app[SERVICE_KEY], await read_body(request), gateway)
     if answers is None:
         return error_response(400, "body must be a JSON array of operations")
     return web.Response(body=to_json(answers), content_type="application/json")

@@ -21,6 +21,13 @@ schedule operation is answered by one message (the answer array); a message of r
 prefilled reports and renewals only is not answered (all fire-and-forget; the lease expiry
 covers a lost release, the next scrape a lost report, the next renewal a lost one).
 A message that is not a JSON array closes the channel with code 1007.
+
+A gateway that names itself (the upgrade's `X-Gateway-Instance` header, scheduler/gateways.py)
+has the leases decided on its channel tagged with its id, and its channel counts as its sign of
+life: the scheduler pings it every CHANNEL_HEARTBEAT_S (a channel whose peer's host is gone
+sends no FIN, and would stay open for ever), and once its gateway has no channel open for
+--gateway-gone-grace-s its leases end. A channel without the header (an older gateway) is
+served as before: no pings, its leases end on release or at the TTL.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.clip import MAX_SHOWN_CHARS, clip, clip_repr
+from scheduler.gateways import GATEWAY_INSTANCE_HEADER, valid_instance
 from scheduler.policies import Request
 from scheduler.protocol import (
     CLIENT_LEFT,
@@ -78,7 +86,7 @@ def request_of(r: ScheduleRequest) -> Request:
                    r.priority, r.session)
 
 
-def _schedule(svc: SchedulerService, op: dict) -> list:
+def _schedule(svc: SchedulerService, op: dict, gateway: str | None) -> list:
     try:
         r = ScheduleRequest.model_validate(op)
     except ValidationError as exc:
@@ -89,6 +97,8 @@ def _schedule(svc: SchedulerService, op: dict) -> list:
         return _error(400, "wait_ms is not supported in a batch: use POST /v1/schedule", "wait_ms")
     out = svc.schedule_now(request_of(r), time.monotonic())
     if isinstance(out, dict):
+        if gateway is not None:
+            svc.leases.tag(out["lease_id"], gateway)
         return [200, out]
     if out == UNKNOWN_MODEL:
         return _error(404, f"no worker serves model {clip_repr(r.model)}", "model", "model_not_found")
@@ -117,15 +127,16 @@ def _lease_op(svc: SchedulerService, kind: str, op: dict) -> list:
     return [204, None]
 
 
-def run_batch(svc: SchedulerService, ops: list) -> tuple[list, bool]:
-    """The answers, in order, and whether any operation was a schedule call."""
+def run_batch(svc: SchedulerService, ops: list, gateway: str | None = None) -> tuple[list, bool]:
+    """The answers, in order, and whether any operation was a schedule call. gateway: the
+    instance id of the gateway that sent it, if it named itself (scheduler/gateways.py)."""
     answers = []
     any_schedule = False
     for op in ops:
         kind = op.get("op") if isinstance(op, dict) else None
         if kind == "schedule":
             any_schedule = True
-            answers.append(_schedule(svc, op))
+            answers.append(_schedule(svc, op, gateway))
         elif isinstance(kind, str) and kind in LEASE_OPS:
             answers.append(_lease_op(svc, kind, op))
         else:
@@ -162,13 +173,13 @@ def give_back_decided(svc: SchedulerService, answers: list) -> None:
             svc.release(payload["lease_id"], ok=True, error=CLIENT_LEFT)
 
 
-def run_batch_bytes(svc: SchedulerService, raw: bytes) -> list | None:
+def run_batch_bytes(svc: SchedulerService, raw: bytes, gateway: str | None = None) -> list | None:
     """POST /v1/batch: the answers, or None when the body is not a JSON array."""
     try:
         ops = from_json(raw)
     except ValueError:
         return None
-    return run_batch(svc, ops)[0] if isinstance(ops, list) else None
+    return run_batch(svc, ops, gateway)[0] if isinstance(ops, list) else None
 
 
 def server_frame(payload: bytes) -> bytes:
@@ -198,10 +209,32 @@ async def close_channels(app: web.Application) -> None:
 # A gateway that stops reading its answers is broken: beyond this much unsent data the
 # channel is closed (it reconnects) rather than buffering without bound.
 MAX_UNSENT_BYTES = 8 << 20
+# A named gateway's channel is pinged this often, and closed when a pong is not back within half
+# of it: a gateway whose host is gone (no FIN) is then gone within 15 s plus the grace. A
+# gateway stopped for longer (SIGSTOP, a frozen VM) loses its leases as a crashed one does; its
+# requests' releases, when it resumes, are answered as for expired leases.
+CHANNEL_HEARTBEAT_S = 10.0
+
+
+def gateway_instance(request: web.Request) -> str | web.Response | None:
+    """The instance id a gateway named itself by, None when it named none (an older gateway),
+    or the 400 for one that is not an id."""
+    value = request.headers.get(GATEWAY_INSTANCE_HEADER)
+    if value is None:
+        return None
+    if not valid_instance(value):
+        return web.Response(status=400, body=to_json(_error(
+            400, f"{GATEWAY_INSTANCE_HEADER} must be 1 to 128 printable ASCII characters without "
+            "spaces", GATEWAY_INSTANCE_HEADER)[1]), content_type="application/json")
+    return value
 
 
 async def serve_channel(request: web.Request, svc: SchedulerService) -> web.StreamResponse:
-    ws = web.WebSocketResponse(compress=False, max_msg_size=4 << 20, autoping=True)
+    gateway = gateway_instance(request)
+    if isinstance(gateway, web.Response):
+        return gateway
+    ws = web.WebSocketResponse(compress=False, max_msg_size=4 << 20, autoping=True,
+                               heartbeat=CHANNEL_HEARTBEAT_S if gateway is not None else None)
     if not ws.can_prepare(request).ok:  # prepare() would answer a plain-text 400
         return web.Response(status=400, body=to_json(_error(400, "this endpoint takes only a WebSocket "
                                                             "upgrade (GET with Upgrade: websocket)")[1]),
@@ -216,6 +249,18 @@ async def serve_channel(request: web.Request, svc: SchedulerService) -> web.Stre
     sock = transport.get_extra_info("socket") if transport else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if gateway is None:
+        return await _serve(ws, transport, svc, None)
+    svc.gateways.opened(gateway)
+    try:
+        return await _serve(ws, transport, svc, gateway)
+    finally:
+        svc.gateways.closed(gateway)
+
+
+async def _serve(ws: web.WebSocketResponse, transport: asyncio.Transport | None, svc: SchedulerService,
+                 gateway: str | None) -> web.WebSocketResponse:
+    """The channel's batches, until it closes."""
     async for msg in ws:
         if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
             continue
@@ -226,7 +271,7 @@ async def serve_channel(request: web.Request, svc: SchedulerService) -> web.Stre
         if not isinstance(ops, list):
             await ws.close(code=1007, message=b"a message must be a JSON array of operations")
             break
-        answers, any_schedule = run_batch(svc, ops)
+        answers, any_schedule = run_batch(svc, ops, gateway)
         if not any_schedule:
             continue
         if caller_gone(transport):

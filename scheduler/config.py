@@ -192,6 +192,11 @@ class SchedulerConfig(BaseSettings):
         "forgotten")
     lease_ttl_s: float = Field(600.0, gt=0, allow_inf_nan=False,
                                description="a lease never released expires after this")
+    gateway_gone_grace_s: float = Field(
+        5.0, ge=0, allow_inf_nan=False,
+        description="a gateway that names itself (X-Gateway-Instance) and has had no channel open "
+        "this long is gone: its leases end then, not at --lease-ttl-s (scheduler/gateways.py; 0: "
+        "only at the TTL). Longer than a reconnect takes (a TLS reload, a cut connection)")
     visibility_lag_ms: float = Field(50.0, ge=0, allow_inf_nan=False,
                                      description="leases this close before a scrape: unseen")
     retry_after_ms: int = Field(0, ge=0, description="hint in wait answers (0: the scrape interval)")

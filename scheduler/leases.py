@@ -8,6 +8,11 @@ worker (a background response, answered `queued` at once). Its load must not van
 a scrape shows it in the worker's own numbers (a burst of such requests would all go to the
 worker that looked emptiest), and its end frees nothing (the scrapes follow it from then on):
 it stays counted while unseen and is dropped, freeing nothing, once a scrape has seen it.
+
+A lease decided for a gateway that names itself is tagged with its instance id (`tag`): when
+that gateway is gone (its channel closed and not reopened within a grace period), its leases
+end at once (`close_gateway`) instead of at the TTL (scheduler/gateways.py). A handed-off lease
+is not its gateway's any more: it stays until a scrape shows it.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from scheduler.registry import WorkerState
 
 
 class Lease:
-    __slots__ = ("expires_at", "fair", "fair_open", "issued_at", "lease_id", "prefilled", "prefix_key",
-                 "prompt", "tokens", "trial", "unseen", "worker")
+    __slots__ = ("expires_at", "fair", "fair_open", "gateway", "issued_at", "lease_id", "prefilled",
+                 "prefix_key", "prompt", "tokens", "trial", "unseen", "worker")
 
     def __init__(self, lease_id: str, worker: WorkerState, issued_at: float, ttl_s: float,
                  tokens: float, trial: bool, prompt: float = 0.0, prefix_key: int | None = None) -> None:
@@ -40,6 +45,7 @@ class Lease:
         # with what it used at release; an expired or dropped lease keeps the estimate.
         self.fair: tuple[FlowLedger, str, float] | None = None
         self.fair_open = False  # counted among its flow's open requests (scheduler/service.py)
+        self.gateway: str | None = None  # the instance id of the gateway it was decided for
 
 
 class LeaseTable:
@@ -53,6 +59,8 @@ class LeaseTable:
         self.handed_off: dict[WorkerState, set[Lease]] = {}
         # Short ids: a per-process prefix (so a restarted scheduler never matches an old id)
         # plus a counter; cheaper than uuid4 on the hot path.
+        # Open leases by the gateway instance they were decided for (scheduler/gateways.py).
+        self.by_gateway: dict[str, set[Lease]] = {}
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
 
@@ -99,6 +107,26 @@ class LeaseTable:
             self._forget(lease)  # the last scrape counts it already
         return lease
 
+    def tag(self, lease_id: str, gateway: str) -> None:
+        """The lease was decided for the gateway instance `gateway`."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.gateway is not None:
+            return
+        lease.gateway = gateway
+        self.by_gateway.setdefault(gateway, set()).add(lease)
+
+    def close_gateway(self, gateway: str) -> list[Lease]:
+        """That gateway is gone: its open leases end (the workers stopped its requests with its
+        connections), as expired leases end. Handed-off ones stay (their requests go on)."""
+        closed = []
+        for lease in list(self.by_gateway.pop(gateway, ())):
+            lease.gateway = None
+            if lease in self.handed_off.get(lease.worker, ()):
+                continue
+            if self.close(lease.lease_id) is not None:
+                closed.append(lease)
+        return closed
+
     def drop_handed_off(self, worker: WorkerState, cutoff: float) -> None:
         """Before a scrape of `worker` is applied: the handed-off leases it shows (issued before
         `cutoff`) are in the worker's numbers from now on."""
@@ -119,6 +147,12 @@ class LeaseTable:
             if not mine:
                 del self.handed_off[w]
         w.leases.pop(lease.lease_id, None)
+        if lease.gateway is not None:
+            theirs = self.by_gateway.get(lease.gateway)
+            if theirs is not None:
+                theirs.discard(lease)
+                if not theirs:
+                    del self.by_gateway[lease.gateway]
         # A request that ended (or was cancelled) before its prefill was counted must not
         # stay in the backlog: the backlog never exceeds the prompts still open.
         w.open_prompt_tokens = max(0.0, w.open_prompt_tokens - lease.prompt)

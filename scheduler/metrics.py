@@ -144,6 +144,9 @@ class SchedulerMetrics:
         self.releases = Counter("scheduler_lease_releases", "lease ends", ["outcome"], registry=r)
         self.prefilled = Counter("scheduler_prefilled_reports", "first tokens the gateway reported",
                                  ["outcome"], registry=r)
+        self.gateway_leases_dropped = Counter(
+            "scheduler_gateway_leases_dropped", "leases ended because their gateway was gone (its "
+            "channel closed for --gateway-gone-grace-s: a crash), not released", registry=r)
         self.renewals = Counter("scheduler_lease_renewals", "leases of long requests the gateway renewed "
                                 "(unknown: released, expired or issued before a restart)", ["outcome"],
                                 registry=r)

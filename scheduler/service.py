@@ -19,6 +19,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cordon_file import CordonFile
 from scheduler.cordons import Cordon, Cordons
 from scheduler.fair_share import FlowLedger
+from scheduler.gateways import GatewayPresence
 from scheduler.health import HALF_OPEN
 from scheduler.held_calls import ASKED_AGAIN_WITHIN_S, HeldCalls
 from scheduler.kept_room import RoomKeeper
@@ -86,6 +87,8 @@ class SchedulerService:
         self.cfg = config
         self.registry = Registry(config.model_gone_grace_s)
         self.leases = LeaseTable(config.lease_ttl_s)
+        # Gateways' channels: a gateway gone for --gateway-gone-grace-s has its leases ended.
+        self.gateways = GatewayPresence(config.gateway_gone_grace_s, self.drop_gateway)
         self.env = PolicyEnv(stale_after_s=config.stale_after_ms / 1000.0,
                              sessions=SessionTable(config.session_ttl_s, config.max_sessions))
         self.policy = make_policy(config.policy, config.effective_policy_params, self.env)
@@ -594,14 +597,32 @@ class SchedulerService:
 
     def expire_leases(self, now: float) -> int:
         expired = self.leases.expire(now)
-        for lease in expired:
+        if expired:
+            self._unreleased_ended(expired)
+            log.warning("%d lease(s) expired without release", len(expired))
+        return len(expired)
+
+    def drop_gateway(self, gateway: str) -> int:
+        """The gateway instance `gateway` is gone (scheduler/gateways.py): its leases end now, as
+        expired ones do (their flows keep their estimates). How many ended."""
+        dropped = self.leases.close_gateway(gateway)
+        if dropped:
+            self._unreleased_ended(dropped)
+            self.metrics.gateway_leases_dropped.inc(len(dropped))
+            log.warning("gateway %s gone (no channel for %.1f s): its %d open lease(s) ended",
+                        gateway, self.cfg.gateway_gone_grace_s, len(dropped))
+        else:
+            log.info("gateway %s gone (no channel for %.1f s), with no open lease",
+                     gateway, self.cfg.gateway_gone_grace_s)
+        return len(dropped)
+
+    def _unreleased_ended(self, leases: list[Lease]) -> None:
+        """Leases ended without a release (expired, or their gateway gone)."""
+        for lease in leases:
             self._lease_ended(lease)
             self.policy.refresh(lease.worker)
-        if expired:
-            self._routable.clear()  # an expired trial lease lets the next trial through
-            log.warning("%d lease(s) expired without release", len(expired))
-            self.capacity_changed()
-        return len(expired)
+        self._routable.clear()  # an ended trial lease lets the next trial through
+        self.capacity_changed()
 
     # ---- cordons (operators' maintenance) ------------------------------------------------
 
