@@ -34,6 +34,7 @@ from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
 from scheduler.clip import clip_repr
 from scheduler.connection_limit import connection_budget
+from scheduler.gateways import new_instance_id
 from scheduler.tls import PeerContext, TlsError, client_context, scheme, server_context
 from scheduler.tls_reload import tls_reloader
 
@@ -132,9 +133,13 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        # This process's name to the scheduler, which ends its leases once it is gone (a crash:
+        # scheduler/gateways.py); new at every start, so a restarted gateway is another one.
+        instance = new_instance_id()
         if cfg.scheduler:
             self.client = SchedulerClient(cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000,
-                                          token=cfg.scheduler_token, tls=self.scheduler_tls)
+                                          token=cfg.scheduler_token, tls=self.scheduler_tls,
+                                          instance=instance)
         self.sched = Scheduling(
             self.client,
             self.fallback,
@@ -151,7 +156,7 @@ class Gateway:
         if self.client is not None and cfg.scheduler_pipelining:
             self.sched.pipe = SchedulerPipe(
                 cfg.scheduler, timeout_s=cfg.scheduler_timeout_ms / 1000, channel=cfg.scheduler_channel,
-                token=cfg.scheduler_token, tls=self.scheduler_tls,
+                token=cfg.scheduler_token, tls=self.scheduler_tls, instance=instance,
             )
         self.sched.start(self.session, self.worker_tls)
         if self.key_watcher is not None:

@@ -33,6 +33,13 @@ on it are answered (none lost). So a CA taken out of the bundle stops vouching f
 scheduler at once, though the channel is never closed when idle. The check on each call is
 one identity comparison of contexts.
 
+The gateway names itself (`instance`: an id per process, router/app.py) in the header
+X-Gateway-Instance on the upgrade and on every HTTP call: the scheduler ends the leases of a
+gateway that has had no channel open for its --gateway-gone-grace-s (a crash, scheduler/
+gateways.py). So a channel that is lost (cut, reset, aborted by the watchdog) is opened again
+at once (and then after RECONNECT_DELAYS_S), not at the next call: a gateway whose long
+requests run with no call to make would otherwise have its leases ended while it lives.
+
 Long-polls (wait_ms > 0) must not hold up the pipeline, so they, /v1/workers, health
 probes and failure reports keep using `scheduler.client.SchedulerClient`.
 Errors mean the same as there: UnknownModelError (404), SchedulerAuthError (401/403: the
@@ -72,6 +79,7 @@ from scheduler.client import (
     UnknownModelError,
     raise_for_auth,
 )
+from scheduler.gateways import GATEWAY_INSTANCE_HEADER
 from scheduler.protocol import CLIENT_LEFT
 from scheduler.tls import PeerContext
 
@@ -92,6 +100,9 @@ MAX_HELD_LAZY = 100_000
 # connection the server is closing. 30 s, as the gateway's pool of connections to workers: far
 # below 75 s, and below any keep-alive the scheduler should have (above load balancers' 60 s).
 IDLE_CLOSE_S = 30.0
+# Waits before the attempts to open a lost channel again (the last repeated until one is made or
+# the pipe is closed): the first attempts well within the scheduler's --gateway-gone-grace-s.
+RECONNECT_DELAYS_S = (0.0, 0.2, 0.5, 1.0, 2.0)
 
 
 def orphan_release(lease_id: str) -> dict:
@@ -104,7 +115,7 @@ def orphan_release(lease_id: str) -> dict:
 class SchedulerPipe:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, channel: str = "auto",
                  token: str | None = None, tls: PeerContext | None = None,
-                 idle_close_s: float = IDLE_CLOSE_S) -> None:
+                 idle_close_s: float = IDLE_CLOSE_S, instance: str | None = None) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the pipelined channel needs an http(s):// scheduler URL, got {base_url!r}")
@@ -131,6 +142,9 @@ class SchedulerPipe:
         host_hdr = f"{host}:{self.port}".encode()
         # UTF-8, as the scheduler reads it (aiohttp decodes header bytes as UTF-8).
         auth = b"\r\nAuthorization: Bearer " + token.encode() if token else b""
+        self.instance = instance
+        if instance:
+            auth += b"\r\n" + GATEWAY_INSTANCE_HEADER.encode() + b": " + instance.encode()
 
         def head(path: bytes) -> bytes:
             return (b"POST " + prefix + path + b" HTTP/1.1\r\nHost: " + host_hdr + auth
@@ -158,6 +172,7 @@ class SchedulerPipe:
         self._connecting: asyncio.Future | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._closed = False
+        self._reconnecting: asyncio.Task | None = None
         # Releases, first-token reports and renewals that found no connection to be had (the
         # scheduler hung: its port takes connections and never answers the handshake), sent
         # on the next connection made. Dropped, a release left its lease counted as load on
@@ -255,9 +270,26 @@ class SchedulerPipe:
         load on the worker until the lease expired, 10 minutes)."""
         if self._pipe is pipe:
             self._pipe = None
+            if pipe.kind == "ws" and self.instance and not self._closed and self._reconnecting is None:
+                self._reconnecting = self.loop.create_task(self._reconnect())
         self._retiring.discard(pipe)
         if unsent and not self._closed:
             self.loop.create_task(self._send_again(pipe.kind, unsent))
+
+    async def _reconnect(self) -> None:
+        """The channel is the scheduler's sign that this gateway lives (see above): open it
+        again, until one is open or the pipe is closed."""
+        attempt = 0
+        try:
+            while not self._closed and (self._pipe is None or self._pipe.closed):
+                await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)])
+                attempt += 1
+                try:
+                    await self._get_pipe()
+                except SchedulerUnavailableError as exc:
+                    log.debug("scheduler channel: reconnect failed (%s)", exc)
+        finally:
+            self._reconnecting = None
 
     async def _send_again(self, kind: str, unsent: list[bytes]) -> None:
         try:
@@ -385,6 +417,8 @@ class SchedulerPipe:
 
     def close(self) -> None:
         self._closed = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

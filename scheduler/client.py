@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json, to_json
 
 from scheduler.clip import MAX_SHOWN_CHARS, clip
+from scheduler.gateways import GATEWAY_INSTANCE_HEADER
 from scheduler.protocol import LeaseRelease, ScheduleDecision, ScheduleRequest, ScheduleWait, WorkerList
 from scheduler.tls import PeerContext
 
@@ -117,6 +118,7 @@ class SchedulerClient:
         session: aiohttp.ClientSession | None = None,
         token: str | None = None,
         tls: PeerContext | None = None,
+        instance: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # An https:// scheduler: checked against this (the gateway's --scheduler-ca-file), else
@@ -124,6 +126,9 @@ class SchedulerClient:
         self._tls = tls if tls is not None else PeerContext()
         # Built once: every call sends the same headers (token: the scheduler's --gateway-token).
         self._get_headers = auth_headers(token)
+        if instance:
+            # The gateway's instance id: the leases of its calls end with it (scheduler/gateways.py).
+            self._get_headers[GATEWAY_INSTANCE_HEADER] = instance
         self._post_headers = {**_JSON_HEADERS, **self._get_headers}
         self.timeout_s = timeout_s
         self._session = session

@@ -263,6 +263,32 @@ async def test_releases_not_yet_sent_when_the_connection_drops_go_on_the_next_on
         pipe.close()
 
 
+@pytest.mark.parametrize("instance", ["gw-1", None])
+async def test_a_named_gateways_lost_channel_is_opened_again_without_a_call(scheduler, instance):
+    """A gateway that names itself has its leases ended by the scheduler once its channel has
+    stayed closed for the grace (scheduler/gateways.py): a lost channel is opened again at once,
+    not at the next call (long requests running, there may be none for minutes). An unnamed
+    pipe (as before) waits for its next call."""
+    pipe = SchedulerPipe(scheduler, timeout_s=5, channel="ws", instance=instance)
+    try:
+        status, payload = await pipe.schedule_raw({"model": "m"})
+        assert status == 200
+        lost = pipe._pipe
+        assert lost is not None
+        lost.abort(SchedulerUnavailableError("connection reset"))  # nothing left unsent
+        for _ in range(40):
+            if pipe._pipe is not None:
+                break
+            await asyncio.sleep(0.05)
+        if instance is None:
+            assert pipe._pipe is None
+        else:
+            assert pipe._pipe is not None and pipe._pipe is not lost and not pipe._pipe.closed
+        pipe.release_nowait({"lease_id": payload["lease_id"], "ok": True})
+    finally:
+        pipe.close()
+
+
 @pytest.mark.parametrize("channel", ["ws", "http"])
 async def test_a_tls_reload_moves_the_calls_to_a_new_connection_and_those_in_flight_are_answered(
         scheduler, channel):
