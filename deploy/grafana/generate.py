@@ -258,14 +258,17 @@ def router_dashboard() -> dict:
               "remembers. Zero until a gateway names a session header"),
         panel(ts, "Lease ends by outcome, and renewals", [
             (f"sum by (outcome) (rate(scheduler_lease_releases_total[{RATE}]))", "{{outcome}}"),
-            (f"sum by (outcome) (rate(scheduler_lease_renewals_total[{RATE}]))", "renewed {{outcome}}")],
+            (f"sum by (outcome) (rate(scheduler_lease_renewals_total[{RATE}]))", "renewed {{outcome}}"),
+            (f"sum(rate(scheduler_gateway_leases_dropped_total[{RATE}]))", "ended: gateway gone")],
             "reqps", width=8,
             description="ok / failed: the gateway's part and the request ended; handed_off: the "
             "worker goes on with it (a background response: its load counts until a scrape shows "
             "it); unknown: the lease had expired or was released already. Renewed: a long "
             "request's lease, renewed by its gateway (router --lease-renew-ms) so that it does "
             "not expire while the request runs; renewed unknown: its lease had expired (renewals "
-            "further apart than the scheduler's --lease-ttl-s) or the scheduler restarted"),
+            "further apart than the scheduler's --lease-ttl-s) or the scheduler restarted. Ended: "
+            "gateway gone: leases of a gateway whose channel stayed closed for the scheduler's "
+            "--gateway-gone-grace-s (it crashed), ended then rather than at the TTL"),
         row("Client connections (every service)"),
         panel(ts, "Client connections: open and cap", [
             (f"sum by (job, instance) ({every_service('{s}_connections_open')})",
