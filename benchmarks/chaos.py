@@ -227,7 +227,7 @@ def evaluate(run: RunResult, mode: Mode, max_leases_left: int | None = None) -> 
         if rec.signal_s is None:
             continue
         if rec.fault.target == "scheduler":
-            checks.append(held_at_kill(rec, run.outcomes, logs, run.samples,
+            checks.append(held_at_kill(rec, run.outcomes, classes, logs, run.samples,
                                        expect_held=_surging_at(mode, rec.signal_s)))
         elif rec.fault.target.startswith("gateway") and rec.fault.action == "kill":
             check.evidence.update(gateway_kill_evidence(rec, run.outcomes, classes, run.samples,

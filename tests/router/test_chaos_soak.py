@@ -4,8 +4,8 @@ SIGTERMed, the scheduler SIGKILLed while a surge of load keeps requests held in 
 queues, a gateway SIGTERMed, a worker SIGSTOPped then continued, the other gateway SIGKILLed
 (each restarted). No request may be lost (fail where README/DESIGN say the product survives),
 each fault must really have happened (the process died of its signal, or was stopped; a new
-one answered, and it served requests again), every request held when the scheduler died must
-end whole and once, the killed gateway's requests must have moved to the other replica or been
+one answered, and it served requests again), no request held when the scheduler died may be
+lost or answered twice, the killed gateway's requests must have moved to the other replica or been
 cut by the crash, and every held and in-flight count must be back to 0 at the end. No timing
 assertions."""
 
@@ -62,8 +62,8 @@ def test_no_request_is_lost_through_six_faults_and_each_fault_happened(tmp_path:
     # seen by the traffic, not only by the process.
     gateway_check = next(c for c in doc["checks"] if c["fault"] == "term gateway1")
     assert gateway_check["evidence"]["requests that moved to another replica (no answer from it)"] > 0
-    # The scheduler died with requests held (the surge saturated the workers), and each ended
-    # whole (the check's "every request held at the kill ended whole", passed above).
+    # The scheduler died with requests held (the surge saturated the workers), and none was
+    # lost (the check "no request held at the kill lost", passed above).
     checks = {c["fault"]: c for c in doc["checks"]}
     held = checks["kill scheduler: held requests"]
     assert held["checks"]["requests held at the kill (the load saturated the workers)"], held
