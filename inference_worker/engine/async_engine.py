@@ -58,6 +58,10 @@ class AsyncEngine:
         self._stop = False
         self._error: BaseException | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Aborts posted per request id and not yet applied by the engine thread, and a future
+        # per id for a new request under it to wait on (_wait_for_aborts).
+        self._aborting: dict[str, int] = {}
+        self._aborts_done: dict[str, asyncio.Future[None]] = {}
 
     # ---- AsyncEngineClient ----------------------------------------------------------------
     @property
@@ -104,6 +108,7 @@ class AsyncEngine:
             self._cond.notify()
         await asyncio.to_thread(thread.join, 30)
         self._thread = None
+        self._release_abort_waiters()
 
     def clock(self) -> float:
         """The engine clock (monotonic seconds; simulated seconds for the sim backend)."""
@@ -120,6 +125,7 @@ class AsyncEngine:
         start TTFT/e2e when the HTTP request arrived, before tokenization, as vLLM does;
         by default they start at this call."""
         validate_request(prompt_token_ids, params, self.max_model_len)
+        await self._wait_for_aborts(request_id)
         if request_id in self._queues:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         if self._error is not None:
@@ -161,9 +167,46 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _post_abort(self, request_id: str) -> None:
+        self._aborting[request_id] = self._aborting.get(request_id, 0) + 1
         with self._cond:
             self._inbox.append(request_id)
             self._cond.notify()
+
+    async def _wait_for_aborts(self, request_id: str) -> None:
+        """Until the aborts posted for `request_id` are applied. A request whose client left is
+        aborted at the engine's next step, and its outputs of the step before are still on
+        their way to the loop: a new request under its id (a client retrying with the same
+        X-Request-Id, at once, on a connection of its own) would be handed those outputs as its
+        own (its answer cut short, or ended by the old one's abort), and the engine's
+        DuplicateRequestError for it would come after. So it waits here, a step at most."""
+        # (No engine thread: the aborts wait in the inbox, ahead of this request's add.)
+        while (request_id in self._aborting and self._thread is not None and self._error is None
+               and not self._stop):
+            done = self._aborts_done.get(request_id)
+            if done is None:
+                done = self._aborts_done[request_id] = asyncio.get_running_loop().create_future()
+            await asyncio.shield(done)
+
+    def _aborts_applied(self, request_ids: list[str]) -> None:
+        """The engine thread applied these aborts (the step that frees them has run, and its
+        outputs were dispatched before this)."""
+        for request_id in request_ids:
+            left = self._aborting.get(request_id, 0) - 1
+            if left > 0:
+                self._aborting[request_id] = left
+                continue
+            self._aborting.pop(request_id, None)
+            done = self._aborts_done.pop(request_id, None)
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def _release_abort_waiters(self) -> None:
+        """The engine thread stopped or died: no abort will be applied, nobody waits for one."""
+        self._aborting.clear()
+        for done in self._aborts_done.values():
+            if not done.done():
+                done.set_result(None)
+        self._aborts_done.clear()
 
     def _run(self) -> None:
         engine = self.engine
@@ -184,9 +227,11 @@ class AsyncEngine:
                         if self._stop:
                             return
                         inbox, self._inbox = self._inbox, []
+                    aborted: list[str] = []
                     for item in inbox:
                         if isinstance(item, str):
                             engine.abort_request(item)
+                            aborted.append(item)
                             continue
                         request_id, prompt, params, arrival = item
                         try:
@@ -198,6 +243,8 @@ class AsyncEngine:
                         idle_reported = False
                         if outputs:
                             self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    if aborted:  # after this step's outputs: the step applied the aborts
+                        self._loop.call_soon_threadsafe(self._aborts_applied, aborted)
                     now = time.monotonic()
                     if now >= next_log:
                         next_log = now + self.log_stats_interval
@@ -222,3 +269,4 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
+        self._release_abort_waiters()

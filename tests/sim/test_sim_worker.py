@@ -404,3 +404,34 @@ def test_the_body_request_id_names_the_answer_unless_the_header_does_as_in_vllm(
         response = client.post("/v1/responses", json={"model": MODEL, "input": "Hello",
                                                       "max_output_tokens": 2, "request_id": "job-12"})
         assert response.status_code == 200 and response.json()["id"].startswith("resp_")
+
+
+def test_a_retry_under_the_request_id_of_a_request_just_dropped_gets_its_own_whole_answer(worker):
+    """A client (or a gateway in front) whose connection dropped mid-answer sends the request
+    again at once with the same X-Request-Id. The first is aborted as its connection closes;
+    the retry must get its own answer, whole, under that id: before, it could be handed the
+    first one's last outputs (a 400 "already in flight", or an answer cut short)."""
+    stream = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    whole = {"model": MODEL, "prompt": "Hello there", "max_tokens": 12}
+
+    async def main() -> list[tuple[int, dict]]:
+        answers = []
+        for attempt in range(6):
+            headers = {"X-Request-Id": f"dropped-{attempt}"}
+            async with aiohttp.ClientSession() as session:
+                first = await session.post(worker.base_url + "/v1/completions", json=stream, headers=headers)
+                assert first.status == 200
+                for _ in range(2 + attempt % 3):  # a few chunks in: mid-generation
+                    await first.content.readline()
+                first.close()  # the connection dropped
+            await asyncio.sleep(0.002 * attempt)
+            async with aiohttp.ClientSession() as session, session.post(
+                    worker.base_url + "/v1/completions", json=whole, headers=headers) as again:
+                answers.append((again.status, await again.json()))
+        return answers
+
+    for status, body in asyncio.run(asyncio.wait_for(main(), 60)):
+        assert status == 200, body
+        assert body["id"].startswith("cmpl-dropped-")
+        assert body["usage"]["completion_tokens"] == 12, body
+        assert body["choices"][0]["finish_reason"] == "length", body

@@ -568,3 +568,28 @@ async def test_a_late_abort_of_a_finished_request_spares_a_new_one_under_its_id(
         assert sum(len(o.token_ids) for o in outs) == 4
     finally:
         await aengine.shutdown()
+
+
+@pytest.mark.parametrize("attempt", range(5))
+async def test_a_request_retried_under_its_id_as_the_first_is_aborted_gets_only_its_own_outputs(attempt):
+    """A client whose connection dropped retries at once with the same X-Request-Id: the first
+    request is aborted at the engine's next step, and its outputs of the step before are still
+    on their way to the loop. The retry must get none of them: before, its queue took them (its
+    answer began with the old one's tokens, or ended with its abort), and the engine's
+    DuplicateRequestError came too late to matter."""
+    from inference_worker.engine.async_engine import AsyncEngine
+
+    engine, _, _ = make_engine()
+    aengine = AsyncEngine(engine, "m")
+    await aengine.start()
+    try:
+        old = aengine.generate("r", [5, 6, 7], greedy(200))
+        for _ in range(3 + attempt):  # mid-generation: the engine thread steps without pause
+            await anext(old)
+        await old.aclose()  # the client left: its abort is posted
+        outs = [out async for out in aengine.generate("r", [9, 9, 9, 9], greedy(6))]
+        assert [o.finish_reason for o in outs if o.finished] == [FinishReason.LENGTH]
+        assert sum(len(o.token_ids) for o in outs) == 6
+        assert outs[-1].num_prompt_tokens == 4
+    finally:
+        await aengine.shutdown()
