@@ -135,21 +135,27 @@ def final_answer(raw: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-def assert_408(raw: bytes, closed: bool, why: str) -> None:
-    """A 408 in the OpenAI error shape whose message says `why`, and the connection closed."""
+def assert_408(raw: bytes, closed: bool, *why: str) -> None:
+    """A 408 in the OpenAI error shape whose message says one of `why`, and the connection
+    closed."""
     status, answer = final_answer(raw)
     body = json.loads(answer)
     assert status == 408, raw
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["code"] == "request_timeout", body
-    assert why in body["error"]["message"], body
+    assert any(reason in body["error"]["message"] for reason in why), body
     assert closed, "the connection stayed open after the 408"
 
 
 def assert_request_timeout(stalled: Stalled) -> None:
-    """A 408 for a stall, about when the timeout ran out after the last byte."""
+    """A 408 for a stall, about when the timeout ran out after the last byte. A body that stops
+    after a few bytes is also under the rate floor, and the two deadlines are then less than
+    a millisecond apart (the floor's: the timeout plus 5 bytes' worth at 8 KiB/s after the
+    read began; the stall's: the timeout after those bytes came): on a loaded machine the bytes
+    come that late and the floor's reason is the one given. Either is right; the stall's alone
+    is checked where bytes came for longer first (check_stall_after_progress)."""
     assert stalled.answered_at is not None, f"no answer within {stalled.seconds:.1f} s: {stalled.raw!r}"
-    assert_408(stalled.raw, stalled.closed, STALLED)
+    assert_408(stalled.raw, stalled.closed, STALLED, TOO_SLOW)
     assert TIMEOUT_S * 0.8 <= stalled.answered_at <= TIMEOUT_S + SLACK_S, stalled.answered_at
 
 
