@@ -7,11 +7,12 @@ signal until its port closes (and on kept-alive connections after); vLLM started
 its whole drain (its ServiceUnavailableMiddleware; its port stays open, its /metrics answers).
 A gateway in front of another says `shutting_down` as ours does.
 
-Such an answer is retried on another worker like any 5xx before the first byte, but the
-scheduler is told the failure kind "draining" (scheduler/protocol.py's DRAINING), not
-"http_503": it takes the worker out of rotation at once with that down cause, which the
-gateways' down-watch (router/down_watch.py) leaves alone, so the answers the worker is
-finishing are not given up and generated again elsewhere. As "http_503", three in a row made
+Such an answer is retried on another worker like any 5xx before the first byte, but its
+failure kind (router/streaming.py's RetryElsewhere.answered), which the scheduler is told, is
+"draining" (scheduler/protocol.py's DRAINING), not "http_503": the scheduler takes the worker
+out of rotation at once with that down cause, which the gateways' down-watch
+(router/down_watch.py) leaves alone, so the answers the worker is finishing are not given up
+and generated again elsewhere. As "http_503", three in a row made
 it a failing worker, whose answers every gateway then moved.
 """
 
@@ -20,8 +21,6 @@ from __future__ import annotations
 import json
 import re
 
-from scheduler.protocol import DRAINING
-
 SHUTTING_DOWN = "shutting_down"  # the OpenAI error code ours (and this gateway) answer with
 VLLM_DRAINING = "Server is unavailable. Please try again later."
 # The same in a body cut short (a retried answer's detail is its first 200 bytes), or in one
@@ -29,7 +28,6 @@ VLLM_DRAINING = "Server is unavailable. Please try again later."
 _SAYS_DRAINING = re.compile(
     r'"(?:code|type)"\s*:\s*"shutting_down"|"error"\s*:\s*"Server is unavailable\. Please try again later\."'
 )
-_HTTP_503 = "http_503"  # router/streaming.py's kind for a worker's 503
 
 
 def says_draining(status: int, body: str) -> bool:
@@ -45,9 +43,3 @@ def says_draining(status: int, body: str) -> bool:
         return SHUTTING_DOWN in (err.get("code"), err.get("type"))
     return err == VLLM_DRAINING
 
-
-def failure_kind_of(reason: str, detail: str) -> str:
-    """The failure kind a retried attempt is reported (and counted, and logged) under:
-    "draining" for a 503 that says so (`reason` a RetryElsewhere's, `detail` its start of
-    the body), else `reason`."""
-    return DRAINING if reason == _HTTP_503 and says_draining(503, detail) else reason

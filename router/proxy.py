@@ -28,7 +28,6 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
-from router.draining import failure_kind_of
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
@@ -418,9 +417,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
                     504, f"the worker sent no answer within {self.cfg.request_timeout_ms} ms",
                     "upstream_error", code="upstream_timeout")
             except RetryElsewhere as r:
-                # A draining worker's 503 is reported "draining" (router/draining.py): the
-                # scheduler takes it out at once and leaves what it is finishing there.
-                reason = failure_kind_of(r.reason, r.detail)
+                reason = r.reason
                 last_failure = f"{reason}: {r.detail}" if r.detail else reason
                 if spans is not None:
                     spans.attempt_failed(reason)

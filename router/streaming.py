@@ -18,6 +18,7 @@ from aiohttp import web
 
 from router.access_log import RequestRecord
 from router.down_watch import WorkerDown, unless_down
+from router.draining import says_draining
 from router.errors import next_sequence_number, responses_error_event, sse_error_event
 from router.in_flight import SHUTTING_DOWN, InFlight
 from router.metrics import RouterMetrics
@@ -26,7 +27,7 @@ from router.sse import StreamTap
 from router.stored_responses import ResponseOwners, response_id_in
 from router.upstream_errors import answer_status, read_bounded
 from router.whole_as_sse import sse_of_whole
-from scheduler.protocol import connection_refused
+from scheduler.protocol import DRAINING, connection_refused
 from scheduler.tls import PeerContext
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -66,6 +67,14 @@ class RetryElsewhere(Exception):
     def after(cls, exc: BaseException) -> RetryElsewhere:
         """For a worker call that failed with `exc` (one of UPSTREAM_ERRORS)."""
         return cls(failure_kind(exc), repr(exc), refused=connection_refused(exc))
+
+    @classmethod
+    def answered(cls, status: int, detail: str) -> RetryElsewhere:
+        """For a worker's 5xx or 429 answer (`detail`: the start of its body): the kind
+        http_<status>, or "draining" for a 503 that says the worker drains (router/draining.py:
+        the scheduler takes it out at once and leaves what it is finishing there)."""
+        kind = DRAINING if says_draining(status, detail) else f"http_{status}"
+        return cls(kind, detail, status == OVERLOADED)
 
 
 _T = TypeVar("_T")
@@ -192,8 +201,7 @@ class StreamForwarding:
         tap: StreamTap | None = None
         try:
             if up.status >= 500 or up.status == OVERLOADED:
-                detail = await self._read_some(up)
-                raise RetryElsewhere(f"http_{up.status}", detail, up.status == OVERLOADED)
+                raise RetryElsewhere.answered(up.status, await self._read_some(up))
             if up.status != 200 or not up.headers.get("Content-Type", "").startswith(
                 "text/event-stream"
             ):

@@ -77,9 +77,7 @@ class WholeForwarding:
         response's owner. Returns the body and content type to relay (an error's in the OpenAI
         shape). Raises RetryElsewhere when another worker may serve it."""
         if status >= 500 or status == OVERLOADED:
-            raise RetryElsewhere(
-                f"http_{status}", data[:200].decode(errors="replace"), status == OVERLOADED
-            )
+            raise RetryElsewhere.answered(status, data[:200].decode(errors="replace"))
         p, c = usage_of_body(data) if status == 200 else (None, None)
         if status == 200 and path == RESPONSES_PATH:
             self.owners.learn(response_id_in(data), route.worker_id, route.url, (p or 0) + (c or 0))

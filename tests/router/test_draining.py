@@ -14,8 +14,9 @@ from inference_worker.server.errors import (
     json_error,
     shutting_down,
 )
-from router.draining import failure_kind_of, says_draining
+from router.draining import says_draining
 from router.errors import error_body
+from router.streaming import RetryElsewhere
 from scheduler.protocol import DRAINING
 
 OURS = json_error(shutting_down()).body.decode()
@@ -31,7 +32,7 @@ GATEWAY = error_body("the gateway is shutting down", "server_error", "shutting_d
                                   json.dumps({"error": {"message": "m", "type": "shutting_down"}})])
 def test_a_draining_workers_503_says_so(body):
     assert says_draining(503, body)
-    assert failure_kind_of("http_503", body) == DRAINING
+    assert RetryElsewhere.answered(503, body).reason == DRAINING
 
 
 def test_a_body_cut_short_is_read_as_far_as_it_goes():
@@ -59,6 +60,7 @@ def test_no_other_answer_says_it(status, body):
 
 
 def test_other_failure_kinds_are_kept():
-    assert failure_kind_of("http_500", OURS) == "http_500"
-    assert failure_kind_of("connect", "") == "connect"
-    assert failure_kind_of("http_503", "Service Unavailable") == "http_503"
+    assert RetryElsewhere.answered(500, OURS).reason == "http_500"
+    full = RetryElsewhere.answered(429, OURS)  # full, whatever it says: not a failure at all
+    assert (full.reason, full.overloaded) == ("http_429", True)
+    assert RetryElsewhere.answered(503, "Service Unavailable").reason == "http_503"
