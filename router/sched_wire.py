@@ -12,6 +12,7 @@ in flight on it are answered.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import socket
@@ -74,7 +75,7 @@ def ws_frame(payload: bytes, first_byte: int = 0x82) -> bytes:
     return head + b"\0\0\0\0" + payload
 
 
-class _ChannelProtocol(asyncio.Protocol):
+class _ChannelProtocol(asyncio.Protocol, metaclass=abc.ABCMeta):
     """What both scheduler channels share: the connection, the flush timers, delivering an
     answer to its call's future, and tearing the connection down."""
 
@@ -124,11 +125,13 @@ class _ChannelProtocol(asyncio.Protocol):
         if not self.pending:
             self._close_retired()
 
+    @abc.abstractmethod
     def _flush(self) -> None:
-        raise NotImplementedError
+        """Write what waits to go out on the connection, as one send."""
 
+    @abc.abstractmethod
     def _close_retired(self) -> None:
-        raise NotImplementedError
+        """Close a retired connection, no call awaiting an answer (each form its own way)."""
 
     def _deliver(self, fut: asyncio.Future | None, answer: tuple[int, Any]) -> None:
         """Hand an answer to its call; a schedule call whose caller left gives its lease back."""
