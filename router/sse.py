@@ -91,8 +91,9 @@ class StreamTap:
             piece = piece[:cut]
         self._count(piece)
         self.last = piece
-        if _USAGE.search(piece) is not None:
-            piece = self._take_usage(piece)
+        found = _USAGE.search(piece)
+        if found is not None:
+            piece = self._take_usage(piece, _event_start(piece, found.start()))
         return piece
 
     def _count(self, piece: bytes) -> None:
@@ -137,10 +138,12 @@ class StreamTap:
         A stream cut short (its client left, its worker failed) has no [DONE] to discount."""
         return max(self.events - (b"[DONE]" in self.last), 0)
 
-    def _take_usage(self, piece: bytes) -> bytes:
-        out: list[bytes] = []
-        start = 0
-        for end in _EVENT_END.finditer(piece):
+    def _take_usage(self, piece: bytes, start: int) -> bytes:
+        """Take the usage out of the piece's events from `start` (the event holding the first
+        usage match: the events before it pass as they are, unsplit, since a read that brings
+        a whole stream's tokens at once holds its usage chunk only at the end)."""
+        out: list[bytes] = [piece[:start]] if start else []
+        for end in _EVENT_END.finditer(piece, start):
             event, separator, start = piece[start:end.start()], end.group(), end.end()
             if not event:
                 continue
@@ -175,6 +178,16 @@ class StreamTap:
             self.prompt_tokens = int(p.group(1))
         if c:
             self.completion_tokens = int(c.group(1))
+
+
+def _event_start(piece: bytes, at: int) -> int:
+    """Where the event holding offset `at` begins: after the last blank line before it, in
+    either framing (0: the piece's first event)."""
+    lf = piece.rfind(b"\n\n", 0, at)
+    if lf >= 0:  # (in a stream of mixed framing a CRLF end may come later: starting early is as right)
+        return lf + 2
+    crlf = piece.rfind(b"\r\n\r\n", 0, at)
+    return crlf + 4 if crlf >= 0 else 0
 
 
 def _is_count(value: object) -> bool:

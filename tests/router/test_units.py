@@ -85,6 +85,21 @@ def test_stream_tap_strips_injected_usage_and_counts():
     assert (tap.prompt_tokens, tap.completion_tokens) == (7, 2)
 
 
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+def test_stream_tap_strips_usage_from_a_whole_stream_in_one_read(sep):
+    """A worker that writes a whole answer at once: every token event passes byte for byte,
+    only the usage chunk the gateway asked for goes, in either framing, and a token whose
+    text mentions "usage" is not taken for it."""
+    tokens = [b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + sep
+              for t in ("a", '"usage": {', "c")]
+    counts = {"prompt_tokens": 5, "completion_tokens": 3}
+    usage = b"data: " + json.dumps({"choices": [], "usage": counts}).encode()
+    done = b"data: [DONE]" + sep
+    tap = StreamTap(strip_usage=True)
+    assert tap.feed(b"".join(tokens) + usage + sep + done) == b"".join(tokens) + done
+    assert (tap.prompt_tokens, tap.completion_tokens) == (5, 3) and tap.content_events == 3
+
+
 def test_stream_tap_keeps_usage_the_client_asked_for_and_joins_split_events():
     tap = StreamTap(strip_usage=False)
     usage = _ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
