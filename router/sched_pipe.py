@@ -310,14 +310,19 @@ class SchedulerPipe:
         pipe = self._pipe
         now = time.monotonic()
         for old in list(self._retiring):  # retired after a TLS reload, answers still owed
-            if old.pending and now - old.pending[0][1] > self.timeout_s:
-                old.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
-        if pipe is not None and pipe.pending and now - pipe.pending[0][1] > self.timeout_s:
-            pipe.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
-        elif isinstance(pipe, _Pipe) and not pipe.pending and now - pipe.idle_since >= self.idle_close_s:
-            self._pipe = None
-            pipe.close_idle()  # the next call opens another
+            self._abort_if_late(old, now)
+        if pipe is not None and not self._abort_if_late(pipe, now):
+            if isinstance(pipe, _Pipe) and not pipe.pending and now - pipe.idle_since >= self.idle_close_s:
+                self._pipe = None
+                pipe.close_idle()  # the next call opens another
         self._watchdog = self.loop.call_later(self._tick_s, self._check_timeouts)
+
+    def _abort_if_late(self, pipe: _Pipe | _WsPipe, now: float) -> bool:
+        """Drop the connection when its oldest unanswered call is past the timeout."""
+        if pipe.pending and now - pipe.pending[0][1] > self.timeout_s:
+            pipe.abort(SchedulerUnavailableError(f"scheduler call timed out after {self.timeout_s} s"))
+            return True
+        return False
 
     @staticmethod
     def _frame(head: bytes, body: bytes) -> bytes:
