@@ -26,16 +26,17 @@ errors are written. The worker has its own copy: it stands alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from aiohttp import http_exceptions, web
+from aiohttp import hdrs, http_exceptions, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from scheduler.clip import clip
+from scheduler.clip import clip, clip_repr
 from scheduler.connection_limit import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     REFUSED_MESSAGE,
@@ -55,6 +56,7 @@ BadHttpMethod: type[Exception] = getattr(http_exceptions, "BadHttpMethod", HttpP
 
 # (status, message, OpenAI error type) -> the answer, in the service's own error body.
 ErrorAnswer = Callable[[int, str, str], web.Response]
+RequestHandlerFn = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 
 class OpenAIErrorRequestHandler(CappedRequestHandler):
     """A connection's handler; how it answers and where it logs are its server's (below),
@@ -110,6 +112,30 @@ class OpenAIErrorRequestHandler(CappedRequestHandler):
         super().log_exception(*args, **kw)
 
 
+def expectation_checked(handle: RequestHandlerFn, answer: ErrorAnswer) -> RequestHandlerFn:
+    """The server's request handler (the app's), with an Expect header other than 100-continue
+    answered 417 in the service's error body. aiohttp checks it before any middleware or route
+    runs: its 417 was plain text, and a value that is not UTF-8 (a lone surrogate as aiohttp
+    decodes it) failed to encode, a 500 logged with a traceback. Checked as aiohttp checks it
+    (HTTP/1.1 only, any case); 100-continue goes on to aiohttp. A plain function: one header
+    lookup per request."""
+
+    def checked(request: BaseRequest) -> Awaitable[web.StreamResponse]:
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect and request.version == HttpVersion11 and expect.lower() != "100-continue":
+            return _refused_expectation(answer, expect)
+        return handle(request)
+
+    return checked
+
+
+async def _refused_expectation(answer: ErrorAnswer, expect: str) -> web.StreamResponse:
+    resp = answer(417, f"Expect {clip_repr(expect)} is not supported: only 100-continue is",
+                  "invalid_request_error")
+    resp.force_close()  # whether the body follows is the client's guess: the framing is in doubt
+    return resp
+
+
 class _OpenAIErrorServer(Server):
     openai_answer: ErrorAnswer
     openai_log: logging.Logger
@@ -155,6 +181,7 @@ class OpenAIErrorAppRunner(web.AppRunner):
         # a client.
         server = await super()._make_server()
         server.__class__ = _OpenAIErrorServer
+        server.request_handler = expectation_checked(server.request_handler, self._openai_answer)
         server.openai_answer = self._openai_answer
         server.openai_log = self._openai_log
         server.head_timeout_s = self._receive_timeout_s

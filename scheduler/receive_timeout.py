@@ -43,6 +43,7 @@ from typing import ClassVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
@@ -126,6 +127,17 @@ async def read_body_within(request: web.Request, timeout_s: float, log: logging.
         last = loop.time()
 
 
+def _fail_body(body: StreamReader, message: object) -> None:
+    """`message`, queued as the next request, is the parser's refusal of the body still being read
+    (a deflate body that ends unfinished is refused only at its end, when its last bytes came
+    after the head): aiohttp queues the refusal but leaves the body waiting for bytes that never
+    come, and its handler waited out the receive timeout. The body is failed as aiohttp fails one
+    whose bytes cannot be decoded, so its reader answers 400 at once."""
+    exc = getattr(message, "exc", None)  # aiohttp's _ErrInfo; a request's head has no `exc`
+    if isinstance(exc, HttpProcessingError):
+        body.set_exception(web.RequestPayloadError(str(exc)))
+
+
 def aiohttp_mismatch(handler: type[HeadTimedRequestHandler], base: type | None = None) -> list[str]:
     """What `handler` uses of aiohttp's RequestHandler (`base`: it, unless a test gives a
     stand-in) that it lacks, [] if nothing: an attribute of its AIOHTTP_ATTRIBUTES that none of
@@ -207,10 +219,13 @@ class HeadTimedRequestHandler(RequestHandler):
         # Bytes past the last request's body are the next request's head. (Whether that body's
         # last bytes came with some of the next head is not known: then the head is timed from
         # its next bytes, or, if none come, left to aiohttp's keep-alive timer.)
-        next_head = self._last_body is None or self._last_body.is_eof()
+        body = self._last_body
+        next_head = body is None or body.is_eof()
         super().data_received(data)
         if self._request_count != heads:  # a request head is in (or refused: answered at once)
             self._stop_head_timer()
+            if body is not None and not body.is_eof() and self._messages:
+                _fail_body(body, self._messages[-1][0])
             self._last_body = self._messages[-1][1] if self._messages else None
         elif (data and next_head and self._head_timer is None
               and not (self._upgraded or self._close or self._force_close)):

@@ -17,15 +17,17 @@ are served at once, one more answered 503 (connection_limit.py, a twin too).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from aiohttp import http_exceptions, web
+from aiohttp import hdrs, http_exceptions, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from inference_worker.server.clip import clip
+from inference_worker.server.clip import clip, clip_repr
 from inference_worker.server.connection_limit import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     REFUSED_MESSAGE,
@@ -101,6 +103,34 @@ class OpenAIErrorRequestHandler(CappedRequestHandler):
         super().log_exception(*args, **kw)
 
 
+RequestHandlerFn = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def expectation_checked(handle: RequestHandlerFn) -> RequestHandlerFn:
+    """The server's request handler (the app's), with an Expect header other than 100-continue
+    answered 417 in the OpenAI shape. aiohttp checks it before error_middleware or any route
+    runs: its 417 was plain text, and a value that is not UTF-8 (a lone surrogate as aiohttp
+    decodes it) failed to encode, a 500 logged with a traceback. Checked as aiohttp checks it
+    (HTTP/1.1 only, any case); 100-continue goes on to aiohttp. A plain function: one header
+    lookup per request."""
+
+    def checked(request: BaseRequest) -> Awaitable[web.StreamResponse]:
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect and request.version == HttpVersion11 and expect.lower() != "100-continue":
+            return _refused_expectation(expect)
+        return handle(request)
+
+    return checked
+
+
+async def _refused_expectation(expect: str) -> web.StreamResponse:
+    text = f"Expect {clip_repr(expect)} is not supported: only 100-continue is"
+    resp = web.json_response(error_body(text, "invalid_request_error", code="expectation_failed"),
+                             status=417)
+    resp.force_close()  # whether the body follows is the client's guess: the framing is in doubt
+    return resp
+
+
 class _OpenAIErrorServer(Server):
     head_timeout_s: float
     connection_cap: ConnectionCap
@@ -140,6 +170,7 @@ class OpenAIErrorAppRunner(web.AppRunner):
         # aiohttp that builds servers otherwise fails there, not in front of a client.
         server = await super()._make_server()
         server.__class__ = _OpenAIErrorServer
+        server.request_handler = expectation_checked(server.request_handler)
         server.head_timeout_s = self._receive_timeout_s
         server.connection_cap = self.connections
         return server

@@ -11,13 +11,16 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+import itertools
 import logging
 import subprocess
 import sys
 import textwrap
 import tomllib
+import zlib
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -113,11 +116,84 @@ def test_a_handler_lacking_a_name_is_named(timeout_mod, limit_mod, errors_mod):
                                         handler_without("_request_handler")) == []
 
 
-def _runner(errors_mod) -> web.AppRunner:
+def _runner(errors_mod, app: web.Application | None = None) -> web.AppRunner:
+    app = web.Application() if app is None else app
     if errors_mod is scheduler_http_errors:
-        return errors_mod.OpenAIErrorAppRunner(web.Application(), answer=connection_error,
+        return errors_mod.OpenAIErrorAppRunner(app, answer=connection_error,
                                                log=logging.getLogger("test.aiohttp_fit"))
-    return errors_mod.OpenAIErrorAppRunner(web.Application())
+    return errors_mod.OpenAIErrorAppRunner(app)
+
+
+async def _serve(errors_mod, app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = _runner(errors_mod, app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def _body_reader(timeout_mod, reading: asyncio.Event) -> web.Application:
+    """POST /: the body read as every route reads it (read_body_within, a 30 s receive timeout),
+    its size answered; a body that cannot be decoded a 400."""
+
+    async def read(request: web.Request) -> web.Response:
+        reading.set()
+        try:
+            body = await timeout_mod.read_body_within(request, 30.0, logging.getLogger("test.aiohttp_fit"))
+        except web.RequestPayloadError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response({"read": len(body)})
+
+    app = web.Application()
+    app.router.add_post("/", read)
+    return app
+
+
+@twins
+async def test_a_deflate_body_refused_at_its_end_fails_its_read_at_once(timeout_mod, limit_mod, errors_mod):
+    """aiohttp refuses a deflate body that ends unfinished only at its end. When those last bytes
+    came after the head (its handler already reading), it queued the refusal as the next
+    request and left the read waiting for bytes that never come: the receive timeout later
+    (60 s by default), a 408. The read fails at once: a 400. A deflate body sent so is read."""
+    good = zlib.compress(b'{"prompt": "x"}')
+    # Not deflate, and yet no error until its end (raw deflate, as aiohttp falls back to, reads
+    # it as a block cut short); a deflate body.
+    for body, answer in ((b'{"lease_id": 0}', b"HTTP/1.1 400"), (good, b"HTTP/1.1 200")):
+        reading = asyncio.Event()
+        runner, url = await _serve(errors_mod, _body_reader(timeout_mod, reading))
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            await asyncio.wait_for(reading.wait(), 10)  # the handler reads: the body comes after
+            writer.write(body)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(answer), head
+        finally:
+            writer.close()
+            await runner.cleanup()
+
+
+@twins
+async def test_an_expect_header_other_than_100_continue_is_a_417_in_the_openai_shape(
+        timeout_mod, limit_mod, errors_mod, caplog):
+    """aiohttp checks Expect before any middleware or route runs: its 417 was plain text, and a
+    value that is not UTF-8 failed to encode, a 500 logged with a traceback. On a route and on
+    a path no route serves (the worker has no catch-all); 100-continue still goes on."""
+    runner, url = await _serve(errors_mod, _body_reader(timeout_mod, asyncio.Event()))
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            for path, expect in itertools.product(("/", "/nowhere"), ("junk", b"\xff\xfe", "x" * 5000)):
+                r = await client.post(url + path, headers={"Expect": expect}, content=b"{}")
+                assert r.status_code == 417, (path, expect, r.text)
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}, error
+                assert error["type"] == "invalid_request_error" and len(error["message"]) < 400, error
+            r = await client.post(url + "/", headers={"Expect": "100-Continue"}, content=b"{}")
+            assert (r.status_code, r.json()) == (200, {"read": 2})
+    finally:
+        await runner.cleanup()
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
 
 
 def _assert_the_one_line(message: str, *names: str) -> None:
