@@ -316,8 +316,9 @@ def build_app(gw: Gateway) -> web.Application:
     if cfg.allow_metrics and cfg.metrics_port is None:
         app.router.add_get("/metrics", gw.handle_metrics)
     # Last, so it only sees what no route above took: clients get the OpenAI error shape, not
-    # aiohttp's plain-text 404 / 405.
-    app.router.add_route("*", "/{tail:.*}", no_route)
+    # aiohttp's plain-text 404 / 405. Any character (`(?s:.*)`): `.*` stops at a newline, and a
+    # path with an escaped one (%0a) got the plain-text 404.
+    app.router.add_route("*", "/{tail:(?s:.*)}", no_route)
     return app
 
 

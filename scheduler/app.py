@@ -378,5 +378,7 @@ def build_app(service: SchedulerService, admin_token: TokenRef | None = None) ->
         resource.add_route(method, handler)
     for resource in resources.values():
         resource.add_route("*", method_not_allowed)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    # Any character (`(?s:.*)`): `.*` stops at a newline, and a path with an escaped one (%0a)
+    # got aiohttp's plain-text 404.
+    app.router.add_route("*", "/{tail:(?s:.*)}", not_found)
     return app

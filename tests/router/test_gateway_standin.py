@@ -125,6 +125,16 @@ def test_unknown_path_is_404_not_a_missing_model(stack, method, path):
     assert err["code"] == "not_found" and path in err["message"]
 
 
+@pytest.mark.parametrize("path", ["/x%0a", "/v1/responses/resp_a%0d%0aX:%20y", "/%0a/v1/completions"])
+def test_a_path_with_an_escaped_newline_is_a_404_in_the_openai_shape(stack, path):
+    """The catch-all route's `.*` stopped at a newline: such a path matched no route and got
+    aiohttp's plain-text 404."""
+    r = httpx.get(stack["gw"] + path)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "not_found" and set(err) == {"message", "type", "param", "code"}
+
+
 @pytest.mark.parametrize(
     ("method", "path", "allow"), [("POST", "/v1/models", "GET, HEAD"), ("PUT", "/health", "GET, HEAD")]
 )

@@ -361,6 +361,22 @@ async def test_bad_registration_and_failure_bodies_are_4xx_and_leave_the_api_wor
         assert (await client.post("/v1/schedule", json={"model": "m"})).status == 200
 
 
+async def test_a_path_with_an_escaped_newline_is_a_404_in_the_openai_shape():
+    """In process. The catch-all route's `.*` stopped at a newline: a path holding an escaped one
+    (%0a) matched no route and got aiohttp's plain-text 404."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from scheduler.app import build_app
+    from tests.scheduler.helpers import make_service
+
+    async with TestClient(TestServer(build_app(make_service(n=1)))) as client:
+        for path in ("/x%0a", "/v1/schedule%0a", "/%0d%0a/v1/workers"):
+            resp = await client.post(path, data=b"{}", headers={"Content-Type": "application/json"})
+            assert resp.status == 404, (path, await resp.text())
+            error = (await resp.json())["error"]
+            assert (error["code"], set(error)) == ("not_found", {"message", "type", "param", "code"})
+
+
 def test_metrics_and_health(cluster):
     base = cluster["base"]
     assert get_json(f"{base}/health")["status"] == "ok"
