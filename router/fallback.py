@@ -10,43 +10,30 @@ list, since stored responses are looked up there, but is not picked; a WebSocket
 it at its next request (is_cordoned, router/ws_relay.py), in either mode.
 
 A request with a session key (router/sessions.py: the gateway's --session-header) is placed by
-rendezvous (highest-random-weight) hashing instead: of the usable workers for its model, the one
-whose score for (key, worker URL) is highest. So a session's turns stay on one worker (and its
-prefix cache) while the scheduler is away, every gateway replica picks the same one without
-sharing state (the score is a fixed integer mix, not Python's salted hash()), and when a worker
-rests, is cordoned, excluded or gone only its own sessions move, each to its next-highest
-worker. The URL names a worker, not its id: a static --workers entry's id is its URL, and a
-replica that never heard the scheduler's list knows the worker by that alone. This is not the
-scheduler's session table (it may keep a session elsewhere: a worker with room), so a session
-may change worker once when the scheduler goes away and once when it is back. Requests without
-a session key go round robin.
+rendezvous (highest-random-weight) hashing instead (scheduler/rendezvous.py): of the usable
+workers for its model, the one whose score for (key, worker URL) is highest. So a session's
+turns stay on one worker (and its prefix cache) while the scheduler is away, every gateway
+replica picks the same one without sharing state (the score is a fixed integer mix, not
+Python's salted hash()), and when a worker rests, is cordoned, excluded or gone only its own
+sessions move, each to its next-highest worker. The URL names a worker, not its id: a static
+--workers entry's id is its URL, and a replica that never heard the scheduler's list knows the
+worker by that alone. The scheduler places a session it keeps no worker for (new, idle past its
+TTL, its worker gone; all of them after a restart) on the same rendezvous worker while that
+worker has room (its llm_aware and session policies), so a session keeps its worker when the
+scheduler goes away and when it comes back, restarted with an empty table or not. Only a session
+the scheduler had moved off its rendezvous worker (load, a failure) changes worker: this does not
+know of the move, so it goes back to its rendezvous worker while the scheduler is away, and to
+the worker the scheduler's table still holds when it returns. Requests without a session key go
+round robin.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 
 from scheduler.clip import clip_repr
-
-_MASK64 = (1 << 64) - 1
-
-
-def url_seed(url: str) -> int:
-    """A worker's 64-bit rendezvous value: its URL's blake2b digest, the same in every process."""
-    digest = hashlib.blake2b(url.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def rendezvous_score(session: int, seed: int) -> int:
-    """A session's score on a worker: splitmix64's finalizer of key XOR seed. Both steps are
-    bijections of 64-bit integers, so workers with different seeds never tie, and a few integer
-    operations per worker cost far less than a digest each."""
-    x = (session ^ seed) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+from scheduler.rendezvous import rendezvous_score, url_seed
 
 
 class NoWorkerError(Exception):

@@ -21,6 +21,10 @@ What it does, in order:
    A request of a session (scheduler/sessions.py) goes to its session's worker instead when
    that worker is among these (unsaturated, fresh, room for it) and scores at most
    `session_slack` above the winner; otherwise the winner takes it, and the session with it.
+   A session with no worker kept (new, idle past its TTL, its worker gone) is offered its
+   rendezvous worker (scheduler/rendezvous.py) under the same rule: the candidate the gateway's
+   fallback would pick for it, so a session's worker is the same with or without the
+   scheduler, and after a restart that emptied the table, unless load moved it.
 3. When every candidate is saturated, the request is held (`hold_when_saturated`) rather
    than piled onto one worker; else the least bad saturated one is used.
 Every knob is a policy parameter, so tuning is a config change. The defaults are the settings
@@ -38,6 +42,7 @@ from typing import Any, ClassVar
 
 from scheduler.policies.base import Pick, Policy, PolicyEnv, Request
 from scheduler.registry import WorkerState
+from scheduler.rendezvous import rendezvous_pick
 
 _INF = math.inf
 
@@ -247,18 +252,26 @@ class LlmAware(Policy):
                         over, over_r = w, r
         if best is None and over is not None and _too_large_for_all(need, cands):
             best, best_r = over, over_r
+        rendezvous = None
         if best is not None and req.session is not None:
             home = self.env.sessions.worker_of(req.session, now)
-            if home is not None and home != best.worker_id:
+            if home is None:
+                # No worker kept for it (new, idle past the TTL, its worker gone): its home is
+                # its rendezvous worker, the one the gateway's fallback picks for it, so the two
+                # agree and a scheduler restarted with an empty table puts it back where it was.
+                rendezvous = home = rendezvous_pick(req.session, cands).worker_id
+            if home != best.worker_id:
                 bonus = p.w_prefix / len(hashes) if matches else 0.0
                 stay = _home_rank(home, cands, need, stale_before, matches, bonus)
                 if stay is not None and stay[1] <= best_r + p.session_slack:
                     best, best_r = stay
         if best is not None:
+            detail: dict[str, Any] = {"saturated": None}
             if matches:
-                return Pick(best, best_r + age_term,
-                            {"saturated": None, "prefix_match": matches.get(best.worker_id, 0)})
-            return Pick(best, best_r + age_term, {"saturated": None})
+                detail["prefix_match"] = matches.get(best.worker_id, 0)
+            if rendezvous is not None and best.worker_id == rendezvous:
+                detail["rendezvous"] = True  # a session placed anew, where the fallback would
+            return Pick(best, best_r + age_term, detail)
         if p.hold_when_saturated:
             return None
         # Every candidate is saturated and holding is off: the least bad one.

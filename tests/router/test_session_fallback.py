@@ -4,10 +4,14 @@ had the scheduler's worker list until the scheduler was killed, and one that nev
 scheduler (its --workers, listed in another order). A session's requests land on one worker
 through either gateway (rendezvous hashing by URL, router/fallback.py), sessions spread, requests
 without one still go round robin, and when a worker dies only its sessions move, both gateways
-sending each to the same new worker."""
+sending each to the same new worker. And, with a scheduler of its own: sessions the scheduler
+placed keep their workers when it is killed (the fallback's rendezvous pick is the scheduler's
+first placement, scheduler/rendezvous.py) and when a fresh one, its session table empty, takes
+its port."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -17,7 +21,9 @@ import pytest
 
 from tests.router.procs import (
     Proc,
+    free_port,
     poll_until,
+    scheduler_workers,
     start_echo_worker,
     start_gateway,
     start_scheduler,
@@ -65,13 +71,18 @@ def _fallback_workers(gu: str) -> list[dict]:
     return httpx.get(gu + "/admin/state", timeout=5).json()["fallback_workers"]
 
 
-def _ask(gu: str, session: str | None) -> tuple[str, str]:
-    """One completion through gateway `gu`: the worker that served it (as the gateway names
-    it: a scheduler's id or a --workers URL) and the gateway's policy."""
+def _answer(gu: str, session: str | None) -> httpx.Response:
     headers = {HEADER: session} if session is not None else {}
     r = httpx.post(gu + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
                    headers=headers, timeout=30)
     assert r.status_code == 200, r.text
+    return r
+
+
+def _ask(gu: str, session: str | None) -> tuple[str, str]:
+    """One completion through gateway `gu`: the worker that served it (as the gateway names
+    it: a scheduler's id or a --workers URL) and the gateway's policy."""
+    r = _answer(gu, session)
     return r.headers["x-router-worker"], r.headers["x-router-policy"]
 
 
@@ -105,3 +116,59 @@ def test_only_a_dead_workers_sessions_move_and_both_gateways_agree_where(stack):
     after_one = {s: next(iter(h)) for s, h in after.items()}
     assert all(after_one[s] == before[s] for s in SESSIONS if before[s] != dead), (before, after_one)
     assert all(after_one[s] != dead for s in SESSIONS)
+
+
+def test_sessions_keep_their_workers_when_the_scheduler_goes_away_and_when_a_fresh_one_is_back():
+    """8 sessions over 3 workers, placed by the scheduler one at a time on idle workers: each
+    starts on its rendezvous worker, so the gateway's fallback sends it to the same one after
+    the scheduler is killed, and a scheduler started anew on its port (an empty session table)
+    places it there again. Placed by load alone they would all tie and most would differ."""
+    sessions = [f"chat-{i}" for i in range(8)]
+    procs: list[Proc] = []
+    try:
+        workers = [start_echo_worker() for _ in range(3)]
+        procs += [p for p, _ in workers]
+        urls = [u for _, u in workers]
+        sport = free_port()
+        sched_flags = ("--scrape-interval-ms", "100")
+        s, su = start_scheduler(urls, *sched_flags, port=sport)
+        procs.append(s)
+        g, gu = start_gateway("--scheduler", su, "--session-header", HEADER, "--debug-headers",
+                              "--workers-refresh-ms", "100", "--wait-schedule-timeout-ms", "1000",
+                              "--wait-schedule-try-period-ms", "100", "--scheduler-timeout-ms", "1000")
+        procs.append(g)
+        poll_until(lambda: len(scheduler_workers(su)) == 3
+                   and all(w["healthy"] for w in scheduler_workers(su).values()), "3 healthy workers")
+
+        def place(expect_policy: str) -> dict[str, str]:
+            out = {}
+            for session in sessions:
+                r = _answer(gu, session)
+                assert r.headers["x-router-policy"] == expect_policy, r.headers
+                out[session] = r.headers["x-router-worker"]
+            return out
+
+        first = place("llm_aware")
+        assert len(set(first.values())) >= 2, first  # spread, not all on one
+        assert place("llm_aware") == first  # kept
+        poll_until(lambda: len(_fallback_workers(gu)) == 3, "the gateway's copy of the worker list")
+
+        s.kill()
+        poll_until(lambda: _ask(gu, None)[1] == "fallback_round_robin", "the gateway in fallback mode")
+        assert place("fallback_session") == first
+
+        s2, _ = start_scheduler(urls, *sched_flags, port=sport)
+        procs.append(s2)
+        poll_until(lambda: all(w["healthy"] for w in scheduler_workers(su).values())
+                   and len(scheduler_workers(su)) == 3, "the fresh scheduler's 3 healthy workers")
+        poll_until(lambda: _ask(gu, None)[1] == "llm_aware", "the gateway back on the scheduler")
+        again = {}
+        for session in sessions:
+            r = _answer(gu, session)
+            assert r.headers["x-router-policy"] == "llm_aware"
+            assert json.loads(r.headers["x-router-reason"])["session"] == "new"  # an empty table
+            again[session] = r.headers["x-router-worker"]
+        assert again == first
+    finally:
+        for p in procs:
+            p.stop()

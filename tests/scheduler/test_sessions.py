@@ -1,6 +1,7 @@
 """Session affinity in the scheduler (in process, no HTTP): the session table
 (scheduler/sessions.py), llm_aware's soft affinity (its session_slack), the `session` policy
-(production-stack's stickiness), the decision's reason and metrics, and the session key on both
+(production-stack's stickiness), a new session's rendezvous worker (scheduler/rendezvous.py,
+the gateway fallback's pick), the decision's reason and metrics, and the session key on both
 wire forms of a schedule call."""
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from router.fallback import FallbackRouter
 from scheduler.app import BadRequest, parse_schedule
 from scheduler.channel import run_batch
 from scheduler.policies import Request
+from scheduler.rendezvous import rendezvous_pick
 from scheduler.service import Wait
 from scheduler.sessions import SessionTable
 from tests.scheduler.helpers import feed, make_service, worker
@@ -38,6 +41,19 @@ def placed(svc, **kw) -> tuple[str, str | None]:
 def idle(svc, *ids: str) -> None:
     for wid in ids:
         feed(svc, worker(svc, wid))
+
+
+def rendezvous_of(svc, key: int) -> str:
+    """The session's rendezvous worker among all of the service's workers."""
+    return rendezvous_pick(key, svc.registry.workers.values()).worker_id
+
+
+def key_on(svc, wid: str, start: int = 1) -> int:
+    """A session key (the first from `start`) whose rendezvous worker is `wid`."""
+    for key in range(start, start + 1000):
+        if rendezvous_of(svc, key) == wid:
+            return key
+    raise AssertionError(f"no key of 1000 has its rendezvous on {wid}")
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -97,9 +113,11 @@ def test_llm_aware_keeps_a_session_on_its_worker_while_within_the_slack():
     feed(svc, worker(svc, home), running=3)
     for _ in range(3):
         assert placed(svc, session=S) == (home, "kept")
-    # A request without a session, or of a new session, goes to the least loaded.
+    # A request without a session goes to the least loaded; a new session whose rendezvous
+    # worker is the busier one goes there too (the same slack), one whose is not goes to its own.
     assert placed(svc)[0] in others
-    assert placed(svc, session=S + 1) in [(w, "new") for w in others]
+    assert placed(svc, session=key_on(svc, home)) == (home, "new")
+    assert placed(svc, session=key_on(svc, others[0])) == (others[0], "new")
 
 
 def test_llm_aware_moves_a_session_whose_worker_is_busier_than_the_slack_and_it_stays_moved():
@@ -135,6 +153,64 @@ def test_llm_aware_moves_a_session_off_a_worker_that_cannot_take_it_now(why):
         kw["exclude"] = frozenset({home})  # it failed this request before (a retry)
     assert placed(svc, session=S, **kw) == (other, "moved")
     assert placed(svc, session=S) == (other, "kept")  # and it stays there
+
+
+def test_llm_aware_places_a_new_session_on_its_rendezvous_worker_while_it_has_room_within_the_slack():
+    svc = make_service(n=3)
+    key = key_on(svc, "w1")
+    # Its rendezvous worker runs 3 more requests than the others (slack 4): not the best, but
+    # the new session starts there, as the gateway's fallback would place it.
+    feed(svc, worker(svc, "w1"), running=3)
+    out = decide(svc, session=key)
+    assert out["worker_id"] == "w1"
+    assert out["reason"]["session"] == "new" and out["reason"]["rendezvous"] is True
+    svc.release(out["lease_id"], True)
+    assert placed(svc, session=key) == ("w1", "kept")
+    # A session idle past its TTL is placed anew the same way.
+    ttl = make_service(n=3, config={"session_ttl_s": 0.05})
+    feed(ttl, worker(ttl, "w1"), running=3)
+    assert placed(ttl, session=key) == ("w1", "new")
+    later = time.monotonic() + 1.0  # idle 1 s, past its TTL of 0.05
+    out = ttl.decide(Request("m", prompt_tokens=100, max_tokens=100, session=key), later)
+    assert out["worker_id"] == "w1" and out["reason"]["session"] == "new"
+
+
+@pytest.mark.parametrize("why", ["saturated", "far_worse"])
+def test_llm_aware_places_a_new_session_elsewhere_when_its_rendezvous_worker_cannot_take_it(why):
+    svc = make_service(n=3)
+    key = key_on(svc, "w1")
+    if why == "saturated":
+        feed(svc, worker(svc, "w1"), running=1, waiting=1)  # queueing: no room
+    else:
+        feed(svc, worker(svc, "w1"), running=5)  # 5 requests above the best: past the slack
+    out = decide(svc, session=key)
+    assert out["worker_id"] in ("w0", "w2")
+    assert out["reason"]["session"] == "new" and "rendezvous" not in out["reason"]
+
+
+def test_a_new_session_whose_rendezvous_worker_is_excluded_takes_its_next_as_the_fallback_does():
+    for policy in ("llm_aware", "session"):
+        svc = make_service(policy, n=3)
+        key = key_on(svc, "w1")
+        rest = [worker(svc, "w0"), worker(svc, "w2")]
+        out = decide(svc, session=key, exclude=frozenset({"w1"}))  # it failed this request (a retry)
+        assert out["worker_id"] == rendezvous_pick(key, rest).worker_id and out["reason"]["rendezvous"]
+
+
+def test_new_sessions_spread_over_the_workers_as_the_fallback_places_them_and_again_after_a_restart():
+    svc = make_service(n=3)
+    keys = range(1, 61)
+    first = {key: placed(svc, session=key)[0] for key in keys}
+    counts = sorted(list(first.values()).count(w) for w in ("w0", "w1", "w2"))
+    assert counts[0] >= 10, counts  # 60 sessions over 3 workers: none left out, none takes all
+    # The gateway's fallback, knowing the workers by the scheduler's list (its URLs with a '/'
+    # here: both sides drop it), places every session on the same worker.
+    fallback = FallbackRouter([], cooldown_s=1.0)
+    fallback.update_from_scheduler([(w.worker_id, w.url + "/", ["m"]) for w in svc.registry.workers.values()])
+    assert {key: fallback.pick("m", [], session=key).worker_id for key in keys} == first
+    # A scheduler restarted with an empty table puts each session back where it was.
+    fresh = make_service(n=3)
+    assert {key: placed(fresh, session=key)[0] for key in keys} == first
 
 
 def test_llm_aware_never_holds_a_request_for_its_sessions_worker():
@@ -198,9 +274,10 @@ def test_the_session_policy_sticks_to_a_sessions_worker_while_it_is_in_rotation(
     for _ in range(5):
         out = decide(svc, session=S)
         assert out["worker_id"] == home and out["reason"]["session"] == "kept"
-    # A new session, and a request without one, go to the worker with the fewest open requests.
-    assert placed(svc, session=S + 1)[0] != home
+    # A request without a session goes to the worker with the fewest open requests; a new
+    # session to its rendezvous worker, busy or not.
     assert placed(svc)[0] != home
+    assert placed(svc, session=key_on(svc, home)) == (home, "new")
     svc.cordon(home)
     moved, outcome = placed(svc, session=S)
     assert moved != home and outcome == "moved"
@@ -210,13 +287,16 @@ def test_the_session_policy_sticks_to_a_sessions_worker_while_it_is_in_rotation(
     assert placed(svc, session=S)[1] == "moved"
 
 
-def test_the_session_policy_spreads_new_sessions_by_open_requests_and_never_holds():
+def test_the_session_policy_places_new_sessions_by_rendezvous_and_never_holds():
     svc = make_service("session", n=3)
     for wid in ("w0", "w1", "w2"):
         feed(svc, worker(svc, wid), running=5, waiting=5)  # saturated, as llm_aware counts it
-    firsts = [decide(svc, session=k)["worker_id"] for k in range(1, 7)]  # leases kept open
-    assert sorted(firsts.count(w) for w in ("w0", "w1", "w2")) == [2, 2, 2]
-    assert decide(svc, session=1)["worker_id"] == firsts[0]
+    keys = range(1, 31)
+    firsts = [decide(svc, session=k) for k in keys]  # leases kept open
+    assert [d["worker_id"] for d in firsts] == [rendezvous_of(svc, k) for k in keys]
+    assert all(d["reason"]["session"] == "new" and d["reason"]["rendezvous"] for d in firsts)
+    assert min(sum(d["worker_id"] == w for d in firsts) for w in ("w0", "w1", "w2")) >= 4
+    assert decide(svc, session=1)["worker_id"] == firsts[0]["worker_id"]
     assert not isinstance(decide(svc, session=99, exclude=frozenset({"w0", "w1"})), Wait)
 
 
