@@ -685,7 +685,7 @@ async def send_checked(client: httpx.AsyncClient, base: str, case: Case, timeout
     out = await send(client, base, case, timeout_s, stored_id)
     if out.status != 0 or out.problem is None or "dropped" not in out.problem:
         return out
-    if case.framing.startswith("chunked"):
+    if case.framing.startswith("chunked") or (case.framing and len(case.body) > 1 << 20):
         return await _answered_mid_body(base, case, timeout_s, out)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as fresh:
         again = await send(fresh, base, case, timeout_s, stored_id)
@@ -695,20 +695,22 @@ async def send_checked(client: httpx.AsyncClient, base: str, case: Case, timeout
 
 
 async def _answered_mid_body(base: str, case: Case, timeout_s: float, dropped: Outcome) -> Outcome:
-    """A body sent in paced pieces, the connection dropped: a server that refuses a request
-    while its body still comes (a decoding error, a header it cannot parse) answers, then
-    closes the connection, and the client's next piece meets a reset, which may discard the
-    answer before the client reads it. Sent again piece by piece, reading after each: a 4xx in
-    the OpenAI shape there is a note (the answer was sent); anything else the violation."""
+    """A body sent in paced pieces (or a large one), the connection dropped: a server that
+    refuses a request while its body still comes (a decoding error, a header it cannot parse)
+    answers, then closes the connection, and the client's next bytes meet a reset, which may
+    discard the answer before the client reads it. Sent again in three pieces, reading after
+    each: a 4xx in the OpenAI shape there is a note (the answer was sent); anything else the
+    violation."""
     host, port = base.removeprefix("http://").split(":")
-    headers = {**case.headers, **FRAMINGS[case.framing](b"")[0], "Host": host,
-               "Transfer-Encoding": "chunked"}
+    added, framed = FRAMINGS[case.framing](case.body)
+    data = framed if isinstance(framed, bytes) else case.body  # a paced one: its pieces' bytes
+    headers = {**case.headers, **added, "Host": host, "Transfer-Encoding": "chunked"}
     head = f"{case.method} {case.endpoint.path}{case.path_suffix} HTTP/1.1\r\n".encode()
     for k, v in headers.items():
         head += k.encode() + b": " + (v if isinstance(v, bytes) else v.encode()) + b"\r\n"
-    step = max(1, len(case.body) // 3)
+    step = max(1, len(data) // 3)
     chunks = [b"%x\r\n%b\r\n" % (len(p), p) for p in
-              (case.body[i:i + step] for i in range(0, len(case.body), step))] + [b"0\r\n\r\n"]
+              (data[i:i + step] for i in range(0, len(data), step))] + [b"0\r\n\r\n"]
     chunks[0] = head + b"\r\n" + chunks[0]
     raw = b""
     try:
