@@ -47,12 +47,15 @@ MODEL = "smollm2"
 VOCAB = 49152  # SmolLM2's (its random-weights copy for the GPU check has the same tokenizer)
 EOS = 0  # <|endoftext|>
 MAX_MODEL_LEN = 128
-WORKER_FLAGS = ("--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "72",
+WORKER_FLAGS = ("--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN),
                 "--max-num-batched-tokens", "256")
+KV_BLOCKS = 72  # 16 tokens each: 8 sequences of the whole context fit; fewer make preemptions
 ENDPOINTS = {"completions": Endpoint("completions", "worker", "/v1/completions", "completions"),
              "chat": Endpoint("chat", "worker", "/v1/chat/completions", "chat")}
+# Each well under 30 tokens; the canaries' own among them, so that hostile requests share their
+# prompt's cached KV blocks.
 PROMPTS = ["The three primary colors are", "hello there", "1, 2, 3,", "<|im_end|><|im_start|>user",
-           "Once upon a time", " ", "def f(x):"]  # each well under 30 tokens
+           "Once upon a time", " ", "def f(x):", "The capital of France is", "Name a fruit."]
 TEXT_PROMPT_MAX_TOKENS = 30
 BAD_SHARE = 0.12  # of the mutations, those that make a request invalid
 CANARIES = {
@@ -102,7 +105,8 @@ def _values(rng: random.Random, kind: str) -> list[Mutation]:
                                    {str(t): rng.choice([-100.0, 100.0]) for t in _ids(rng, 1000)}]), "ok"),
         ("", _bias_on_every_token, "ok"),
         ("logit_bias", rng.choice([{str(VOCAB): 1.0}, {"-1": 1.0}, {"1": 1e308}, {"1": math.inf},
-                                   {"1": math.nan}, {"abc": 1.0}, {"1": "5"}, {str(2**70): 1.0}, [1]]),
+                                   {"1": math.nan}, {"abc": 1.0}, {"1": "5"}, {str(2**70): 1.0}, [1],
+                                   {"1" * 5000: 1.0}]),
          "bad"),
         ("presence_penalty", rng.choice([-2.0, 2.0, 0.0, -1.9999999]), "ok"),
         ("frequency_penalty", rng.choice([-2.0, 2.0, 0.0]), "ok"),
@@ -544,6 +548,16 @@ async def run_cases(base: str, cases: list[Case], concurrency: int, time_limit_s
         return outcomes, log, references
 
 
+def preemptions(worker: Proc) -> str:
+    """The worker's vllm:num_preemptions_total, for the summary (the run is harder with some)."""
+    try:
+        text = httpx.get(worker.url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return "?"
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_preemptions_total")]
+    return lines[0].rsplit(" ", 1)[-1] if lines else "?"
+
+
 def after_run_problems(worker: Proc, timeout_s: float) -> list[str]:
     problems = []
     if not worker.alive():
@@ -568,11 +582,11 @@ def after_run_problems(worker: Proc, timeout_s: float) -> list[str]:
     return problems
 
 
-def start_worker(start_timeout_s: float) -> Proc:
+def start_worker(start_timeout_s: float, kv_blocks: int = KV_BLOCKS) -> Proc:
     model = os.environ.get("WORKER_TEST_MODEL", MODEL)
     device = ("--device", os.environ["WORKER_TEST_DEVICE"]) if "WORKER_TEST_DEVICE" in os.environ else ()
     worker = Proc.start("worker", "inference_worker", "--model", model, "--served-model-name", MODEL,
-                        "--host", "127.0.0.1", *WORKER_FLAGS, *device)
+                        "--host", "127.0.0.1", *WORKER_FLAGS, "--num-kv-blocks", str(kv_blocks), *device)
     try:
         worker.wait_ready(time.monotonic() + start_timeout_s)
     except BaseException:
@@ -588,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit-s", type=float, default=600.0, help="no case is sent after it")
     ap.add_argument("--concurrency", type=int, default=3, help="hostile requests at a time (2-4)")
     ap.add_argument("--client-timeout-s", type=float, default=180.0)
+    ap.add_argument("--kv-blocks", type=int, default=KV_BLOCKS, help="the worker's KV pool (16-token blocks)")
     ap.add_argument("--replay", type=int, action="append", default=[],
                     help="send only the plan's case I (repeatable), canaries beside it")
     args = ap.parse_args(argv)
@@ -595,12 +610,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         cases = [cases[i] for i in args.replay]
     started = time.monotonic()
-    worker = start_worker(180.0)
+    worker = start_worker(180.0, args.kv_blocks)
     failed = True
     try:
         outcomes, canaries, references = asyncio.run(run_cases(
             worker.url, cases, args.concurrency, args.time_limit_s, args.client_timeout_s))
         after = after_run_problems(worker, args.client_timeout_s)
+        preempted = preemptions(worker)
         violations = [o for o in outcomes if o.problem]
         failed = bool(violations or canaries.problems or after)
     finally:
@@ -613,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     for o in outcomes:
         by_status[o.status] = by_status.get(o.status, 0) + 1
     print(f"sent {len(outcomes)} requests in {time.monotonic() - started:.0f} s (seed {args.seed}, "
-          f"{args.concurrency} at a time); statuses: {dict(sorted(by_status.items()))}")
+          f"{args.concurrency} at a time, {args.kv_blocks} KV blocks, {preempted} preemptions); "
+          f"statuses: {dict(sorted(by_status.items()))}")
     print(f"canaries: {canaries.runs} runs, {canaries.beside} started beside hostile requests; "
           f"references {references}")
     for o in violations:

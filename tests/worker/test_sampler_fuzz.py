@@ -18,7 +18,7 @@ from tests.worker.conftest import REPO
 pytestmark = pytest.mark.slow
 
 SEED = 1
-REQUESTS = 64
+REQUESTS = 56
 
 
 def test_hostile_sampling_parameters_neither_fail_nor_disturb_their_batch():
