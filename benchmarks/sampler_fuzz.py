@@ -460,7 +460,10 @@ async def send_case(client: httpx.AsyncClient, base: str, case: Case, timeout_s:
         return Outcome(case, 0, f"no complete answer in {timeout_s} s (hang)")
     except httpx.HTTPError as exc:
         return Outcome(case, 0, f"connection dropped: {type(exc).__name__}: {exc}")
-    return Outcome(case, status, answer_problem(case, status, data, ctype))
+    try:
+        return Outcome(case, status, answer_problem(case, status, data, ctype))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer not in its shape
+        return Outcome(case, status, f"unparsable answer ({type(exc).__name__}: {exc}): {data[:300]!r}")
 
 
 async def canary_text(client: httpx.AsyncClient, base: str, kind: str, timeout_s: float) -> str:
