@@ -467,6 +467,26 @@ def test_step_cost_stays_flat_with_many_streams():
     assert max(runner.batch_sizes) == 160
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_that_ban_every_token_still_sample(temperature):
+    """min_tokens with every token of the vocabulary among the stop ids (the API takes any
+    list) bans the whole row: its softmax was NaN, torch.multinomial raised and the engine loop
+    died with every request in it (found by benchmarks/sampler_fuzz.py on 301f47b^). The row
+    still yields a token of the vocabulary, and the row beside it is sampled as without it."""
+    import torch
+
+    from inference_worker.engine.sampler import sample
+
+    vocab = 6
+    logits = torch.tensor([[0.5, 2.0, -1.0, 0.0, 1.0, 0.3], [0.0, 0.0, 9.0, 0.0, 0.0, 0.0]])
+    banned = SamplingParams(max_tokens=4, temperature=temperature, min_tokens=3,
+                            ends_answer_ids=tuple(range(vocab)))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    for k in range(20):
+        first, second = sample(logits, [banned, greedy], [k % 3, 0], [[1, 2], [3]])
+        assert 0 <= first < vocab and second == 2
+
+
 def test_sampler_filters_and_edge_parameters():
     import torch
 
