@@ -35,8 +35,9 @@ another, else the socket is closed (1001). A socket that sends nothing keeps its
 Each request holds a lease of its own on the socket's worker, from its message to its answer's
 end (router/ws_leases.py; the first one's is the lease the socket was placed with). A worker
 that drops the connection with answers owed is reported, as a stream cut mid-answer is. The
-worker's own out-of-order answers (to a binary message, to one request more than it queues)
-are given here instead, so that every answer the worker sends ends the oldest request owed.
+worker's own out-of-order answer (to one request more than it queues) is given here instead,
+so that every answer the worker sends ends the oldest request owed; a binary message goes to
+the worker, which refuses it in its turn.
 """
 
 from __future__ import annotations
@@ -91,7 +92,6 @@ _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
 # answers one more at once, out of order (its MAX_QUEUED_REQUESTS). 64 in all, because between
 # an answer's end and its taking the next request the worker may still count 64 queued.
 _MAX_OWED = 64
-_BINARY_REFUSED = ws_error("send JSON text messages, not binary ones", 400)
 _TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
 KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
                        "invalid_api_key", "authentication_error")
@@ -343,8 +343,8 @@ class WsRelay:
     async def _up(self) -> None:
         """The client's messages: requests, and cancels of the one being answered."""
         async for msg in self.client:
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                if is_cancel(msg.data):
+            if msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                if msg.type == aiohttp.WSMsgType.TEXT and is_cancel(msg.data):
                     await self.cancel(msg.data)
                 elif self.sessions.closing:
                     await self.client.send_str(SHUTTING_DOWN)
@@ -354,12 +354,15 @@ class WsRelay:
                     # Revoked since the socket opened: its answers owed still come, as an HTTP
                     # stream accepted under it goes on; a new request is refused as over HTTP.
                     await self.client.send_str(KEY_REVOKED)
+                elif msg.type == aiohttp.WSMsgType.BINARY:
+                    # No request (no lease): the worker refuses it in its turn, after the answers
+                    # owed before it. Refused here at once, its error came inside the answer
+                    # streaming then, and the client took it for that answer's end.
+                    await self.send_request(WsTurn(msg.data))
                 else:
                     turn, prompt = await turn_of(self.proxy, self.rec.model, msg.data, self.request.headers)
                     self.rec.prompt_tokens += prompt
                     await self.send_request(turn)
-            elif msg.type == aiohttp.WSMsgType.BINARY:
-                await self.client.send_str(_BINARY_REFUSED)  # as the worker would, at once
             else:
                 return
 

@@ -10,6 +10,7 @@ Client -> server
     streamed (`"stream"` is ignored); `"stream_options": {"include_usage": true}`
     adds the usage chunk as over SSE.
   * `{"type": "cancel"}`: abort the request being answered (its KV blocks are freed).
+  * A binary message is no request: it is answered, in its turn, with an error.
 Requests on one socket are answered one after the other, in order; requests sent
 while one is being answered wait their turn (at most 64 queued, more is an error).
 Closing the socket aborts the request being answered.
@@ -93,16 +94,19 @@ class _Current:
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=16 * 1024 * 1024)
     await ws.prepare(request)
-    queue: asyncio.Queue[str] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
+    queue: asyncio.Queue[str | bytes] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
     current = _Current()
     drain = request.app[DRAIN]
     worker = asyncio.create_task(_answer_in_order(request.app, ws, queue, current))
     try:
         async for msg in ws:
-            if msg.type is not WSMsgType.TEXT:
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 await _send_error(ws, invalid_request("send JSON text messages, not binary ones"))
                 continue
-            if _is_cancel(msg.data):
+            # A binary message is refused in its turn, as a request (_answer): refused at once,
+            # its error came inside the answer streaming then, and a client that pairs each
+            # answer's end with its requests in order took it for that answer's end.
+            if msg.type is WSMsgType.TEXT and _is_cancel(msg.data):
                 if current.task is not None and not current.task.done():
                     current.cancel_requested = True
                     current.task.cancel()
@@ -137,7 +141,7 @@ def _is_cancel(text: str) -> bool:
 
 
 async def _answer_in_order(
-    app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[str], current: _Current
+    app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[str | bytes], current: _Current
 ) -> None:
     drain = app[DRAIN]
     try:
@@ -166,7 +170,7 @@ async def _answer_in_order(
                 await current.task
 
 
-async def _next_request(queue: asyncio.Queue[str], drain: Drain) -> str | None:
+async def _next_request(queue: asyncio.Queue[str | bytes], drain: Drain) -> str | bytes | None:
     """The socket's next request; None once the worker drains and none is queued."""
     if not queue.empty():
         return queue.get_nowait()
@@ -185,10 +189,14 @@ async def _next_request(queue: asyncio.Queue[str], drain: Drain) -> str | None:
     return None if queue.empty() else queue.get_nowait()
 
 
-async def _answer(app: web.Application, ws: web.WebSocketResponse, text: str, current: _Current) -> None:
+async def _answer(
+    app: web.Application, ws: web.WebSocketResponse, text: str | bytes, current: _Current
+) -> None:
     engine: AsyncEngineClient = app[ENGINE]
     gen: Generation | None = None
     try:
+        if isinstance(text, bytes):
+            raise invalid_request("send JSON text messages, not binary ones")
         gen = await prepared(len(text), generation_from_message, app[FACTORY], text)
         current.request_id = gen.request_id
         await gen.start(engine)

@@ -228,6 +228,28 @@ def test_an_empty_prompt_is_refused_over_the_websocket_too(worker):
     assert answer["error"]["message"] == EMPTY_PROMPT and answer["error"]["param"] == "prompt", answer
 
 
+def test_a_binary_message_is_refused_in_its_turn_not_inside_the_answer_streaming(worker):
+    """Answers on a socket come one after the other, in order, each ended once. A binary
+    message sent while an answer streamed was refused at once: its error came among that
+    answer's chunks, and a client pairing answers' ends with its requests in order took it for
+    that answer's end (benchmarks/api_fuzz.py's WebSocket cases found it). Now it waits its
+    turn: the answer streaming ends with its done, then the binary's error."""
+    async def ask() -> list[dict]:
+        async with aiohttp.ClientSession() as session, session.ws_connect(worker.base_url + "/v1/ws") as ws:
+            await ws.send_json({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True})
+            got = [await asyncio.wait_for(ws.receive_json(), 30)]  # its answer streams
+            await ws.send_bytes(b'{"model": "m", "prompt": "hi"}')
+            while not ("error" in got[-1] and len(got) > 1):
+                got.append(await asyncio.wait_for(ws.receive_json(), 30))
+            return got
+
+    *chunks, done, refusal = asyncio.run(ask())
+    assert done.get("type") == "done", f"the refusal came inside the answer streaming: {done}, {refusal}"
+    assert done["id"] == chunks[0]["id"] and "cancelled" not in done, done
+    assert all(c.get("object") == "text_completion" for c in chunks), [c for c in chunks if "error" in c]
+    assert refusal["error"]["message"] == "send JSON text messages, not binary ones", refusal
+
+
 def test_tokenizing_an_empty_text_gives_no_tokens(worker):
     answer = httpx.post(worker.base_url + "/tokenize", json={"model": MODEL, "prompt": ""}, timeout=30).json()
     assert answer["count"] == 0 and answer["tokens"] == []
