@@ -37,6 +37,18 @@ class StartupError(RuntimeError):
     pass
 
 
+# free_port() gives a port that is free when asked; something else may take it before the
+# process that was given it binds it (another listener, or an outgoing connection's ephemeral
+# port: the range is the same). That process then exits at once, and the cluster is started
+# again, every process on a new port (they know each other by URL), a few times at most.
+PORT_RACE_TRIES = 3
+
+
+def _lost_port_race(exc: StartupError) -> bool:
+    # Ours (aiohttp) say "address already in use"; Rust's peers "Address already in use".
+    return "address already in use" in str(exc).lower()
+
+
 class ManagedProcess:
     """One child process in its own process group, with its output in a log file."""
 
@@ -146,6 +158,10 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
+        self._forget_processes()
+
+    def _forget_processes(self) -> None:
+        """No process started or planned yet (again, after a start lost a port race)."""
         self.workers: list[ManagedProcess] = []
         self.worker_urls: list[str] = []
         self.scheduler: ManagedProcess | None = None
@@ -194,12 +210,19 @@ class Cluster:
         return vllm_worker_env(index)
 
     async def __aenter__(self) -> Cluster:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
+        for attempt in range(1, PORT_RACE_TRIES + 1):
+            try:
+                await self._start()
+                return self
+            except StartupError as exc:
+                await self.stop()
+                if attempt == PORT_RACE_TRIES or not _lost_port_race(exc):
+                    raise
+                self._forget_processes()  # and start them all again, on new ports
+            except BaseException:
+                await self.stop()
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
