@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +80,35 @@ def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0) -> No
     raise TimeoutError(f"{url} not ready after {timeout_s}s ({last!r})\n{out}")
 
 
+# free_port() gives a port free when asked; something else may take it before the child binds
+# it (another test's listener, an outgoing connection's ephemeral port: the same range). The
+# child then exits at once, and is started again on another port, a few times at most.
+PORT_TRIES = 3
+
+
+def _lost_port_race(proc: Proc) -> bool:
+    proc.p.wait(10)
+    return "address already in use" in proc.output().lower()
+
+
+def start_on_free_port(args_for: Callable[[int], list[str]], name: str, port: int | None = None,
+                       env: dict | None = None, timeout_s: float = 60.0) -> tuple[Proc, str]:
+    """A child serving /health on 127.0.0.1: on `port`, or on a free port (another one if that
+    was taken before the child bound it)."""
+    for attempt in range(1, PORT_TRIES + 1):
+        chosen = port or free_port()
+        p = Proc(args_for(chosen), f"{name}-{chosen}", env=env)
+        url = f"http://127.0.0.1:{chosen}"
+        try:
+            wait_http(url + "/health", p, timeout_s)
+            return p, url
+        except RuntimeError:
+            if port is not None or attempt == PORT_TRIES or not _lost_port_race(p):
+                raise
+            p.stop()
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 
 def poll_until(pred, what: str, timeout_s: float = 30.0):
     """pred()'s first truthy value, polled every 50 ms; the test fails naming `what` past the
@@ -111,22 +140,15 @@ def series_value(url: str, series: str, default: float | None = None) -> float:
 def start_echo_worker(
     model: str = "m", token_delay_ms: float = 0.0, max_running: int = 0
 ) -> tuple[Proc, str]:
-    port = free_port()
-    p = Proc(["-m", "benchmarks.echo_worker", "--port", str(port), "--model", model,
-              "--token-delay-ms", str(token_delay_ms), "--max-running", str(max_running)],
-             f"echo-{port}")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p)
-    return p, url
+    return start_on_free_port(
+        lambda port: ["-m", "benchmarks.echo_worker", "--port", str(port), "--model", model,
+                      "--token-delay-ms", str(token_delay_ms), "--max-running", str(max_running)], "echo")
 
 
 def start_gateway(*args: str, env: dict | None = None) -> tuple[Proc, str]:
-    port = free_port()
-    p = Proc(["-m", "router", "--port", str(port), "--log-stats-interval", "5", *args], f"gateway-{port}",
-             env=env)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p)
-    return p, url
+    return start_on_free_port(
+        lambda port: ["-m", "router", "--port", str(port), "--log-stats-interval", "5", *args], "gateway",
+        env=env)
 
 
 def start_sim_worker(model: str = "m", *extra: str) -> tuple[Proc, str]:
@@ -135,15 +157,23 @@ def start_sim_worker(model: str = "m", *extra: str) -> tuple[Proc, str]:
 
 def start_sim_workers(n: int, model: str = "m", *extra: str) -> list[tuple[Proc, str]]:
     """n sim workers started in parallel (each takes seconds to import its stack)."""
+    def args_for(port: int) -> list[str]:
+        return ["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
+                "--served-model-name", model, "--port", str(port), *extra]
+
     started = []
     for _ in range(n):
         port = free_port()
-        p = Proc(["-m", "inference_worker", "--backend", "sim", "--sim-profile", "tiny",
-                  "--served-model-name", model, "--port", str(port), *extra], f"sim-{port}")
-        started.append((p, f"http://127.0.0.1:{port}"))
+        started.append((Proc(args_for(port), f"sim-{port}"), f"http://127.0.0.1:{port}"))
     try:
-        for p, url in started:
-            wait_http(url + "/health", p, timeout_s=120)
+        for i, (p, url) in enumerate(started):
+            try:
+                wait_http(url + "/health", p, timeout_s=120)
+            except RuntimeError:
+                if not _lost_port_race(p):
+                    raise
+                p.stop()  # its port was taken before it bound it: this one alone again
+                started[i] = start_on_free_port(args_for, "sim", timeout_s=120)
     except BaseException:
         for p, _ in started:
             p.stop()
@@ -152,12 +182,9 @@ def start_sim_workers(n: int, model: str = "m", *extra: str) -> list[tuple[Proc,
 
 
 def start_scheduler(workers: list[str], *extra: str, port: int | None = None) -> tuple[Proc, str]:
-    port = port or free_port()
-    p = Proc(["-m", "scheduler", "--port", str(port), "--workers", ",".join(workers), *extra],
-             f"scheduler-{port}")
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", p)
-    return p, url
+    return start_on_free_port(
+        lambda chosen: ["-m", "scheduler", "--port", str(chosen), "--workers", ",".join(workers), *extra],
+        "scheduler", port)
 
 
 def scheduler_over_two_echo_workers() -> Iterator[str]:
