@@ -73,32 +73,62 @@ def sample(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+PORT_TRIES = 3  # a port free_port() found free can be taken before the worker binds it
+
+
 @contextlib.contextmanager
 def launch_worker(*flags: str, model: str = "smollm2", served_as: str | None = None) -> Iterator[Worker]:
     """Start a worker with `flags`, wait for /health, stop it (SIGTERM, then SIGKILL) afterwards.
-    The API names the model `served_as` (default: `model`)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="worker-", suffix=".log", delete=False)
-    log_path = Path(log.name)
-    args = [sys.executable, "-m", "inference_worker", "--model", model]
-    args += ["--served-model-name", served_as or model]
-    args += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    worker = Worker(f"http://127.0.0.1:{port}", process, log_path)
+    The API names the model `served_as` (default: `model`). A worker that lost its port to
+    another process before binding it is started again on another one."""
+    for attempt in range(1, PORT_TRIES + 1):
+        worker = _start_worker(flags, model, served_as or model)
+        try:
+            wait_healthy(worker)
+            break
+        except BaseException as exc:
+            _stop(worker)
+            output = worker.output()
+            _forget(worker)
+            if not (isinstance(exc, RuntimeError) and attempt < PORT_TRIES and lost_port_race(output)):
+                raise
     try:
-        wait_healthy(worker)
         yield worker
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        log.close()
-        log_path.unlink(missing_ok=True)
+        _stop(worker)
+        _forget(worker)
+
+
+def lost_port_race(log_text: str) -> bool:
+    return "address already in use" in log_text.lower()
+
+
+def _start_worker(flags: tuple[str, ...], model: str, served_as: str) -> Worker:
+    port = free_port()
+    log_fd, log_name = tempfile.mkstemp(prefix="worker-", suffix=".log")
+    args = [sys.executable, "-m", "inference_worker", "--model", model, "--served-model-name", served_as]
+    args += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        process = subprocess.Popen(args, cwd=REPO, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
+    finally:
+        os.close(log_fd)  # the child has its own copy
+    return Worker(f"http://127.0.0.1:{port}", process, Path(log_name))
+
+
+def _stop(worker: Worker) -> None:
+    process = worker.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def _forget(worker: Worker) -> None:
+    worker.log_path.unlink(missing_ok=True)
 
 
 def wait_healthy(worker: Worker) -> None:
