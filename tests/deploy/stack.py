@@ -15,6 +15,9 @@ from pathlib import Path
 from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
 
 READY = "LLM router ready"
+# A port free_ports() found free can be taken before the launcher's child binds it (another
+# test's listener, an outgoing connection's ephemeral port): the stack is started again.
+PORT_TRIES = 3
 
 
 @dataclass
@@ -27,6 +30,7 @@ class LocalStack:
     ok_requests: int = 0  # successful requests sent through the gateway by the tests
     completion_tokens: int = 0  # sum of usage.completion_tokens those requests returned
     admin_token: str = ""  # the gateway's, from the launcher's --admin-token-file ("" for none)
+    pump: threading.Thread | None = None  # reads the launcher's output into lines
 
     @property
     def gateway(self) -> str:
@@ -78,8 +82,34 @@ def start_stack(workers: int = 2, extra: tuple[str, ...] = (),
         for line in proc.stdout:
             stack.lines.append(line.rstrip("\n"))
 
-    threading.Thread(target=pump, daemon=True).start()
+    stack.pump = threading.Thread(target=pump, daemon=True)
+    stack.pump.start()
     return stack
+
+
+def start_ready_stack(workers: int = 2, extra: tuple[str, ...] = (), admin_token_file: str = os.devnull,
+                      scheduler_token: str = "", timeout_s: float = 150) -> LocalStack:
+    """start_stack, then wait_ready. A launcher that stopped because one of its ports was taken
+    after free_ports() chose it is started again on other ports, not the test failed."""
+    for attempt in range(1, PORT_TRIES + 1):
+        stack = start_stack(workers, extra, admin_token_file, scheduler_token)
+        try:
+            wait_ready(stack, timeout_s)
+            return stack
+        except BaseException:
+            exited = stack.proc.poll() is not None
+            stop_stack(stack)
+            if stack.pump is not None:
+                stack.pump.join(5)  # the launcher's last lines, which say why it stopped
+            if not (exited and attempt < PORT_TRIES and lost_port_race(stack.output())):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def lost_port_race(launcher_output: str) -> bool:
+    """The launcher's own check ("port N (gateway) is already in use") or a child's bind error
+    ("address already in use", in the child's last log lines the launcher prints)."""
+    return "already in use" in launcher_output.lower()
 
 
 def wait_ready(stack: LocalStack, timeout_s: float = 150) -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.deploy.helpers import pid_alive, wait_until
-from tests.deploy.stack import start_stack, stop_stack, wait_ready
+from tests.deploy.stack import start_ready_stack, stop_stack
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,9 +27,8 @@ def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_not_a_dropped_connec
     """The gateway drained for its own --shutdown-timeout (50 s) and the launcher SIGKILLed it
     after its grace period (here 5 s): the client's stream was cut with no error and no [DONE]."""
     # Stretched time: the 400-token answer (about 50 s) takes far longer than the grace period.
-    stack = start_stack(workers=1, extra=("--time-scale", "20"))
+    stack = start_ready_stack(workers=1, extra=("--time-scale", "20"))
     try:
-        wait_ready(stack)
         events: list[str] = []
         with httpx.Client(trust_env=False, timeout=httpx.Timeout(60)) as client:
             with client.stream("POST", f"{stack.gateway}/v1/chat/completions",
@@ -78,9 +77,8 @@ def healthy_workers(stack) -> set[str]:
 def test_a_worker_that_dies_is_started_again_and_the_others_keep_serving():
     """One worker's crash stopped the whole stack: the gateway cut the stream a healthy worker
     was serving, and the launcher exited."""
-    stack = start_stack(workers=2, extra=("--time-scale", "20"))
+    stack = start_ready_stack(workers=2, extra=("--time-scale", "20"))
     try:
-        wait_ready(stack)
         pids = stack.child_pids()
         events: list[str] = []
         with httpx.Client(trust_env=False, timeout=httpx.Timeout(60)) as client:
@@ -111,9 +109,8 @@ def test_a_worker_that_dies_is_started_again_and_the_others_keep_serving():
 
 def test_a_worker_that_dies_again_soon_after_its_restart_stops_the_stack():
     """A crash loop is not restarted forever: the launcher stops and says so."""
-    stack = start_stack(workers=1)
+    stack = start_ready_stack(workers=1)
     try:
-        wait_ready(stack)
         os.kill(stack.child_pids()["worker-0"], signal.SIGKILL)
         assert stack.wait_for_line("[launcher] worker-0 is healthy again", 60), stack.output()[-3000:]
         os.kill(stack.child_pids()["worker-0"], signal.SIGKILL)

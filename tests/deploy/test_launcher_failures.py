@@ -19,7 +19,7 @@ import pytest
 from deploy import local
 from deploy.processes import port_is_free
 from tests.deploy.helpers import REPO, consecutive_free_ports, free_ports, pid_alive, wait_until
-from tests.deploy.stack import start_stack, stop_stack, wait_ready
+from tests.deploy.stack import start_ready_stack, start_stack, stop_stack
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -118,9 +118,8 @@ def test_a_child_that_cannot_start_is_named_with_its_last_log_lines():
 
 
 def test_a_child_dying_stops_the_rest_and_fails_the_launcher():
-    stack = start_stack(workers=1)
+    stack = start_ready_stack(workers=1)
     try:
-        wait_ready(stack)
         pids = stack.child_pids()
         assert set(pids) == {"worker-0", "scheduler", "gateway"}
         subprocess.run(["kill", "-KILL", str(pids["scheduler"])], check=True)
@@ -152,9 +151,8 @@ def test_a_worker_dying_while_a_later_stage_starts_fails_the_start_up():
 
 
 def test_sigterm_stops_the_stack_like_ctrl_c():
-    stack = start_stack(workers=1)
+    stack = start_ready_stack(workers=1)
     try:
-        wait_ready(stack)
         pids = stack.child_pids()
         stack.proc.send_signal(signal.SIGTERM)
         assert stack.proc.wait(60) == 0
@@ -221,9 +219,8 @@ def test_closing_the_terminal_stops_every_child():
 def test_a_launcher_killed_outright_takes_its_children_with_it():
     """SIGKILL (or the OOM killer) runs no cleanup in the launcher: the kernel's parent-death
     signal must stop the children, or their ports stay taken for the next `make run`."""
-    stack = start_stack(workers=1)
+    stack = start_ready_stack(workers=1)
     try:
-        wait_ready(stack)
         pids = stack.child_pids()
         assert set(pids) == {"worker-0", "scheduler", "gateway"}
         stack.proc.kill()

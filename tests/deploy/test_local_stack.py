@@ -28,7 +28,7 @@ from tests.deploy.promql import (
     metric_names,
     shipped_queries,
 )
-from tests.deploy.stack import LocalStack, start_stack, stop_stack, wait_ready
+from tests.deploy.stack import LocalStack, start_ready_stack, stop_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,11 +48,10 @@ def token_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(token_dir):
-    stack = start_stack(workers=2, extra=("--max-num-seqs", "32"),
+    stack = start_ready_stack(workers=2, extra=("--max-num-seqs", "32"),
                         admin_token_file=str(token_dir / "gateway-admin-token"),
                         scheduler_token=SCHEDULER_TOKEN)
     try:
-        wait_ready(stack)
         yield stack
     finally:
         stop_stack(stack)
