@@ -12,11 +12,16 @@ Client -> server
   * `{"type": "cancel"}`: abort the request being answered (its KV blocks are freed).
   * A binary message is no request: it is answered, in its turn, with an error.
 Requests on one socket are answered one after the other, in order; requests sent
-while one is being answered wait their turn (at most 64 queued, more is an error).
+while one is being answered wait their turn (at most 64 queued). One more than that is
+answered at once with a 429 error, out of its turn (it may come inside the answer
+streaming): the bound that keeps a socket's memory bounded; a client that keeps at most 64
+requests in flight never meets it.
 Closing the socket aborts the request being answered.
 A worker that is shutting down answers the requests a socket has already sent, refuses
 new ones (error `shutting_down`), and then closes the socket with code 1001 (going away):
-the client reconnects, through a router to another worker.
+the client reconnects, through a router to another worker. Each refusal comes in its
+turn, after the answers owed before it (at once when none is owed); one past the 64
+queued comes at once, as the 429 does.
 
 Server -> client, for each request, in order
   * the chunk objects of the SSE stream, one per message (`chat.completion.chunk`
@@ -89,12 +94,20 @@ class _Current:
     task: asyncio.Task[None] | None = None
     request_id: str | None = None
     cancel_requested: bool = False
+    # Messages queued and not yet fully answered (the one being answered included, until its
+    # terminal is out): a refusal goes out at once only when this is 0, else in its turn.
+    owed: int = 0
+
+
+# What the socket's queue holds: a request's text, a binary message (refused in its turn),
+# or a refusal decided when the message came (the worker was draining), sent in its turn.
+_Queued = str | bytes | APIError
 
 
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=16 * 1024 * 1024)
     await ws.prepare(request)
-    queue: asyncio.Queue[str | bytes] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
+    queue: asyncio.Queue[_Queued] = asyncio.Queue(maxsize=MAX_QUEUED_REQUESTS)
     current = _Current()
     drain = request.app[DRAIN]
     worker = asyncio.create_task(_answer_in_order(request.app, ws, queue, current))
@@ -111,16 +124,24 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                     current.cancel_requested = True
                     current.task.cancel()
                 continue
+            item: _Queued = msg.data
             if drain.draining:
-                await _send_error(ws, shutting_down())
-                continue
+                # Refused in its turn, after the answers owed before it: refused at once, its
+                # error came inside the answer streaming, and a client pairing each answer's
+                # end with its requests in order took it for that answer's end. Held in the
+                # drain as a request is, so the worker does not stop before it is out.
+                item = shutting_down()
+                if current.owed == 0 or queue.full():
+                    await _send_error(ws, item)  # nothing owed before it; or past the bound
+                    continue
             try:
-                queue.put_nowait(msg.data)
+                queue.put_nowait(item)
             except asyncio.QueueFull:
                 await _send_error(
                     ws, APIError(429, f"more than {MAX_QUEUED_REQUESTS} requests queued on this socket")
                 )
             else:
+                current.owed += 1
                 drain.hold()
     finally:
         worker.cancel()
@@ -141,7 +162,7 @@ def _is_cancel(text: str) -> bool:
 
 
 async def _answer_in_order(
-    app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[str | bytes], current: _Current
+    app: web.Application, ws: web.WebSocketResponse, queue: asyncio.Queue[_Queued], current: _Current
 ) -> None:
     drain = app[DRAIN]
     try:
@@ -161,6 +182,7 @@ async def _answer_in_order(
                     done = {"type": "done", "id": current.request_id, "cancelled": True}
                     await ws.send_str(json.dumps(done))
             finally:
+                current.owed -= 1
                 drain.release()
     finally:
         drain.release(queue.qsize())  # the socket closed with these still queued
@@ -170,7 +192,7 @@ async def _answer_in_order(
                 await current.task
 
 
-async def _next_request(queue: asyncio.Queue[str | bytes], drain: Drain) -> str | bytes | None:
+async def _next_request(queue: asyncio.Queue[_Queued], drain: Drain) -> _Queued | None:
     """The socket's next request; None once the worker drains and none is queued."""
     if not queue.empty():
         return queue.get_nowait()
@@ -190,10 +212,13 @@ async def _next_request(queue: asyncio.Queue[str | bytes], drain: Drain) -> str 
 
 
 async def _answer(
-    app: web.Application, ws: web.WebSocketResponse, text: str | bytes, current: _Current
+    app: web.Application, ws: web.WebSocketResponse, text: _Queued, current: _Current
 ) -> None:
     engine: AsyncEngineClient = app[ENGINE]
     gen: Generation | None = None
+    if isinstance(text, APIError):  # a refusal waiting for its turn
+        await _send_error(ws, text)
+        return
     try:
         if isinstance(text, bytes):
             raise invalid_request("send JSON text messages, not binary ones")

@@ -117,16 +117,24 @@ def test_a_streamed_background_response_is_finished_and_an_unwatched_one_cancell
         assert "cancelling 1 background responses still running" in worker.output()
 
 
+async def _draining(worker: Worker, within_s: float) -> None:
+    """Until the worker says it drains (its log line right after it begins to)."""
+    deadline = time.monotonic() + within_s
+    while "shutting down:" not in worker.output():
+        assert time.monotonic() < deadline, "the worker did not begin to drain"
+        await asyncio.sleep(0.05)
+
+
 async def _drain_websockets(worker: Worker) -> tuple[list[dict], int | None, int | None, float, float]:
-    """Socket A has an answer streaming when SIGTERM comes and asks for another right after;
-    socket B is idle. Returns A's messages, both close codes, and when each closed."""
+    """Socket A has an answer streaming when SIGTERM comes and asks for another once the worker
+    drains; socket B is idle. Returns A's messages, both close codes, and when each closed."""
     async with aiohttp.ClientSession() as session:
         a = await session.ws_connect(worker.base_url + "/v1/ws")
         b = await session.ws_connect(worker.base_url + "/v1/ws")
         await a.send_str(json.dumps({"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}))
         first = await a.receive(timeout=30)
         worker.process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await _draining(worker, 10)
         await a.send_str(json.dumps({"model": "m", "prompt": "one more", "max_tokens": 5}))
         t0 = time.monotonic()
         closed_b = await b.receive(timeout=30)
@@ -145,6 +153,9 @@ async def _drain_websockets(worker: Worker) -> tuple[list[dict], int | None, int
 
 
 def test_websockets_finish_their_request_then_close_going_away() -> None:
+    """The request sent during the drain is refused in its turn: after the answer streaming
+    ends with its done, then the 1001. Refused at once, its error came inside that answer, and
+    a client pairing each answer's end with its requests in order took it for that answer's end."""
     with launch_worker(*SLOW_SIM, model="m") as worker:
         messages, a_code, b_code, a_after, b_after = asyncio.run(_drain_websockets(worker))
         assert b_code == 1001 and a_code == 1001
@@ -153,5 +164,6 @@ def test_websockets_finish_their_request_then_close_going_away() -> None:
         errors = [m["error"] for m in messages if "error" in m]
         assert len(chunks) == 150  # the answer under way, whole
         assert [e["code"] for e in errors] == ["shutting_down"]  # the request sent after SIGTERM
-        assert messages[-1]["type"] == "done"
+        assert messages[-2].get("type") == "done", f"the refusal came inside the answer: {messages[-3:]}"
+        assert messages[-1]["error"]["code"] == "shutting_down"  # in its turn, then the 1001
         assert _exit_code(worker, 20) == 0
