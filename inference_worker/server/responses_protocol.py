@@ -12,6 +12,7 @@ endpoints' options this worker does not implement.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -142,6 +143,13 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
         reject_set(self, _UNIMPLEMENTED_RESPONSES)
+        for name in ("text", "reasoning"):
+            # Free-form options the response repeats (echoed_fields): a NaN or Infinity literal
+            # in them (JSON's parser here takes those) went into every answer, stored and
+            # streamed, as JSON that a strict client's parser refuses.
+            if (where := _non_finite_at(getattr(self, name), name)) is not None:
+                raise invalid_request(f"{where}: Input should be a finite number", param=where,
+                                      code="invalid_value")
         text_format = (self.text or {}).get("format")
         if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
             raise unsupported("text.format", f"text.format of type {clip_repr(text_format.get('type'))}")
@@ -215,6 +223,17 @@ _NOT_FOR_CHAT = frozenset(
      "add_generation_prompt", "continue_final_message", "tools", "response_format", "top_logprobs",
      "request_id"}
 )
+
+
+def _non_finite_at(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinite number in a JSON value, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _non_finite_at(item, f"{path}.{key}")) is not None:
+            return found
+    return None
 
 
 def parse_request(raw: bytes) -> ResponsesRequest:
