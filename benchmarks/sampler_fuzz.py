@@ -1,6 +1,6 @@
 """Hostile sampling parameters against one real-model worker, with greedy canaries beside them.
 
-    python -m benchmarks.sampler_fuzz --seed 1 --requests 300 --time-limit-s 600
+    python -m benchmarks.sampler_fuzz --seed 1 --requests 300 [--responses 75 --ws-sockets 12]
 
 Starts one `python -m inference_worker` (torch backend, SmolLM2 on CPU unless WORKER_TEST_MODEL /
 WORKER_TEST_DEVICE say otherwise) on 127.0.0.1 with small limits (8 sequences, a 128-token
@@ -15,13 +15,20 @@ sampler call as one another and as two greedy streaming "canary" requests (a com
 chat, temperature 0, a fixed prompt) that run all the while: their text must be the one they
 gave alone before the run, every time.
 
+Besides those completions and chat requests over HTTP (`--requests N`, the seed's plan as it
+was): `--responses R` requests to the Responses API, the same values on its fields and on the
+vLLM extras it passes on, streamed or whole, a quarter in the background (followed to their end)
+and a quarter continuing a response stored before the run (sampler_fuzz_responses.py); and
+`--ws-sockets W` WebSockets to /v1/ws, each carrying two to four hostile bodies pipelined, then
+a valid one (sampler_fuzz_ws.py). All of them mixed in the same batches as the canaries.
+
 Each hostile answer is checked: a 4xx in the OpenAI error shape where the request is invalid,
 a proper answer (every choice ended by stop or length, numbers finite, streams ended by
 [DONE] with no error event) where it is valid; never a 5xx or a hang. After the run: the worker
 alive, a valid request answered, /metrics served, no traceback in its log. Every violation is
 printed with a reproducer (`--replay I`: the same case alone, canaries beside it); the exit
-status is 1 on any. Bounded: N requests, each under --client-timeout-s, dispatch stops at
---time-limit-s.
+status is 1 on any. Bounded: N + R requests and W sockets, each under --client-timeout-s (plus
+the time the tokens it asks for take at 40 tokens/s), dispatch stops at --time-limit-s.
 """
 
 from __future__ import annotations
@@ -33,11 +40,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+import aiohttp
 import httpx
 
 from benchmarks.fuzz_checks import stream_problem
 from benchmarks.fuzz_procs import Proc
+from benchmarks.fuzz_ws import interleave
 from benchmarks.sampler_fuzz_cases import (
     CANARIES,
     ENDPOINTS,
@@ -45,39 +55,11 @@ from benchmarks.sampler_fuzz_cases import (
     MODEL,
     WORKER_FLAGS,
     Case,
-    answer_problem,
     plan,
 )
-
-# ---- sending -----------------------------------------------------------------------------------
-
-@dataclass
-class Outcome:
-    case: Case
-    status: int
-    problem: str | None
-
-
-async def post(client: httpx.AsyncClient, url: str, content: bytes, timeout_s: float
-               ) -> tuple[int, bytes, str]:
-    async with asyncio.timeout(timeout_s):
-        async with client.stream("POST", url, content=content,
-                                 headers={"Content-Type": "application/json"}) as r:
-            data = b"".join([chunk async for chunk in r.aiter_raw()])
-            return r.status_code, data, r.headers.get("Content-Type", "")
-
-
-async def send_case(client: httpx.AsyncClient, base: str, case: Case, timeout_s: float) -> Outcome:
-    try:
-        status, data, ctype = await post(client, base + ENDPOINTS[case.kind].path, case.encoded(), timeout_s)
-    except TimeoutError:
-        return Outcome(case, 0, f"no complete answer in {timeout_s} s (hang)")
-    except httpx.HTTPError as exc:
-        return Outcome(case, 0, f"connection dropped: {type(exc).__name__}: {exc}")
-    try:
-        return Outcome(case, status, answer_problem(case, status, data, ctype))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer not in its shape
-        return Outcome(case, status, f"unparsable answer ({type(exc).__name__}: {exc}): {data[:300]!r}")
+from benchmarks.sampler_fuzz_responses import is_background, responses_plan
+from benchmarks.sampler_fuzz_send import Outcome, post, send_any, store_seeds
+from benchmarks.sampler_fuzz_ws import WsSocketCase, ws_plan
 
 
 async def canary_text(client: httpx.AsyncClient, base: str, kind: str, timeout_s: float) -> str:
@@ -131,10 +113,12 @@ async def canary_loop(client: httpx.AsyncClient, base: str, kind: str, reference
             log.problems.append(f"{kind} canary beside cases {beside} gave {text!r}, alone {reference!r}")
 
 
-async def run_cases(base: str, cases: list[Case], concurrency: int, time_limit_s: float,
+async def run_cases(base: str, cases: list[Case | WsSocketCase], concurrency: int, time_limit_s: float,
                     timeout_s: float) -> tuple[list[Outcome], CanaryLog, dict[str, str]]:
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client, \
+            aiohttp.ClientSession() as session:
+        stored_ids = await store_seeds(client, base, timeout_s)  # what previous_response_id names
         references = {}
         for kind in CANARIES:  # alone, twice: greedy must already agree with itself
             first, second = [await canary_text(client, base, kind, timeout_s) for _ in range(2)]
@@ -147,13 +131,13 @@ async def run_cases(base: str, cases: list[Case], concurrency: int, time_limit_s
         gate = asyncio.Semaphore(concurrency)
         deadline = time.monotonic() + time_limit_s
 
-        async def one(case: Case) -> Outcome | None:
+        async def one(case: Case | WsSocketCase) -> Outcome | None:
             async with gate:
                 if time.monotonic() > deadline:
                     return None
                 in_flight.append(case.index)
                 try:
-                    return await send_case(client, base, case, timeout_s)
+                    return await send_any(client, session, base, case, stored_ids, timeout_s)
                 finally:
                     in_flight.remove(case.index)
 
@@ -163,6 +147,26 @@ async def run_cases(base: str, cases: list[Case], concurrency: int, time_limit_s
             stop.set()
             await asyncio.gather(*canaries)
         return outcomes, log, references
+
+
+def statuses(outcomes: list[Outcome], kinds: Any) -> dict[int, int]:
+    by_status: dict[int, int] = {}
+    for o in outcomes:
+        if o.case.kind in kinds:
+            by_status[o.status] = by_status.get(o.status, 0) + 1
+    return dict(sorted(by_status.items()))
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """What the Responses and WebSocket cases sent (the CI test checks they were)."""
+    resp = [o.case for o in outcomes if o.case.kind == "responses"]
+    socks = [o.case for o in outcomes if isinstance(o.case, WsSocketCase)]
+    return (f"responses: {len(resp)} sent ({sum(bool(c.body.get('stream')) for c in resp)} streamed, "
+            f"{sum(is_background(c) for c in resp)} background, "
+            f"{sum('previous_response_id' in c.body for c in resp)} with previous_response_id); "
+            f"statuses: {statuses(outcomes, ('responses',))}\n"
+            f"websocket: {len(socks)} sockets, {sum(len(s.cases) for s in socks)} bodies pipelined, "
+            f"{sum(o.status for o in outcomes if isinstance(o.case, WsSocketCase))} answered in order")
 
 
 def preemptions(worker: Proc) -> str:
@@ -215,7 +219,10 @@ def start_worker(start_timeout_s: float, kv_blocks: int = KV_BLOCKS) -> Proc:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=200, help="completions and chat requests over HTTP")
+    ap.add_argument("--responses", type=int, default=None, help="/v1/responses requests (default: N / 4)")
+    ap.add_argument("--ws-sockets", type=int, default=None,
+                    help="WebSockets of 2-4 pipelined bodies each (default: requests / 25, at least 1)")
     ap.add_argument("--time-limit-s", type=float, default=600.0, help="no case is sent after it")
     ap.add_argument("--concurrency", type=int, default=3, help="hostile requests at a time (2-4)")
     ap.add_argument("--client-timeout-s", type=float, default=180.0)
@@ -223,9 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", type=int, action="append", default=[],
                     help="send only the plan's case I (repeatable), canaries beside it")
     args = ap.parse_args(argv)
-    cases = plan(args.seed, args.requests)
-    if args.replay:
-        cases = [cases[i] for i in args.replay]
+    n_resp = args.requests // 4 if args.responses is None else args.responses
+    n_ws = max(1, args.requests // 25) if args.ws_sockets is None else args.ws_sockets
+    # Numbered one after the other: the seed's HTTP cases as they were, then the Responses ones,
+    # then the sockets; sent mixed, so that each kind meets the others in the batch.
+    http = plan(args.seed, args.requests)
+    responses = responses_plan(args.seed, n_resp, args.requests)
+    sockets = ws_plan(args.seed, n_ws, args.requests + n_resp)
+    by_index = [*http, *responses, *sockets]
+    mixed = interleave(interleave(http, responses, max(1, args.requests // max(1, n_resp))),
+                       sockets, max(1, (args.requests + n_resp) // max(1, n_ws)))
+    cases = [by_index[i] for i in args.replay] if args.replay else mixed
     started = time.monotonic()
     worker = start_worker(180.0, args.kv_blocks)
     failed = True
@@ -242,19 +257,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker log kept: {worker.log}")
         else:
             worker.log.unlink(missing_ok=True)
-    by_status: dict[int, int] = {}
-    for o in outcomes:
-        by_status[o.status] = by_status.get(o.status, 0) + 1
-    print(f"sent {len(outcomes)} requests in {time.monotonic() - started:.0f} s (seed {args.seed}, "
-          f"{args.concurrency} at a time, {args.kv_blocks} KV blocks, {preempted} preemptions); "
-          f"statuses: {dict(sorted(by_status.items()))}")
+    sent = sum(o.case.kind in ENDPOINTS for o in outcomes)
+    print(f"sent {sent} requests in {time.monotonic() - started:.0f} s (seed {args.seed}, {args.concurrency} "
+          f"at a time, {args.kv_blocks} KV blocks, {preempted} preemptions); "
+          f"statuses: {statuses(outcomes, ENDPOINTS)}")
+    print(summary(outcomes))
     print(f"canaries: {canaries.runs} runs, {canaries.beside} started beside hostile requests; "
           f"references {references}")
     for o in violations:
         c = o.case
         print(f"\nVIOLATION case {c.index} ({c.kind}; {'; '.join(c.labels)}): {o.problem}\n"
               f"  reproduce: python -m benchmarks.sampler_fuzz --seed {args.seed} --requests {args.requests} "
-              f"--replay {c.index}\n  body: {c.encoded()[:400].decode(errors='replace')}")
+              f"--responses {n_resp} --ws-sockets {n_ws} --replay {c.index}\n"
+              f"  body: {c.encoded()[:400].decode(errors='replace')}")
     for p in canaries.problems:
         print(f"\nVIOLATION canary: {p}")
     for p in after:

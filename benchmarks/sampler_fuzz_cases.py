@@ -253,34 +253,44 @@ _UNSET = object()
 
 def plan(seed: int, count: int) -> list[Case]:
     rng = random.Random(seed)
-    cases = []
-    for index in range(count):
-        kind = rng.choice(["completions", "chat"])
-        case = Case(index, kind, base_body(rng, kind))
-        values = _values(rng, kind)
-        good = [v for v in values if v[2] != "bad"]
-        bad = [v for v in values if v[2] == "bad"]
-        # Mostly values the worker takes (what the batch then carries), now and then one it refuses.
-        picks = [rng.choice(bad if rng.random() < BAD_SHARE else good) for _ in range(rng.randint(1, 4))]
-        touched: list[set[str]] = []
-        for name, value, verdict in picks:
-            before = dict(case.body)
-            if name:
-                case.body[name] = value
-                label = f"{name}={_short(value)}"
-            else:
-                label, verdict = value(rng, case.body, kind)
-            fields = {k for k in before.keys() | case.body.keys()
-                      if before.get(k, _UNSET) is not case.body.get(k, _UNSET)}
-            # A mutation whose every field a later one set again no longer says anything.
-            for i, earlier in enumerate(touched):
-                if earlier and earlier <= fields:
-                    case.verdicts[i] = "ok"
-            touched.append(fields)
-            case.labels.append(label)
-            case.verdicts.append(verdict)
-        cases.append(case)
-    return cases
+    return [make_case(rng, index) for index in range(count)]
+
+
+def make_case(rng: random.Random, index: int) -> Case:
+    """One completions or chat case (the HTTP plan's, and the WebSocket's bodies)."""
+    kind = rng.choice(["completions", "chat"])
+    case = Case(index, kind, base_body(rng, kind))
+    values = _values(rng, kind)
+    apply_mutations(rng, case, pick_mutations(rng, values), kind)
+    return case
+
+
+def pick_mutations(rng: random.Random, values: list[Mutation]) -> list[Mutation]:
+    """One to four of `values`: mostly ones the worker takes (what the batch then carries), now
+    and then one it refuses."""
+    good = [v for v in values if v[2] != "bad"]
+    bad = [v for v in values if v[2] == "bad"]
+    return [rng.choice(bad if rng.random() < BAD_SHARE else good) for _ in range(rng.randint(1, 4))]
+
+
+def apply_mutations(rng: random.Random, case: Case, picks: list[Mutation], kind: str) -> None:
+    touched: list[set[str]] = []
+    for name, value, verdict in picks:
+        before = dict(case.body)
+        if name:
+            case.body[name] = value
+            label = f"{name}={_short(value)}"
+        else:
+            label, verdict = value(rng, case.body, kind)
+        fields = {k for k in before.keys() | case.body.keys()
+                  if before.get(k, _UNSET) is not case.body.get(k, _UNSET)}
+        # A mutation whose every field a later one set again no longer says anything.
+        for i, earlier in enumerate(touched):
+            if earlier and earlier <= fields:
+                case.verdicts[i] = "ok"
+        touched.append(fields)
+        case.labels.append(label)
+        case.verdicts.append(verdict)
 
 
 def _short(value: Any) -> str:
