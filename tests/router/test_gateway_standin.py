@@ -12,7 +12,6 @@ import json
 import re
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -408,11 +407,13 @@ def test_a_client_id_reused_while_in_flight_is_made_unique():
     try:
         body = {"model": "m", "prompt": "p", "max_tokens": 10}
         same = {"X-Request-Id": "client-7"}
-        with ThreadPoolExecutor(2) as ex:
-            first = ex.submit(httpx.post, gu + "/v1/completions", json=body, headers=same, timeout=30)
-            time.sleep(0.05)
+        # The first is a stream whose head has come: in flight (for 1 s more) when the second
+        # is sent, however slow the machine (a thread and a 50 ms sleep were not, under load).
+        streamed = {**body, "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", gu + "/v1/completions", json=streamed, headers=same, timeout=30) as first:
             second = httpx.post(gu + "/v1/completions", json=body, headers=same, timeout=30)
-            ids = [first.result().headers["x-request-id"], second.headers["x-request-id"]]
+            ids = [first.headers["x-request-id"], second.headers["x-request-id"]]
+            first.read()
         assert ids[0] == "client-7" and ids[1] != "client-7" and ids[1].startswith("client-7-")
         again = httpx.post(gu + "/v1/completions", json=body, headers=same, timeout=30)
         assert again.headers["x-request-id"] == "client-7"
