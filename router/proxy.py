@@ -32,6 +32,7 @@ from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.in_flight import SHUTTING_DOWN, InFlight
+from router.lax_fields import lax_true
 from router.metrics import RouterMetrics
 from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.request_checks import STREAMABLE, delivery, is_name, model_request, read_request_body
@@ -314,7 +315,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         sched_body = await self.schedule_body_off_loop(rec, model, body)
         self.note_session(sched_body, request.headers, body)
         # A background response goes on in the worker after its answer (`queued`) is out.
-        rec.detached = path == RESPONSES_PATH and body.get("background") is True
+        rec.detached = path == RESPONSES_PATH and lax_true(body.get("background"))
         previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
         pinned: Owner | None = None
         if previous is not None:

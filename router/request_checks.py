@@ -1,10 +1,12 @@
 """What the gateway reads of a client's request before placing it: the body, within the size
 and time limits, and the few fields it acts on (model, stream, priority, stream_options),
-each refused with a 4xx in the OpenAI shape when it cannot be used. The body itself is not
-checked further: the worker answers for the rest, as it would without the gateway.
+read as the engines read them (router/lax_fields.py: `"stream": "true"` is a stream), each
+refused with a 4xx in the OpenAI shape when the engine would refuse it too. The body itself is
+not checked further: the worker answers for the rest, as it would without the gateway.
 
 Hot path rules (router/proxy.py): the body is parsed once with json.loads, the fields read
-by hand, no pydantic; the bytes sent on are the client's own, or with stream_options spliced in.
+by hand, no pydantic (but for a field that is not of its JSON type); the bytes sent on are the
+client's own, or with stream_options spliced in.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from aiohttp import web
 from router.access_log import RequestRecord
 from router.config import RouterConfig
 from router.errors import error_response
+from router.lax_fields import lax_bool, lax_int
 from router.tokenizer_calls import TOKENIZER_PATHS
 from scheduler.clip import clip
 from scheduler.receive_timeout import RequestBodyTimeout, read_body_within
@@ -138,17 +141,18 @@ def delivery(request: web.Request, path: str, req: ModelRequest,
     """The request's stream (noted in `rec` as soon as it is known: a stream refused for a later
     field is logged as one), priority and stream_options, or the 400 that refuses one."""
     body, raw = req.body, req.raw
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
+    try:
+        stream = engine_flag(body, "stream")
+    except ValueError:
         return error_response(400, "'stream' must be a boolean", param="stream")
     # Any POST that asks for a stream is streamed through (chat, completions, the Responses
     # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
-    stream = bool(stream) and request.method == "POST"
+    stream = stream and request.method == "POST"
     rec.stream = stream
     priority = body.get("priority")
-    if priority is None:
-        priority = 0
-    elif not isinstance(priority, int) or isinstance(priority, bool):
+    try:
+        priority = 0 if priority is None else lax_int(priority)
+    except ValueError:
         return error_response(400, "'priority' must be an integer (lower is served first)",
                               param="priority")
     strip_usage = False
@@ -156,16 +160,26 @@ def delivery(request: web.Request, path: str, req: ModelRequest,
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             return error_response(400, "'stream_options' must be an object", param="stream_options")
+        flags: dict[str, bool] = {}
         for key in ("include_usage", "continuous_usage_stats"):
             # Checked here: with_usage below overwrites them, and would turn a value the
             # worker refuses (400) into one it takes, hiding usage from a client that asked.
-            if opts and opts.get(key) is not None and not isinstance(opts[key], bool):
+            try:
+                flags[key] = engine_flag(opts or {}, key)
+            except ValueError:
                 return error_response(400, f"'stream_options.{key}' must be a boolean",
                                       param=f"stream_options.{key}")
-        if not (opts and opts.get("include_usage") is True):
+        if not flags["include_usage"]:
             strip_usage = True  # ask the worker for usage; hide it from the client
             raw = with_usage(raw, body)
     return Delivery(raw, stream, priority, strip_usage)
+
+
+def engine_flag(body: dict, key: str) -> bool:
+    """An optional boolean field as the engine reads it (router/lax_fields.py): absent or null
+    is false; raises ValueError for a value the engine refuses."""
+    value = body.get(key)
+    return False if value is None else lax_bool(value)
 
 
 def with_usage(raw: bytes, body: dict) -> bytes:

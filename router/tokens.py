@@ -17,6 +17,8 @@ import asyncio
 import zlib
 from typing import Any
 
+from router.lax_fields import lax_int_or_none
+
 CHARS_PER_TOKEN = 4
 PREFIX_CHUNK_CHARS = 256
 MAX_PREFIX_CHUNKS = 64
@@ -121,7 +123,8 @@ def prefix_hashes(
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
     v = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    v = lax_int_or_none(v)
+    if v is None or v < 0:
         return None
     return max(v, 1)  # 0 (echo of the prompt alone): the engine still generates one token
 
@@ -135,8 +138,8 @@ def choices_of(body: dict[str, Any]) -> int:
     where it is larger. Each holds its own KV and, prefilled in one step, computes the prompt."""
     count = 1
     for key in ("n", "best_of"):
-        v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > count:
+        v = lax_int_or_none(body.get(key))
+        if v is not None and v > count:
             count = v
     return min(count, MAX_CHOICES)
 
@@ -144,8 +147,8 @@ def choices_of(body: dict[str, Any]) -> int:
 def answers_of(body: dict[str, Any]) -> int:
     """How many answers the usage's completion tokens are spread over: n per prompt (best_of
     beyond n is generated but not returned, nor counted in the usage), times a batch's prompts."""
-    n = body.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    n = lax_int_or_none(body.get("n"))
+    if n is None or n < 1:
         n = 1
     return min(n, MAX_CHOICES) * batch_size_of(body)
 

@@ -164,7 +164,7 @@ def test_a_made_up_model_name_refused_before_routing_opens_no_series(stack: SimS
     unknown0, real0 = series_value(gw, unknown, 0.0), series_value(gw, real, 0.0)
     names = [f"made-up-{i}" for i in range(3)]
     for name in [*names, "m"]:
-        r = httpx.post(gw + "/v1/completions", json={"model": name, "prompt": "x", "stream": "yes"},
+        r = httpx.post(gw + "/v1/completions", json={"model": name, "prompt": "x", "stream": "maybe"},
                        timeout=10)
         assert r.status_code == 400
     text = httpx.get(gw + "/metrics", timeout=10).text

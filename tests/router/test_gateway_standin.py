@@ -91,7 +91,9 @@ def test_dead_worker_is_retried_before_first_byte(stack):
         (b"[1, 2]", 400),
         (b'{"prompt": "no model"}', 400),
         (b'{"model": 5, "prompt": "x"}', 400),
-        (b'{"model": "m", "prompt": "x", "stream": "yes"}', 400),
+        (b'{"model": "m", "prompt": "x", "stream": "maybe"}', 400),
+        (b'{"model": "m", "prompt": "x", "stream": 2}', 400),
+        (b'{"model": "m", "prompt": "x", "priority": 1.5}', 400),
         (b'{"model": "m", "prompt": "x", "stream": true, "stream_options": 3}', 400),
         (b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}', 413),
         (b"\xff\xfe", 400),
@@ -104,6 +106,34 @@ def test_bad_input_gets_openai_shaped_4xx(stack, content, status):
     assert r.status_code == status
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("spelling", [b'"true"', b'"yes"', b"1", b"1.0"])
+def test_a_stream_spelt_as_vllm_takes_it_is_relayed_as_a_stream(stack, spelling):
+    """vLLM's pydantic models (lax mode) take these for true, and so stream: the gateway answered
+    400 "'stream' must be a boolean" to requests that worked without it."""
+    content = b'{"model": "m", "prompt": "x", "max_tokens": 3, "priority": "2", "stream": %b}' % spelling
+    with httpx.stream("POST", stack["gw"] + "/v1/completions", content=content, timeout=30,
+                      headers={"Content-Type": "application/json"}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " tok" * 3
+    assert all(c.get("usage") is None for c in chunks)  # the usage the gateway asked for is hidden
+
+
+def test_usage_asked_for_as_vllm_takes_it_is_shown(stack):
+    """`"include_usage": "true"` is vLLM's true: the client asked for the usage chunk. Read as
+    not asked, the gateway would hide the chunk it gets."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": "true"}}
+    with httpx.stream("POST", stack["gw"] + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    usage = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
@@ -297,7 +327,7 @@ def test_access_log_line_per_request(stack):
 
 
 @pytest.mark.parametrize("refused", [{"priority": "high"}, {"stream_options": 3},
-                                     {"stream_options": {"include_usage": "yes"}}],
+                                     {"stream_options": {"include_usage": "maybe"}}],
                          ids=["priority", "stream_options", "include_usage"])
 def test_a_stream_refused_for_a_later_field_is_logged_as_a_stream(stack, refused):
     """A stream request answered 400 for its priority or stream_options: its access line (and

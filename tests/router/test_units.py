@@ -704,7 +704,10 @@ def test_a_request_for_n_choices_is_planned_as_n_sequences():
     assert four["prefix_hashes"] == one["prefix_hashes"]
     # Older vLLM's best_of generates best_of sequences; junk and absurd values do not count.
     assert schedule_request(counter, "m", {**body, "n": 2, "best_of": 3})[2] == 3
-    for junk in ("4", True, 0, -2, None):
+    # What vLLM's lax pydantic takes for 4 is 4 (router/lax_fields.py).
+    assert schedule_request(counter, "m", {**body, "n": "4"})[2] == 4
+    assert schedule_request(counter, "m", {**body, "n": 4.0})[2] == 4
+    for junk in ("x", 1.5, True, 0, -2, None):
         assert schedule_request(counter, "m", {**body, "n": junk})[2] == 1
     assert schedule_request(counter, "m", {**body, "n": 10**9})[2] == 128
     # A batch of three prompts: each answer's KV counts (the prompts' sizes add up already).
