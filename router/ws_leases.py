@@ -29,7 +29,7 @@ class WsTurn:
     """One request on a socket, from the client's message to its answer's end."""
 
     __slots__ = ("answering", "answers", "binding", "data", "ended", "first_s", "output_tokens",
-                 "prompt_tokens", "route", "sched_body", "start", "worker_id")
+                 "prompt_tokens", "route", "sched_body", "start", "then", "worker_id")
 
     def __init__(self, data: str | bytes, sched_body: dict[str, Any] | None = None,
                  prompt_tokens: int = 0, answers: int = 1) -> None:
@@ -51,6 +51,10 @@ class WsTurn:
         # is given back.
         self.binding = 0
         self.ended: tuple[bool, str | None] | None = None  # (ok, error) once its answer ended
+        # The gateway's own refusals of requests sent after this one (it drains, the key was
+        # revoked): each goes to the client right after this answer's end, in its turn
+        # (router/ws_relay.py refuse). No worker sees them; they hold no lease.
+        self.then: list[str] | None = None
 
 
 class TurnLeases:

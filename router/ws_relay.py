@@ -7,10 +7,12 @@ requests it has taken, refuses the ones that come after (error `shutting_down`) 
 1001. The relay does not pass those refusals on: it holds every request from the first
 refusal on, and when the worker says 1001 it places the socket again (scheduler, another
 worker), sends the requests still unanswered there, in order, and goes on. The client sees
-its answers, not the rolling update. Refusals come as the worker reads the requests (an
-earlier answer may still stream), so they are for the newest requests: the answers before
-them end in order, and what is still unanswered at the 1001 is what was refused. An answer
-cut at the worker's drain limit ends with its error, which goes to the client, as over SSE.
+its answers, not the rolling update. A worker refuses in its turn, after the answers before
+(one of an older version at once, as it reads the request, while an earlier answer may still
+stream): either way the refusals are for the newest requests, the answers before them end in
+order, and what is still unanswered at the 1001 is what was refused (mixed versions during a
+rolling update are moved alike). An answer cut at the worker's drain limit ends with its
+error, which goes to the client, as over SSE.
 A cancel is for the request being answered, the oldest unanswered: the worker gets it when
 that request is in the worker; one that is held here is dropped and answered as the worker
 would (`done`, `cancelled`), since no worker has started it.
@@ -38,6 +40,15 @@ that drops the connection with answers owed is reported, as a stream cut mid-ans
 worker's own out-of-order answer (to one request more than it queues) is given here instead,
 so that every answer the worker sends ends the oldest request owed; a binary message goes to
 the worker, which refuses it in its turn.
+
+The gateway's own refusals (`shutting_down` while it drains, router/ws_sessions.py; the key
+revoked since the socket opened) go out in their turn too: each waits after the newest request
+owed when it came (WsTurn.then) and follows that answer's end, or the `cancelled` of a held
+one; at once when nothing is owed. Sent at once, it came inside the answer streaming, and a
+client pairing each answer's end with its requests in order took it for that answer's end. They
+hold no lease, reach no worker and are not counted as answers (as before). A socket owes at most
+64 answers and refusals waiting (memory stays bounded however fast its client sends); a message
+past that is answered at once, out of its turn: a refusal as such, a request with a 429.
 """
 
 from __future__ import annotations
@@ -90,7 +101,8 @@ _CANCELLED_HERE = json.dumps({"type": "done", "id": None, "cancelled": True})
 _CLIENTS_FAULT = frozenset({1003, 1007, 1008, 1009})
 # Requests a socket may have owed at once: the worker queues 64 besides the one it answers and
 # answers one more at once, out of order (its MAX_QUEUED_REQUESTS). 64 in all, because between
-# an answer's end and its taking the next request the worker may still count 64 queued.
+# an answer's end and its taking the next request the worker may still count 64 queued. The
+# gateway's refusals waiting their turn count too (they bound the memory a socket holds).
 _MAX_OWED = 64
 _TOO_MANY = ws_error(f"more than {_MAX_OWED} requests in flight on this socket", 429)
 KEY_REVOKED = ws_error("the API key this socket was opened with is no longer accepted",
@@ -127,6 +139,9 @@ class WsRelay:
         # Answers ended on this socket, each with its access-log line (refused placements
         # before this relay's included: they were answers too).
         self.answers = answers
+        # Answers' ends and the refusals owed after them go to the client one at a time: a
+        # refusal decided at once (nothing owed any more) waits for those being sent.
+        self._in_turn = asyncio.Lock()
 
     def _answer_ended(self, turn: WsTurn, status: int, error: str | None,
                       model: str | None = None, queue_ms: float = 0.0) -> None:
@@ -289,6 +304,32 @@ class WsRelay:
         return True
 
     # ---- relaying ---------------------------------------------------------------------
+    async def refuse(self, refusal: str) -> None:
+        """The gateway refuses a request (it drains, the key was revoked), in its turn: after the
+        answer of the newest request owed, or at once when none is owed (or past _MAX_OWED)."""
+        session = self.session
+        pending = session.pending
+        if pending and len(pending) + session.refusals < _MAX_OWED:
+            turn = pending[-1]
+            if turn.then is None:
+                turn.then = []
+            turn.then.append(refusal)
+            session.refusals += 1
+            return
+        async with self._in_turn:
+            await self.client.send_str(refusal)
+
+    async def _answer_ended_out(self, data: str, ended: WsTurn | None) -> None:
+        """An answer's end to the client, then the refusals owed after it."""
+        async with self._in_turn:
+            await self.client.send_str(data)
+            if ended is None or not ended.then:
+                return
+            then, ended.then = ended.then, None
+            for refusal in then:
+                await self.client.send_str(refusal)
+                self.session.refusals -= 1  # after it is out: a drain's going_away waits for it
+
     async def send_upstream(self, data: str | bytes) -> bool:
         assert self.upstream is not None
         try:
@@ -325,9 +366,10 @@ class WsRelay:
             if self.upstream is not None and not self.upstream.closed:
                 await self.send_upstream(data)
         elif pending:  # held here: no worker started it
-            self.leases.unbind(pending.popleft())
+            turn = pending.popleft()
+            self.leases.unbind(turn)
             self.outside -= 1
-            await self.client.send_str(_CANCELLED_HERE)
+            await self._answer_ended_out(_CANCELLED_HERE, turn)
 
     async def run(self) -> None:
         """Relay until either side ends."""
@@ -347,13 +389,13 @@ class WsRelay:
                 if msg.type == aiohttp.WSMsgType.TEXT and is_cancel(msg.data):
                     await self.cancel(msg.data)
                 elif self.sessions.closing:
-                    await self.client.send_str(SHUTTING_DOWN)
-                elif len(self.session.pending) >= _MAX_OWED:
-                    await self.client.send_str(_TOO_MANY)
+                    await self.refuse(SHUTTING_DOWN)
                 elif not self.proxy.keys.allows(self.session.authorization):
                     # Revoked since the socket opened: its answers owed still come, as an HTTP
                     # stream accepted under it goes on; a new request is refused as over HTTP.
-                    await self.client.send_str(KEY_REVOKED)
+                    await self.refuse(KEY_REVOKED)
+                elif len(self.session.pending) + self.session.refusals >= _MAX_OWED:
+                    await self.client.send_str(_TOO_MANY)  # at once, out of its turn (the bound)
                 elif msg.type == aiohttp.WSMsgType.BINARY:
                     # No request (no lease): the worker refuses it in its turn, after the answers
                     # owed before it. Refused here at once, its error came inside the answer
@@ -375,6 +417,7 @@ class WsRelay:
                 if msg.type == aiohttp.WSMsgType.TEXT:
                     data = msg.data
                     turn = pending[0] if pending else None  # the request being answered
+                    terminal, ended = False, None
                     if _CHOICE_CHUNK in data and not ('"role"' in data and _ROLE_OPENING.search(data)):
                         self.rec.output_tokens += 1
                         if turn is not None:
@@ -387,6 +430,7 @@ class WsRelay:
                             self.held = True  # the worker stops: this request, and the rest, wait
                             self.outside += 1
                             continue
+                        terminal = True
                         if turn is not None:
                             status, error = answer_status(data)
                             self._answer_ended(turn, status, error)
@@ -396,9 +440,13 @@ class WsRelay:
                                                           turn.output_tokens, turn.answers)
                                 if turn.first_s is not None:  # the stats line's mean TTFT too
                                     self.proxy.stats.add_ttft(turn.first_s * 1000)
-                            self.leases.end(pending.popleft())
+                            ended = pending.popleft()
+                            self.leases.end(ended)
                         self.proxy.settle_fair(self.rec)
-                    await client.send_str(data)
+                    if terminal:
+                        await self._answer_ended_out(data, ended)
+                    else:
+                        await client.send_str(data)
                     if self.sessions.closing and await self.session.going_away_if_idle():
                         return  # the last answer owed is out: the client reconnects elsewhere
                     if self.leaving and len(pending) == self.outside:

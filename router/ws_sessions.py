@@ -2,11 +2,12 @@
 
 A stopping gateway (SIGTERM) does with its sockets what a stopping worker does: a socket
 with nothing owed is closed at once with 1001 (going away), one with requests in flight
-gets their answers first; a request sent meanwhile is refused (`shutting_down`). The client
-reconnects, through the load balancer, to another gateway replica. `drain()` runs before
-aiohttp's own shutdown, which stops reading every connection (cancels and close replies
-would go unread); without it an idle socket held the gateway's exit for aiohttp's shutdown
-timeout and was then cut without a close code.
+gets their answers first; a request sent meanwhile is refused (`shutting_down`), in its turn:
+after the answers owed before it (router/ws_relay.py refuse), and the 1001 after the last
+answer or refusal owed. The client reconnects, through the load balancer, to another gateway
+replica. `drain()` runs before aiohttp's own shutdown, which stops reading every connection
+(cancels and close replies would go unread); without it an idle socket held the gateway's
+exit for aiohttp's shutdown timeout and was then cut without a close code.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SHUTTING_DOWN = ws_error("the gateway is shutting down: reconnect", "shutting_do
 class WsSession:
     """One client socket: the requests it sent, in order, that have no answer's end yet."""
 
-    __slots__ = ("authorization", "client", "pending")
+    __slots__ = ("authorization", "client", "pending", "refusals")
 
     def __init__(self, client: web.WebSocketResponse, authorization: str | None = None) -> None:
         self.client = client
@@ -42,9 +43,12 @@ class WsSession:
         # each request on it is checked against the keys in force then (a key revoked while the
         # socket is open, router/key_reload.py, stops its new requests).
         self.authorization = authorization
+        # The gateway's refusals waiting for their turn (each after an answer owed) or being
+        # sent: the socket is not idle until they are out.
+        self.refusals = 0
 
     async def going_away_if_idle(self) -> bool:
-        if self.pending or self.client.closed:
+        if self.pending or self.refusals or self.client.closed:
             return False
         await self.client.close(code=WSCloseCode.GOING_AWAY, message=GOING_AWAY_MESSAGE)
         return True

@@ -163,11 +163,13 @@ def test_a_stopped_gateway_sends_its_websockets_away_once_their_answers_are_out(
     # the client reconnects to another replica.
     assert out["idle"].type == aiohttp.WSMsgType.CLOSE and out["idle"].data == 1001
     assert out["idle_after"] < 3.0
-    # The busy one gets its whole answer; the request sent after the signal is refused.
+    # The busy one gets its whole answer; the request sent after the signal is refused, in
+    # its turn: after that answer's done (tests/router/test_ws_refusals_in_turn.py).
     messages = out["messages"]
     assert len([m for m in messages if "choices" in m]) == 150
-    assert messages[-1]["type"] == "done"
+    assert messages[-2]["type"] == "done"
     assert [m["error"]["code"] for m in messages if "error" in m] == ["shutting_down"]
+    assert messages[-1]["error"]["code"] == "shutting_down"
     assert out["busy"].type == aiohttp.WSMsgType.CLOSE and out["busy"].data == 1001
     assert out["exit_code"] == 0
 

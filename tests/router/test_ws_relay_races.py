@@ -14,8 +14,8 @@ import aiohttp
 from router.access_log import RequestRecord
 from router.scheduling import Route
 from router.ws_leases import WsTurn
-from router.ws_relay import WsRelay, turn_of
-from router.ws_sessions import WsSession, WsSessions
+from router.ws_relay import _CANCELLED_HERE, KEY_REVOKED, WsRelay, turn_of
+from router.ws_sessions import SHUTTING_DOWN, WsSession, WsSessions
 from scheduler.tls import PeerContext
 
 CHUNK = json.dumps({"choices": [{"index": 0, "text": " tok"}]}, separators=(",", ":"))
@@ -248,3 +248,114 @@ async def test_a_worker_that_cannot_be_connected_to_while_the_socket_moves_held_
     assert relay.route.worker_id == "C"
     failed = [r for r in proxy.released if r[0].endswith("@B")]
     assert failed == [(failed[0][0], False, 0, 0, "connect")]
+
+
+# ---- the gateway's refusals in their turn (router/ws_relay.py refuse) --------------------
+REFUSED_BY_WORKER = json.dumps({"error": {"message": "The worker is shutting down; send the request to "
+                                          "another one.", "type": "invalid_request_error",
+                                          "param": None, "code": "shutting_down"}})
+
+
+def _counting_answers(proxy: FakeProxy) -> None:
+    """What the relay calls as an answer ends (its log line, metrics, latencies): nothing here."""
+    proxy.metrics = SimpleNamespace(request_done=lambda *a: None)  # type: ignore[attr-defined]
+    proxy.access_log = None  # type: ignore[attr-defined]
+    proxy.observe_answer = lambda *a: None  # type: ignore[attr-defined]
+    proxy.stats = SimpleNamespace(add_ttft=lambda ms: None)  # type: ignore[attr-defined]
+
+
+async def _sent(client: FakeClient, n: int) -> list[str]:
+    """The client's messages once there are n (the relay's _down runs meanwhile)."""
+    for _ in range(1000):
+        if len(client.sent) >= n:
+            return client.sent
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never {n} messages: {client.sent}")
+
+
+async def test_a_held_requests_cancel_is_followed_by_the_refusals_owed_after_it():
+    """An older worker refuses a request at once, while the answer before it streams (mixed
+    versions in a rolling update): the relay holds it, and the answer streaming ends as usual.
+    A refusal of the gateway's own that came after the held request waits for it: the client
+    cancels the held request, and gets its `cancelled`, then the refusal."""
+    proxy, client, session, _, relay = await make_relay()
+    _counting_answers(proxy)
+    assert await relay.place([]) is None
+    await relay.send_upstream(session.pending[0].data)
+    down = asyncio.ensure_future(relay._down())
+    upstream = relay.upstream
+    await upstream.inbox.put((aiohttp.WSMsgType.TEXT, CHUNK))
+    second = await req("second")
+    await relay.send_request(second)
+    await upstream.inbox.put((aiohttp.WSMsgType.TEXT, REFUSED_BY_WORKER))  # at once, mid-answer
+    await relay.refuse(KEY_REVOKED)  # the client's third request, after the key was revoked
+    assert await _sent(client, 1) == [CHUNK]
+    await upstream.inbox.put((aiohttp.WSMsgType.TEXT, DONE))
+    assert await _sent(client, 2) == [CHUNK, DONE]  # the refused one is held, not passed on
+    assert relay.held and relay.outside == 1 and list(session.pending) == [second]
+    await relay.cancel('{"type": "cancel"}')
+    assert client.sent == [CHUNK, DONE, _CANCELLED_HERE, KEY_REVOKED]
+    assert session.refusals == 0 and not session.pending
+    down.cancel()
+    await asyncio.gather(down, return_exceptions=True)
+
+
+async def test_refusals_owed_after_a_request_follow_its_answer_from_the_next_worker():
+    """A worker refuses a request in its turn (after the answer before it) and says 1001: the
+    socket moves with that request, and the refusal the gateway owes after it goes out after
+    its answer from the next worker."""
+    proxy, client, session, _, relay = await make_relay()
+    _counting_answers(proxy)
+    assert await relay.place([]) is None
+    await relay.send_upstream(session.pending[0].data)
+    down = asyncio.ensure_future(relay._down())
+    first = relay.upstream
+    second = await req("second")
+    await relay.send_request(second)
+    await relay.refuse(SHUTTING_DOWN)
+    for message in (CHUNK, DONE, REFUSED_BY_WORKER):  # the first answer, then its refusal in turn
+        await first.inbox.put((aiohttp.WSMsgType.TEXT, message))
+    first.close_code = aiohttp.WSCloseCode.GOING_AWAY
+    await first.inbox.put(None)
+    for _ in range(1000):  # until the socket is on B with the held request
+        if len(proxy.upstreams) == 2 and proxy.upstreams[1].sent:
+            break
+        await asyncio.sleep(0.001)
+    assert proxy.upstreams[1].sent == [second.data]
+    assert client.sent == [CHUNK, DONE]
+    await proxy.upstreams[1].inbox.put((aiohttp.WSMsgType.TEXT, DONE))
+    assert await _sent(client, 4) == [CHUNK, DONE, DONE, SHUTTING_DOWN]
+    assert session.refusals == 0
+    down.cancel()
+    await asyncio.gather(down, return_exceptions=True)
+
+
+async def test_a_stopping_gateway_sends_a_socket_away_after_its_refusals_owed():
+    """A refusal owed keeps a socket from counting as idle: the gateway begins to stop while the
+    answer's end is being sent (a slow client) with a refusal to follow it, and nothing is owed
+    any more. Its drain leaves the socket open; the 1001 comes after the refusal."""
+    proxy, client, session, sessions, relay = await make_relay()
+    _counting_answers(proxy)
+    assert await relay.place([]) is None
+    await relay.send_upstream(session.pending[0].data)
+    down = asyncio.ensure_future(relay._down())
+    await relay.refuse(KEY_REVOKED)
+    sending = asyncio.Event()
+    slow = asyncio.Event()
+    send_str = client.send_str
+
+    async def slow_send(data: str) -> None:
+        if data == DONE:
+            sending.set()
+            await slow.wait()
+        await send_str(data)
+
+    client.send_str = slow_send  # type: ignore[method-assign]
+    await relay.upstream.inbox.put((aiohttp.WSMsgType.TEXT, DONE))
+    await asyncio.wait_for(sending.wait(), 1)
+    assert not session.pending and session.refusals == 1
+    assert await sessions.drain(0.01) == 1  # not idle: left open
+    assert not client.closed
+    slow.set()
+    await asyncio.wait_for(down, 1)  # _down ends: the socket was sent away
+    assert client.sent == [DONE, KEY_REVOKED] and client.close_code == 1001
