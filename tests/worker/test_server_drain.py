@@ -167,3 +167,43 @@ def test_websockets_finish_their_request_then_close_going_away() -> None:
         assert messages[-2].get("type") == "done", f"the refusal came inside the answer: {messages[-3:]}"
         assert messages[-1]["error"]["code"] == "shutting_down"  # in its turn, then the 1001
         assert _exit_code(worker, 20) == 0
+
+
+async def _many_sent_while_draining(worker: Worker, n: int) -> tuple[int, list[dict], object]:
+    """An answer streams when SIGTERM comes; once the worker drains the client sends n requests
+    and a ping. Returns how many messages came before the pong (the worker answers pings as
+    it reads the socket, in order), every message, and the close code."""
+    async with aiohttp.ClientSession() as session:
+        ws = await session.ws_connect(worker.base_url + "/v1/ws", autoping=False)
+        await ws.send_str(json.dumps({"model": "m", "prompt": "ws", "max_tokens": 150, "ignore_eos": True}))
+        messages = [json.loads((await ws.receive(timeout=30)).data)]
+        worker.process.send_signal(signal.SIGTERM)
+        await _draining(worker, 10)
+        for _ in range(n):
+            await ws.send_str(json.dumps({"model": "m", "prompt": "one more", "max_tokens": 5}))
+        await ws.ping(b"read")
+        pong = None
+        while (msg := await ws.receive(timeout=30)).type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.PONG):
+            if msg.type == aiohttp.WSMsgType.PONG:
+                pong = len(messages)
+            else:
+                messages.append(json.loads(msg.data))
+            assert len(messages) < 400
+        assert pong is not None
+        return pong, messages, msg.data
+
+
+def test_refusals_waiting_their_turn_in_a_drain_are_bounded() -> None:
+    """A client that sends many requests while the worker drains and an answer streams does not
+    make the worker keep a refusal for each: 64 wait their turn (its queue), the rest are
+    refused at once, out of their turn, as a request past 64 queued gets its 429 at once."""
+    with launch_worker(*SLOW_SIM, model="m") as worker:
+        pong, messages, code = asyncio.run(_many_sent_while_draining(worker, 100))
+        done = next(i for i, m in enumerate(messages) if m.get("type") == "done")
+        at_once = [m["error"]["code"] for m in messages[:done] if "error" in m]
+        assert at_once == ["shutting_down"] * 36
+        assert all("error" not in m for m in messages[pong:done])  # all of them before the pong
+        assert len([m for m in messages[:done] if "choices" in m]) == 150  # the answer, whole
+        assert [m["error"]["code"] for m in messages[done + 1:]] == ["shutting_down"] * 64
+        assert code == 1001
+        assert _exit_code(worker, 20) == 0
