@@ -21,6 +21,7 @@ from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord, trace_id_of
 from router.errors import error_response
+from router.lax_fields import lax_int_or_none
 from router.proxy import Proxy
 from router.request_checks import is_name
 from router.ws_leases import WsTurn
@@ -135,9 +136,9 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             # From here the socket is busy: placing it, then its answer.
             turn = WsTurn(data, sched_body, rec.prompt_tokens * rec.choices, rec.sequences)
             session.pending.append(turn)
-            priority = body.get("priority")  # the first request's, as the connection is placed once
-            if not isinstance(priority, int) or isinstance(priority, bool):
-                priority = 0  # the worker answers a malformed one itself
+            # The first request's, as the connection is placed once; read as the engine reads
+            # it (router/lax_fields.py). The worker answers a malformed one itself.
+            priority = lax_int_or_none(body.get("priority")) or 0
             relay = WsRelay(proxy, request, rec, session, sessions, sched_body, priority, answers)
             failed = await relay.place([])
             if failed is None:
