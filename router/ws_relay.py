@@ -370,6 +370,8 @@ class WsRelay:
             self.leases.unbind(turn)
             self.outside -= 1
             await self._answer_ended_out(_CANCELLED_HERE, turn)
+            if self.sessions.closing:  # the gateway stops: that was what the socket waited for
+                await self.session.going_away_if_idle()
 
     async def run(self) -> None:
         """Relay until either side ends."""

@@ -359,3 +359,27 @@ async def test_a_stopping_gateway_sends_a_socket_away_after_its_refusals_owed():
     slow.set()
     await asyncio.wait_for(down, 1)  # _down ends: the socket was sent away
     assert client.sent == [DONE, KEY_REVOKED] and client.close_code == 1001
+
+
+async def test_a_stopping_gateway_sends_a_socket_away_when_its_last_held_request_is_cancelled():
+    """The socket's worker refused its request (the worker stops), so the gateway holds it; the
+    gateway begins to stop too and leaves the socket open for that answer. The client cancels
+    it: nothing is owed any more, and the socket goes away (1001) at once, not at the end of the
+    gateway's shutdown timeout."""
+    proxy, client, session, sessions, relay = await make_relay()
+    _counting_answers(proxy)
+    assert await relay.place([]) is None
+    await relay.send_upstream(session.pending[0].data)
+    down = asyncio.ensure_future(relay._down())
+    await relay.upstream.inbox.put((aiohttp.WSMsgType.TEXT, REFUSED_BY_WORKER))
+    for _ in range(1000):
+        if relay.held:
+            break
+        await asyncio.sleep(0.001)
+    assert relay.held and relay.outside == 1
+    assert await sessions.drain(0.01) == 1  # an answer owed: left open
+    await relay.cancel('{"type": "cancel"}')
+    assert client.sent == [_CANCELLED_HERE]
+    assert client.closed and client.close_code == 1001
+    down.cancel()
+    await asyncio.gather(down, return_exceptions=True)
