@@ -43,7 +43,8 @@ class EchoWorker:
             body = json.loads(await request.read())
         except ValueError:
             return _error(400, "invalid JSON")
-        if not isinstance(body, dict) or body.get("model") != self.model:
+        # No model named (absent, null or ""): the one served, as vLLM serves it.
+        if not isinstance(body, dict) or body.get("model") not in (None, "", self.model):
             return _error(
                 404, f"model {body.get('model') if isinstance(body, dict) else None!r} not found"
             )

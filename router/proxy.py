@@ -28,6 +28,7 @@ from aiohttp import web
 from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
+from router.default_model import NoDefaultModel, default_model
 from router.errors import error_response, no_route
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
@@ -302,6 +303,11 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
             return await no_route(request)
         if isinstance(req, web.Response):
             return req
+        if req.model is None:
+            try:
+                req.model = default_model(await self.sched.models(self.cfg.models_cache_ms / 1000))
+            except NoDefaultModel as exc:
+                return error_response(400, str(exc), param="model")
         rec.model = model = req.model
         body = req.body
         if path in TOKENIZER_PATHS:

@@ -99,13 +99,15 @@ class ModelRequest:
 
     raw: bytes
     body: dict[str, Any]
-    model: str
+    # None: the request names none (absent, null or ""), and is for the model the pool serves
+    # (router/default_model.py), as the engine would serve it.
+    model: str | None
 
 
 def model_request(request: web.Request, path: str, raw: bytes) -> ModelRequest | web.Response | None:
-    """The body parsed and its model (the `model` query parameter where the body has none), or
-    the 400 that refuses it; None when it names no model on a path that is not a model
-    endpoint (a wrong path: the caller answers 404)."""
+    """The body parsed and its model (the `model` query parameter where the body has none; None
+    where neither names one), or the 400 that refuses it; None when it names no model on a path
+    that is not a model endpoint (a wrong path: the caller answers 404)."""
     body: dict[str, Any] = {}
     if raw:
         try:
@@ -121,8 +123,10 @@ def model_request(request: web.Request, path: str, raw: bytes) -> ModelRequest |
         return None
     if not raw and request.method == "POST":
         return error_response(400, "request body is required")
+    if model is None or model == "":
+        return ModelRequest(raw, body, None)
     if not is_name(model):
-        return error_response(400, "'model' is required and must be a non-empty string", param="model")
+        return error_response(400, "'model' must be a non-empty string", param="model")
     return ModelRequest(raw, body, model)
 
 

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import WSCloseCode, web
 
 from router.access_log import RequestRecord, trace_id_of
+from router.default_model import NoDefaultModel, default_model
 from router.errors import error_response
 from router.lax_fields import lax_int_or_none
 from router.proxy import Proxy
@@ -49,9 +50,11 @@ def _authorization(request: web.Request, offered: list[str]) -> str | None:
     return None
 
 
-async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> tuple[str, dict, str] | None:
-    """The socket's first request (it places the socket: it names the model), and its body and
-    model; None if the socket closes first. What comes before it is answered as the worker
+async def _first_request(proxy: Proxy, client: web.WebSocketResponse, rec: RequestRecord
+                         ) -> tuple[str, dict, str] | None:
+    """The socket's first request (it places the socket: its model, or the pool's one model
+    where it names none, router/default_model.py), and its body and model; None if the socket
+    closes first. What comes before it is answered as the worker
     answers it once the socket is placed, and the socket stays open for the next message: a
     message that is no request (binary, not JSON, no 'model') gets an error, and a cancel with
     no request to cancel is dropped. (Both used to close the socket, a cancel with an error
@@ -68,10 +71,16 @@ async def _first_request(client: web.WebSocketResponse, rec: RequestRecord) -> t
             continue
         try:
             body = json.loads(msg.data)
-            model = body["model"]
-            if not is_name(model):
+            model = body.get("model")
+            if model is None or model == "":  # the pool's one model, as over HTTP
+                model = default_model(await proxy.sched.models(proxy.cfg.models_cache_ms / 1000))
+            elif not is_name(model):
                 raise TypeError
-        except (ValueError, KeyError, TypeError, RecursionError):  # the last: nested too deeply
+        except NoDefaultModel as exc:
+            await client.send_str(ws_error(str(exc), 400))
+            rec.status = 400
+            continue
+        except (ValueError, AttributeError, TypeError, RecursionError):  # the last: nested too deeply
             await client.send_str(ws_error("first message must be a JSON body with a 'model'", 400))
             rec.status = 400
             continue
@@ -117,7 +126,7 @@ async def handle_ws(proxy: Proxy, request: web.Request, sessions: WsSessions) ->
             return client
         answers = 0  # refused placements, each an answer with its own access-log line
         while True:
-            first = await _first_request(client, rec)
+            first = await _first_request(proxy, client, rec)
             if first is None:
                 return client  # closed before asking anything (or anything placeable)
             data, body, model = first

@@ -66,7 +66,8 @@ class GenerationFactory:
         self.model_name = model_name
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        # No model named (absent, null or ""): the one served, as vLLM's _is_model_supported.
+        if model and model != self.model_name:
             raise model_not_found(model)
 
     def completion(self, body: bytes | str, id_base: str | None = None) -> Generation:

@@ -236,7 +236,7 @@ async def test_websocket_first_message_that_breaks_the_parser_or_the_name_is_a_4
 
 async def test_websocket_messages_before_the_first_request_leave_the_socket_open(cluster):
     """Before its first request places the socket, a message that is no request (binary, not
-    JSON, a list, no model, a model that is not text) got its 400 and the socket closed, and a
+    JSON, a list, a model that is not text) got its 400 and the socket closed, and a
     cancel with nothing to cancel got one too ("no 'model'"). Now each is answered as the worker
     answers it on a placed socket: the 400 and the socket stays open (the cancel dropped), and
     the request after them is served."""
@@ -244,7 +244,7 @@ async def test_websocket_messages_before_the_first_request_leave_the_socket_open
     async with aiohttp.ClientSession() as s, s.ws_connect(cluster["gw"] + "/v1/ws") as ws:
         await ws.send_str(json.dumps({"type": "cancel"}))
         await ws.send_bytes(good.encode())
-        for text in ("hello", "[]", '"m"', json.dumps({"prompt": "x"}), json.dumps({"model": 5}),
+        for text in ("hello", "[]", '"m"', json.dumps({"model": ["m"]}), json.dumps({"model": 5}),
                      "[" * 5000 + "]" * 5000):
             await ws.send_str(text)
         await ws.send_str(good)

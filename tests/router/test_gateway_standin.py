@@ -89,7 +89,7 @@ def test_dead_worker_is_retried_before_first_byte(stack):
     [
         (b"{not json", 400),
         (b"[1, 2]", 400),
-        (b'{"prompt": "no model"}', 400),
+        (b'{"model": ["m"], "prompt": "x"}', 400),
         (b'{"model": 5, "prompt": "x"}', 400),
         (b'{"model": "m", "prompt": "x", "stream": "maybe"}', 400),
         (b'{"model": "m", "prompt": "x", "stream": 2}', 400),
@@ -173,8 +173,12 @@ def test_wrong_method_on_a_gateway_route_is_405_in_the_openai_shape(stack, metho
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
-def test_model_endpoint_without_model_still_names_the_field(stack):
+def test_model_endpoint_without_model_goes_to_the_pools_model_and_a_bad_one_names_the_field(stack):
+    """No model on a model endpoint is no wrong path (a 404): vLLM serves its model, and so does
+    the pool's one model here (router/default_model.py); a model that is no name is a 400."""
     r = httpx.post(stack["gw"] + "/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(stack["gw"] + "/v1/embeddings", json={"model": 5, "input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 

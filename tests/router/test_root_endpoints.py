@@ -165,7 +165,7 @@ def test_unknown_model_is_404_model_not_found(stack, gateway, path):
     [
         (b"{not json", None),
         (b"[1, 2]", None),
-        (b'{"prompt": "no model"}', "model"),
+        (b'{"model": true, "prompt": "x"}', "model"),
         (b'{"model": 5, "prompt": "x"}', "model"),
         (b'{"model": "m"}', "prompt"),  # the worker's own 400: neither prompt nor messages
     ],
