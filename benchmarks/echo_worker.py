@@ -5,7 +5,8 @@ gateway's, not a model's) and by the gateway's unit-level tests. It speaks:
 POST /v1/completions and /v1/chat/completions (stream and not, stream_options.include_usage),
 POST /v1/embeddings (each input's embedding is [its length in characters], so a test can see
 what arrived), vLLM's pooling endpoints (POST /pooling, /classify, /score, /rerank, /v1/score,
-/v1/rerank, /v2/rerank: an answer that names the path it came on), GET /v1/models, /health,
+/v1/rerank, /v2/rerank: an answer that names the path it came on), POST /v1/audio/transcriptions
+and /translations (a multipart form; the text names the file's size and digest), GET /v1/models, /health,
 /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
 spaces them out. With `--max-running N` a completion arriving while N are answered is refused
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import time
 
@@ -214,6 +216,33 @@ class EchoWorker:
         return web.json_response({"object": "list", "path": request.path, "model": self.model, "data": [],
                                   "usage": {"prompt_tokens": 1, "total_tokens": 1}})
 
+    async def audio(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /v1/audio/transcriptions and /translations: a multipart form (the file and the
+        options). The text says what arrived (the file's size and digest), so a test sees that
+        the gateway passed the form on untouched; `stream` "true" answers with SSE chunks."""
+        if request.content_type != "multipart/form-data":
+            return _error(400, "expected a multipart/form-data body")
+        form = await request.post()
+        model = form.get("model")
+        if model not in (None, "", self.model):
+            return _error(404, f"model {model!r} not found")
+        upload = form.get("file")
+        if not isinstance(upload, web.FileField):
+            return _error(400, "the form has no file")
+        audio = upload.file.read()
+        text = f"{len(audio)} bytes sha256 {hashlib.sha256(audio).hexdigest()} at {request.path}"
+        if form.get("stream") != "true":
+            return web.json_response({"text": text, "usage": {"type": "duration", "seconds": 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-echo-worker": self.name})
+        await resp.prepare(request)
+        for word in text.split(" "):
+            chunk = {"object": "transcription.chunk", "model": self.model,
+                     "choices": [{"delta": {"content": word + " "}}]}
+            await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
@@ -249,6 +278,8 @@ def build_app(
     app.router.add_post("/v1/embeddings", w.embeddings)
     for path in ("/pooling", "/classify", "/score", "/rerank", "/v1/score", "/v1/rerank", "/v2/rerank"):
         app.router.add_post(path, w.pooling)
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        app.router.add_post(path, w.audio)
     app.router.add_get("/v1/models", w.models)
     app.router.add_get("/v1/ws", w.ws)
     app.router.add_get("/health", w.health)

@@ -21,6 +21,7 @@ from aiohttp import web
 from router.access_log import RequestRecord
 from router.config import RouterConfig
 from router.errors import error_response
+from router.form_fields import MalformedForm, form_fields
 from router.lax_fields import lax_bool, lax_int
 from router.tokenizer_calls import TOKENIZER_PATHS
 from scheduler.clip import clip
@@ -48,6 +49,8 @@ MODEL_ENDPOINTS = _POST_ONLY | {
     "/v1/audio/translations",
     "/v1/images/generations",
 }
+# OpenAI's audio endpoints take a multipart form (the file, and the options as text fields).
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _INJECT_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
@@ -109,7 +112,12 @@ def model_request(request: web.Request, path: str, raw: bytes) -> ModelRequest |
     where neither names one), or the 400 that refuses it; None when it names no model on a path
     that is not a model endpoint (a wrong path: the caller answers 404)."""
     body: dict[str, Any] = {}
-    if raw:
+    if raw and path in FORM_PATHS and request.content_type == "multipart/form-data":
+        try:
+            body = form_fields(request.headers.get("Content-Type", ""), raw)
+        except MalformedForm as exc:
+            return error_response(400, f"request body is not valid multipart/form-data: {exc}")
+    elif raw:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
