@@ -5,12 +5,11 @@ the stack again on other ports."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
 import tests.deploy.stack as stack_module
+from tests.taken_port import taken_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -18,22 +17,18 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture
 def gateway_port_taken(monkeypatch):
     """The first gateway port handed out is one something already listens on."""
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
     real = stack_module.free_ports
     first = [True]
+    with taken_port() as port:
 
-    def free_ports(n: int) -> list[int]:
-        ports = real(n)
-        if first.pop() if first else False:
-            ports[0] = port
-        return ports
+        def free_ports(n: int) -> list[int]:
+            ports = real(n)
+            if first.pop() if first else False:
+                ports[0] = port
+            return ports
 
-    monkeypatch.setattr(stack_module, "free_ports", free_ports)
-    yield port
-    taken.close()
+        monkeypatch.setattr(stack_module, "free_ports", free_ports)
+        yield port
 
 
 def counted_starts(monkeypatch) -> list[tuple]:

@@ -5,26 +5,19 @@ helpers now start it again on another port."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
 import tests.router.procs as procs
+from tests.taken_port import handed_out_first, taken_port
 
 
 @pytest.fixture
 def first_port_taken(monkeypatch):
     """free_port() hands out a port something already listens on, once, then real ones."""
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    real = procs.free_port
-    handed = iter([port])
-    monkeypatch.setattr(procs, "free_port", lambda: next(handed, None) or real())
-    yield port
-    taken.close()
+    with taken_port() as port:
+        monkeypatch.setattr(procs, "free_port", handed_out_first(port, procs.free_port))
+        yield port
 
 
 @pytest.mark.parametrize("start", ["echo", "sim"])

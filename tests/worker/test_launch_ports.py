@@ -5,26 +5,19 @@ the module that asked for it. It now starts the worker again on another port."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
 import tests.worker.conftest as worker_conftest
+from tests.taken_port import handed_out_first, taken_port
 
 
 @pytest.fixture
 def first_port_taken(monkeypatch):
     """free_port() hands out a port something already listens on, once, then real ones."""
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    real = worker_conftest.free_port
-    handed = iter([port])
-    monkeypatch.setattr(worker_conftest, "free_port", lambda: next(handed, None) or real())
-    yield port
-    taken.close()
+    with taken_port() as port:
+        monkeypatch.setattr(worker_conftest, "free_port", handed_out_first(port, worker_conftest.free_port))
+        yield port
 
 
 def test_a_port_taken_before_the_worker_binds_it_costs_a_restart_not_the_test(first_port_taken):
