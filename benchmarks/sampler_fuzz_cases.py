@@ -262,7 +262,30 @@ def make_case(rng: random.Random, index: int) -> Case:
     case = Case(index, kind, base_body(rng, kind))
     values = _values(rng, kind)
     apply_mutations(rng, case, pick_mutations(rng, values), kind)
+    _keep_affordable(case)
     return case
+
+
+# The most tokens a valid case may ask for (choices x max_tokens). With FCFS, a request's choices
+# all go before anything sent after it: seed 2's case 226 (n=128, then max_tokens 120 for its
+# 8-token prompt) held every seat of this CPU worker for over 3 minutes, and the canaries and
+# cases behind it met their client timeout (vLLM queues the same way: slow, not wrong).
+TOKEN_BUDGET = 2048
+
+
+def _keep_affordable(case: Case) -> None:
+    """Cut max_tokens of a valid case past TOKEN_BUDGET (2 of the 3,900 HTTP cases of seeds 1-13)."""
+    b = case.body
+    if expectation(case) == "bad" or not isinstance(b.get("n", 1), int) or b.get("echo"):
+        return
+    name = "max_completion_tokens" if case.kind == "chat" and "max_completion_tokens" in b else "max_tokens"
+    limit = b.get(name, 16 if case.kind == "completions" else None)
+    limit = limit if isinstance(limit, int) and limit > 0 else MAX_MODEL_LEN  # None: the context's rest
+    choices = expected_choices(case)
+    if choices * limit > TOKEN_BUDGET:
+        least = b.get("min_tokens", 0)
+        b[name] = max(1, TOKEN_BUDGET // choices, least if isinstance(least, int) else 0)
+        case.labels.append(f"{name} cut to {b[name]} (the fuzz's token budget)")
 
 
 def pick_mutations(rng: random.Random, values: list[Mutation]) -> list[Mutation]:

@@ -44,16 +44,15 @@ class Outcome:
 async def post(client: httpx.AsyncClient, url: str, content: bytes, timeout_s: float
                ) -> tuple[int, bytes, str]:
     async with asyncio.timeout(timeout_s):
-        async with client.stream("POST", url, content=content,
+        async with client.stream("POST", url, content=content, timeout=timeout_s,  # the client's is less
                                  headers={"Content-Type": "application/json"}) as r:
             data = b"".join([chunk async for chunk in r.aiter_raw()])
             return r.status_code, data, r.headers.get("Content-Type", "")
 
 
 # The slowest decoding a valid request met here: a 2-core CPU, four hostile requests and two
-# canaries batched, ~50 tokens/s. A request for more tokens than the client timeout covers at
-# that rate (n=128 x 120 tokens, seed 2's case 226: some 300 s) gets the time they take on top:
-# slow, however slow, is no hang.
+# canaries batched, ~50 tokens/s. A request for many tokens (up to the plan's TOKEN_BUDGET, as
+# 8 prompts x n=128) gets the time they take on top of the client timeout: slow is no hang.
 MIN_TOKENS_PER_S = 40.0
 MAX_CHOICES = 1024  # the worker's limit on prompts x n
 
@@ -102,7 +101,7 @@ async def send_responses(client: httpx.AsyncClient, base: str, case: Case, store
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", base + PATH, content=encoded(case, stored_ids),
-                                     headers={"Content-Type": "application/json"}) as r:
+                                     headers={"Content-Type": "application/json"}, timeout=timeout_s) as r:
                 data = b"".join([chunk async for chunk in r.aiter_raw()])
                 status, ctype = r.status_code, r.headers.get("Content-Type", "")
             if status >= 500 or status < 200:
