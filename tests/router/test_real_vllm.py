@@ -154,6 +154,44 @@ def test_usage_and_vllm_4xx_pass_through(stack):
     assert "error" in r.json()
 
 
+# Bodies vLLM serves though they are loosely typed or name no model (its pydantic models are
+# lax; a request without a model is for the model it serves), and two it refuses.
+LOOSE_BODIES = {
+    "stream 'true'": {"model": MODEL, "stream": "true"},
+    "stream 1": {"model": MODEL, "stream": 1},
+    "stream 'false'": {"model": MODEL, "stream": "false"},
+    "priority '0'": {"model": MODEL, "priority": "0"},
+    "include_usage 'true'": {"model": MODEL, "stream": True, "stream_options": {"include_usage": "true"}},
+    "n '1'": {"model": MODEL, "n": "1"},
+    "no model": {},
+    "model null": {"model": None},
+    "model ''": {"model": ""},
+    "stream 'maybe'": {"model": MODEL, "stream": "maybe"},
+    "priority 1.5": {"model": MODEL, "priority": 1.5},
+}
+
+
+def _answer_of(client: httpx.Client, url: str, body: dict) -> tuple[int, bool, bool]:
+    """(status, streamed, usage shown) of a completion."""
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.read()
+        streamed = r.headers.get("content-type", "").startswith("text/event-stream")
+        usage = b'"usage":{' in r.content.replace(b" ", b"") and b'"prompt_tokens"' in r.content
+        return r.status_code, streamed, usage
+
+
+@pytest.mark.parametrize("name", list(LOOSE_BODIES))
+def test_what_vllm_takes_directly_it_takes_through_the_gateway(stack, name):
+    """router/lax_fields.py and router/default_model.py against the real thing: the same
+    status, the same stream or whole answer, and the usage chunk shown exactly where vLLM
+    shows it."""
+    body = {"prompt": "The capital of France is", "max_tokens": 4, **LOOSE_BODIES[name]}
+    with httpx.Client(timeout=60) as client:
+        direct = _answer_of(client, stack["vllm"], body)
+        through = _answer_of(client, stack["gateway"], body)
+    assert through == direct, (name, direct, through)
+
+
 def test_one_request_id_through_the_gateway_to_vllm_even_when_a_client_reuses_it(stack):
     """vLLM names a request by X-Request-Id (`cmpl-<id>`), so the gateway's id is the answer's.
     A client that reuses its id while the first is in flight gets both answers, the second
