@@ -6,7 +6,8 @@ POST /v1/completions and /v1/chat/completions (stream and not, stream_options.in
 POST /v1/embeddings (each input's embedding is [its length in characters], so a test can see
 what arrived), vLLM's pooling endpoints (POST /pooling, /classify, /score, /rerank, /v1/score,
 /v1/rerank, /v2/rerank: an answer that names the path it came on), POST /v1/audio/transcriptions
-and /translations (a multipart form; the text names the file's size and digest), GET /v1/models, /health,
+and /translations (a multipart form; the text names the file's size and digest),
+POST /v1/messages/count_tokens (Anthropic's), GET /v1/models, /health,
 /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
 spaces them out. With `--max-running N` a completion arriving while N are answered is refused
@@ -243,6 +244,15 @@ class EchoWorker:
         await resp.write_eof()
         return resp
 
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """The Anthropic Messages API's token count (vLLM serves it): a quarter of the
+        messages' JSON length."""
+        body = await self._parse(request)
+        if isinstance(body, web.Response):
+            return body
+        tokens = len(_dumps(body.get("messages") or [])) // 4
+        return web.json_response({"input_tokens": tokens}, headers={"x-echo-worker": self.name})
+
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
@@ -280,6 +290,7 @@ def build_app(
         app.router.add_post(path, w.pooling)
     for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
         app.router.add_post(path, w.audio)
+    app.router.add_post("/v1/messages/count_tokens", w.count_tokens)
     app.router.add_get("/v1/models", w.models)
     app.router.add_get("/v1/ws", w.ws)
     app.router.add_get("/health", w.health)

@@ -42,7 +42,7 @@ from router.sessions import session_of
 from router.stored_calls import UNREACHABLE, StoredResponseCalls
 from router.stored_responses import STORED_RESPONSE_PATH, Owner, ResponseOwners
 from router.streaming import RetryElsewhere, StreamForwarding
-from router.tokenizer_calls import TOKENIZER_PATHS, TokenizerCalls
+from router.tokenizer_calls import NO_LEASE_PATHS, TokenizerCalls
 from router.tokens import (
     RESPONSES_PATH,
     TokenCounter,
@@ -310,7 +310,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
                 return error_response(400, str(exc), param="model")
         rec.model = model = req.model
         body = req.body
-        if path in TOKENIZER_PATHS:
+        if path in NO_LEASE_PATHS:
             return await self.tokenizer.relay(request, rec, path, raw,
                                               self._upstream_headers(request, rec.id, path, rec.spans))
         how = delivery(request, path, req, rec)

@@ -1,5 +1,6 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize` (served at the root, no /v1 form), relayed to a
-worker that serves the body's model, without a lease.
+"""vLLM's `POST /tokenize` and `POST /detokenize` (served at the root, no /v1 form), and the
+Anthropic Messages API's `POST /v1/messages/count_tokens` (vLLM serves it beside /v1/messages),
+relayed to a worker that serves the body's model, without a lease.
 
 They generate nothing and take microseconds, so they do not go through the scheduler: a lease
 would count them as load, and when the pool is saturated they would wait in the admission
@@ -31,7 +32,10 @@ from scheduler.tls import PeerContext
 
 log = logging.getLogger("router.proxy")
 
-TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})  # served at the root
+# Every path that counts tokens and generates nothing: relayed here, without a lease (a
+# count_tokens call took one, and stood in the queue behind generations when the pool was full).
+NO_LEASE_PATHS = TOKENIZER_PATHS | {"/v1/messages/count_tokens"}
 ATTEMPTS = 3  # the worker picked, then up to two others
 # Answers that say the worker (or a proxy in front of it) cannot serve now, not that the
 # request is wrong: another worker is tried, as for a connection that fails.
@@ -54,7 +58,7 @@ class TokenizerCalls:
 
     async def relay(self, request: web.Request, rec: RequestRecord, path: str, raw: bytes,
                     headers: dict[str, str]) -> web.Response:
-        """The worker's answer to `path` (a TOKENIZER_PATHS one) for the model in rec.model."""
+        """The worker's answer to `path` (a NO_LEASE_PATHS one) for the model in rec.model."""
         tried: list[str] = []
         last_failure = ""
         for _ in range(ATTEMPTS):
