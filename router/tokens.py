@@ -28,11 +28,17 @@ RESPONSES_PATH = "/v1/responses"
 
 
 def render_prompt(body: dict[str, Any], path: str = "") -> tuple[str, int]:
-    """The request's prompt as one string, plus tokens given directly as ids. Chat messages
-    and the Responses API's instructions and input items render alike (role, then text), so
-    one conversation fingerprints the same through either API."""
+    """The request's prompt as one string, plus tokens given directly as ids. Chat messages,
+    the Responses API's instructions and input items, and the Anthropic Messages API's system
+    and messages render alike (role, then text), so one conversation fingerprints the same
+    through any of them."""
     messages = body.get("messages")
     if isinstance(messages, list):
+        system = body.get("system")  # the Anthropic Messages API's system prompt (vLLM serves it)
+        if isinstance(system, (str, list)) and system:
+            parts: list[str] = []
+            _render_turn(parts, "system", {"content": system})
+            return "".join(parts) + _render_messages(messages), 0
         return _render_messages(messages), 0
     if path == RESPONSES_PATH:
         return _render_responses(body), 0

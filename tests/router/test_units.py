@@ -216,6 +216,21 @@ def test_responses_bodies_render_as_their_chat_conversation():
     assert estimate_tokens(*render_prompt({"input": call}, "/v1/responses")) > 20
 
 
+def test_anthropic_messages_render_as_their_chat_conversation_with_the_system_prompt():
+    """The Anthropic Messages API (vLLM serves /v1/messages) puts the system prompt beside the
+    messages: left out, an agent's long system prompt counted for nothing in the estimate and
+    its prefix fingerprints (the part every turn shares) were the messages' only."""
+    chat = {"messages": [{"role": "system", "content": "Be brief" * 100}, {"role": "user", "content": "hi"}]}
+    blocks = [{"type": "text", "text": "Be brief" * 100}]
+    for system in ("Be brief" * 100, blocks):
+        user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        anthropic = {"system": system, "messages": [user], "max_tokens": 9}
+        assert render_prompt(anthropic, "/v1/messages") == render_prompt(chat)
+        sched, prompt, _ = schedule_request(TokenCounter(), "m", anthropic, "/v1/messages")
+        assert prompt > 200 and sched["prefix_hashes"]
+    assert render_prompt({"system": "", "messages": []}) == ("", 0)
+
+
 def test_embeddings_inputs_are_estimated_like_prompts():
     assert render_prompt({"input": "hello"}) == ("hello", 0)
     assert render_prompt({"input": ["a", "b"]}) == ("a\x1eb", 0)
