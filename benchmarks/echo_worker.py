@@ -7,7 +7,8 @@ POST /v1/embeddings (each input's embedding is [its length in characters], so a 
 what arrived), vLLM's pooling endpoints (POST /pooling, /classify, /score, /rerank, /v1/score,
 /v1/rerank, /v2/rerank: an answer that names the path it came on), POST /v1/audio/transcriptions
 and /translations (a multipart form; the text names the file's size and digest),
-POST /v1/messages/count_tokens (Anthropic's), GET /v1/models, /health,
+POST /v1/messages/count_tokens (Anthropic's), SGLang's POST /generate and TGI's
+/generate_stream, GET /v1/models, /health,
 /metrics (the vLLM v1 gauges a scheduler scrapes), GET /v1/ws.
 An answer has `max_tokens` tokens (default 16), one per SSE chunk; `--token-delay-ms`
 spaces them out. With `--max-running N` a completion arriving while N are answered is refused
@@ -244,6 +245,36 @@ class EchoWorker:
         await resp.write_eof()
         return resp
 
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """The native generation APIs: SGLang's /generate ({"text", "sampling_params":
+        {"max_new_tokens"}, "stream"}; each streamed chunk holds the text so far and its
+        meta_info) and TGI's /generate_stream ({"inputs", "parameters"}; one token an event)."""
+        body = await self._parse(request)
+        if isinstance(body, web.Response):
+            return body
+        tgi = request.path == "/generate_stream"
+        params = body.get("parameters" if tgi else "sampling_params") or {}
+        n = params.get("max_new_tokens") or 16
+        prompt_tokens = len(str(body.get("inputs" if tgi else "text", ""))) // 4
+        if not (tgi or body.get("stream")):
+            meta = {"prompt_tokens": prompt_tokens, "completion_tokens": n}
+            return web.json_response({"text": " tok" * n, "meta_info": meta})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-echo-worker": self.name})
+        await resp.prepare(request)
+        for i in range(1, n + 1):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if tgi:
+                event = {"token": {"id": i, "text": " tok"}, "generated_text": " tok" * n if i == n else None}
+            else:
+                meta = {"prompt_tokens": prompt_tokens, "completion_tokens": i}
+                event = {"text": " tok" * i, "meta_info": meta}
+            await resp.write(b"data: " + _dumps(event).encode() + b"\n\n")
+        if not tgi:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The Anthropic Messages API's token count (vLLM serves it): a quarter of the
         messages' JSON length."""
@@ -291,6 +322,8 @@ def build_app(
     for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
         app.router.add_post(path, w.audio)
     app.router.add_post("/v1/messages/count_tokens", w.count_tokens)
+    for path in ("/generate", "/generate_stream"):
+        app.router.add_post(path, w.generate)
     app.router.add_get("/v1/models", w.models)
     app.router.add_get("/v1/ws", w.ws)
     app.router.add_get("/health", w.health)

@@ -36,7 +36,12 @@ STREAMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 # (a lease, the queue). Its /tokenize and /detokenize, also at the root, generate nothing and
 # take no lease (router/tokenizer_calls.py).
 POOLING_PATHS = frozenset({"/pooling", "/classify", "/score", "/rerank", "/v2/rerank"})
-ROOT_PATHS = POOLING_PATHS | TOKENIZER_PATHS  # served at the root, as vLLM serves them
+# The engines' native generation APIs, at the root: SGLang's /generate ({"text" or "input_ids",
+# "sampling_params", "stream"}) and TGI's /generate and /generate_stream ({"inputs",
+# "parameters"}; the second always streams). They name no model: a request goes to the pool's
+# one model (router/default_model.py), leased and queued as a completion is.
+NATIVE_GENERATE_PATHS = frozenset({"/generate", "/generate_stream"})
+ROOT_PATHS = POOLING_PATHS | TOKENIZER_PATHS | NATIVE_GENERATE_PATHS  # served at the root
 _POST_ONLY = STREAMABLE | {"/v1/embeddings", "/v1/responses"} | ROOT_PATHS
 # Endpoints (of OpenAI and of the engines we front) whose request names a model. A request to
 # any other /v1 path without a model is a wrong path, not a missing field: it gets a 404.
@@ -161,7 +166,7 @@ def delivery(request: web.Request, path: str, req: ModelRequest,
         return error_response(400, "'stream' must be a boolean", param="stream")
     # Any POST that asks for a stream is streamed through (chat, completions, the Responses
     # API, audio transcriptions, ...): a buffered answer would reach its client all at once.
-    stream = stream and request.method == "POST"
+    stream = (stream or path == "/generate_stream") and request.method == "POST"
     rec.stream = stream
     priority = body.get("priority")
     try:

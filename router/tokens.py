@@ -43,6 +43,8 @@ def render_prompt(body: dict[str, Any], path: str = "") -> tuple[str, int]:
     if path == RESPONSES_PATH:
         return _render_responses(body), 0
     prompt = body.get("prompt", body.get("input"))  # completions' prompt; embeddings' input
+    if prompt is None:  # SGLang's native /generate (text or input_ids), TGI's (inputs)
+        prompt = body.get("text", body.get("inputs", body.get("input_ids")))
     if isinstance(prompt, str):
         return prompt, 0
     if isinstance(prompt, list) and prompt:
@@ -129,6 +131,10 @@ def prefix_hashes(
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
     v = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
+    if v is None:  # SGLang's and TGI's native /generate
+        params = body.get("sampling_params", body.get("parameters"))
+        if isinstance(params, dict):
+            v = params.get("max_new_tokens")
     v = lax_int_or_none(v)
     if v is None or v < 0:
         return None
