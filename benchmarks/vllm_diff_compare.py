@@ -219,7 +219,7 @@ def _previous_not_found(case: Case, direct: Seen, through: Seen) -> bool:
        "gateway's 405 naming POST: the pool may serve it; this vLLM (a generation model) has no such "
        "route at all and says 404")
 def _post_only(case: Case, direct: Seen, through: Seen) -> bool:
-    return direct.status == 404 and through.status == 405 and case.method not in ("POST", "GET")
+    return direct.status == 404 and through.status == 405 and case.method != "POST"
 
 
 @allow("an endpoint this vLLM does not serve, with a body the gateway cannot place",
