@@ -19,7 +19,7 @@ from router.access_log import AccessLog, Stats, stats_loop
 from router.auth import KeyChecker, inline_keys, key_bytes, load_api_keys
 from router.config import RouterConfig
 from router.cors import CorsPolicy
-from router.errors import error_response, no_route
+from router.errors import error_response
 from router.fallback import FallbackRouter
 from router.http_errors import OpenAIErrorAppRunner
 from router.key_reload import KeyFileWatcher
@@ -29,6 +29,7 @@ from router.queue import AdmissionQueue
 from router.request_checks import ROOT_PATHS
 from router.sched_pipe import SchedulerPipe
 from router.scheduling import Scheduling
+from router.slash_redirect import unrouted
 from router.ws_proxy import handle_ws
 from router.ws_sessions import WsSessions
 from scheduler.client import SchedulerClient
@@ -316,9 +317,10 @@ def build_app(gw: Gateway) -> web.Application:
     if cfg.allow_metrics and cfg.metrics_port is None:
         app.router.add_get("/metrics", gw.handle_metrics)
     # Last, so it only sees what no route above took: clients get the OpenAI error shape, not
-    # aiohttp's plain-text 404 / 405. Any character (`(?s:.*)`): `.*` stops at a newline, and a
-    # path with an escaped one (%0a) got the plain-text 404.
-    app.router.add_route("*", "/{tail:(?s:.*)}", no_route)
+    # aiohttp's plain-text 404 / 405 (or the redirect of a trailing slash, slash_redirect.py).
+    # Any character (`(?s:.*)`): `.*` stops at a newline, and a path with an escaped one (%0a)
+    # got the plain-text 404.
+    app.router.add_route("*", "/{tail:(?s:.*)}", unrouted)
     return app
 
 

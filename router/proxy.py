@@ -29,7 +29,7 @@ from router.access_log import AccessLog, RequestRecord, Stats, trace_id_of
 from router.auth import KeyChecker
 from router.config import RouterConfig
 from router.default_model import NoDefaultModel, default_model
-from router.errors import error_response, no_route
+from router.errors import error_response
 from router.fairness import SHARED_FLOW, flow_of
 from router.fallback import NoWorkerError
 from router.in_flight import SHUTTING_DOWN, InFlight
@@ -39,6 +39,7 @@ from router.queue import QueueDisplaced, QueueFull, QueueTimeout
 from router.request_checks import STREAMABLE, delivery, is_name, model_request, read_request_body
 from router.scheduling import PinnedWorkerGone, Route, Scheduling
 from router.sessions import session_of
+from router.slash_redirect import endpoint_redirect, unrouted
 from router.stored_calls import UNREACHABLE, StoredResponseCalls
 from router.stored_responses import STORED_RESPONSE_PATH, Owner, ResponseOwners
 from router.streaming import RetryElsewhere, StreamForwarding
@@ -290,6 +291,9 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
             return error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
+        redirect = endpoint_redirect(request, path)
+        if redirect is not None:  # `/v1/chat/completions/`: to the endpoint, as vLLM does
+            return redirect
         raw = await read_request_body(request, path, self.cfg)
         if isinstance(raw, web.Response):
             return raw
@@ -300,7 +304,7 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
 
         req = model_request(request, path, raw)
         if req is None:
-            return await no_route(request)
+            return await unrouted(request)
         if isinstance(req, web.Response):
             return req
         if req.model is None:
@@ -326,6 +330,8 @@ class Proxy(StreamForwarding, WholeForwarding, StoredResponseCalls):
         pinned: Owner | None = None
         if previous is not None:
             # It continues a response one worker stores: that worker, or a 404 as it would say.
+            if previous == "":  # no worker stores it: vLLM looks it up, and says so
+                return error_response(404, "Response with id '' not found.", param="previous_response_id")
             if not is_name(previous):
                 return error_response(400, "'previous_response_id' must be a non-empty string",
                                       param="previous_response_id")

@@ -132,9 +132,7 @@ def model_request(request: web.Request, path: str, raw: bytes) -> ModelRequest |
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
     model = body.get("model", request.query.get("model"))
-    # A trailing slash names the same endpoint: vLLM redirects it (307) to the path without,
-    # and serves the request that names no model there.
-    if model is None and path.removesuffix("/") not in MODEL_ENDPOINTS:
+    if model is None and path not in MODEL_ENDPOINTS:
         return None
     if not raw and request.method == "POST":
         return error_response(400, "request body is required")

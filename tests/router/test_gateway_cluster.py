@@ -217,6 +217,14 @@ def test_a_previous_response_id_that_is_not_text_is_a_400(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_an_empty_previous_response_id_is_not_found_as_vllm_says(cluster):
+    """vLLM looks the empty id up (a 404 "not found"); the gateway answered 400 "must be a
+    non-empty string" (benchmarks/vllm_diff_fuzz.py)."""
+    r = httpx.post(cluster["gw"] + "/v1/responses", timeout=30,
+                   json={"model": "m", "input": "x", "previous_response_id": ""})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
 def test_a_plain_get_of_the_websocket_endpoint_is_a_json_400(cluster):
     r = httpx.get(cluster["gw"] + "/v1/ws", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_websocket_handshake"
