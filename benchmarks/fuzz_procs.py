@@ -42,12 +42,19 @@ class Proc:
 
     @classmethod
     def start(cls, name: str, module: str, *args: str) -> Proc:
+        """`python -m module --port P args` with this project's Python."""
+        return cls.launch(name, [sys.executable, "-m", module], list(args))
+
+    @classmethod
+    def launch(cls, name: str, command: list[str], args: list[str], env: dict[str, str] | None = None
+               ) -> Proc:
+        """`command --port P args` (another Python's server too: vLLM's), `env` added."""
         port = _free_port()
         log = Path(tempfile.mkstemp(prefix=f"fuzz-{name}-", suffix=".log")[1])
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         with log.open("wb") as out:
-            p = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=REPO,
-                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            p = subprocess.Popen([*command, "--port", str(port), *args], cwd=REPO, stdout=out,
+                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         return cls(name, f"http://127.0.0.1:{port}", p, log)
 
     def alive(self) -> bool:

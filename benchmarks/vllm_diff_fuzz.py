@@ -19,69 +19,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from benchmarks.fuzz_procs import Proc
 from benchmarks.vllm_diff_cases import MODEL, Case, cases
 from benchmarks.vllm_diff_compare import ALLOWED, KNOWN, Seen, allowed_by, differences, known_by, seen
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_ANSWER_BYTES = 4 << 20  # more than any answer of a few tokens; past it, not read on
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    name: str
-    url: str
-    p: subprocess.Popen
-    log: Path
-
-    @classmethod
-    def start(cls, name: str, python: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
-        port = _free_port()
-        log = Path(tempfile.mkstemp(prefix=f"vllm-diff-{name}-", suffix=".log")[1])
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        with log.open("wb") as out:
-            p = subprocess.Popen([python, *args, "--port", str(port)], cwd=REPO, stdout=out,
-                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-        return cls(name, f"http://127.0.0.1:{port}", p, log)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} exited at start:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready in {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(20)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
 
 
 @contextlib.contextmanager
@@ -93,21 +43,19 @@ def stack(vllm_python: str | None, vllm_url: str | None, model_dir: str | None) 
             if model_dir is None:
                 from inference_worker.model.loader import resolve_model_dir
                 model_dir = str(resolve_model_dir(MODEL))
-            vllm = Proc.start("vllm", vllm_python or "", [
-                "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-                "--enforce-eager", "--host", "127.0.0.1"],
+            vllm = Proc.launch("vllm", [vllm_python or "", "-m", "vllm.entrypoints.openai.api_server"], [
+                "--model", model_dir, "--served-model-name", MODEL, "--dtype", "float32",
+                "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1"],
                 env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"})
             procs.append(vllm)
-            vllm.wait_ready(300)
+            vllm.wait_ready(time.monotonic() + 300)
             vllm_url = vllm.url
-        sched = Proc.start("scheduler", sys.executable, ["-m", "scheduler", "--workers", vllm_url,
-                                                         "--scrape-interval-ms", "200"])
+        sched = Proc.start("scheduler", "scheduler", "--workers", vllm_url, "--scrape-interval-ms", "200")
         procs.append(sched)
-        sched.wait_ready(60)
-        gateway = Proc.start("gateway", sys.executable, ["-m", "router", "--scheduler", sched.url])
+        sched.wait_ready(time.monotonic() + 60)
+        gateway = Proc.start("gateway", "router", "--scheduler", sched.url)
         procs.append(gateway)
-        gateway.wait_ready(60)
+        gateway.wait_ready(time.monotonic() + 60)
         _wait_models(gateway.url)
         yield {"vllm": vllm_url, "gateway": gateway.url}
     finally:
