@@ -187,6 +187,26 @@ def start_scheduler(workers: list[str], *extra: str, port: int | None = None) ->
         "scheduler", port)
 
 
+@contextlib.contextmanager
+def gateway_over_an_echo_worker(mode: str) -> Iterator[tuple[str, Proc]]:
+    """A gateway over one echo worker (model "m"): through a scheduler ("scheduled") or as its
+    static --workers ("static"). Yields the gateway's URL and process; stops all afterwards."""
+    worker, worker_url = start_echo_worker()
+    procs = [worker]
+    try:
+        if mode == "scheduled":
+            scheduler, scheduler_url = start_scheduler([worker_url], "--scrape-interval-ms", "100")
+            procs.append(scheduler)
+            gw, url = start_gateway("--scheduler", scheduler_url)
+        else:
+            gw, url = start_gateway("--workers", worker_url)
+        procs.append(gw)
+        yield url, gw
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def scheduler_over_two_echo_workers() -> Iterator[str]:
     """A scheduler (100 ms scrapes) over two echo workers, for a module fixture: yields its URL,
     stops all three afterwards."""

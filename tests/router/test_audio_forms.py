@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.procs import start_echo_worker, start_gateway, start_scheduler
+from tests.router.procs import gateway_over_an_echo_worker
 
 AUDIO = os.urandom(200_000)  # any bytes: the stand-in worker only measures what arrived
 ARRIVED = f"{len(AUDIO)} bytes sha256 {hashlib.sha256(AUDIO).hexdigest()}"
@@ -20,20 +20,8 @@ ARRIVED = f"{len(AUDIO)} bytes sha256 {hashlib.sha256(AUDIO).hexdigest()}"
 
 @pytest.fixture(scope="module", params=["scheduled", "static"])
 def gateway(request):
-    worker, worker_url = start_echo_worker()
-    procs = [worker]
-    try:
-        if request.param == "scheduled":
-            scheduler, scheduler_url = start_scheduler([worker_url], "--scrape-interval-ms", "100")
-            procs.append(scheduler)
-            gw, url = start_gateway("--scheduler", scheduler_url)
-        else:
-            gw, url = start_gateway("--workers", worker_url)
-        procs.append(gw)
+    with gateway_over_an_echo_worker(request.param) as (url, _proc):
         yield url
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_audio_is_transcribed_and_translated_through_the_gateway(gateway):

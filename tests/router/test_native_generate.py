@@ -13,25 +13,13 @@ import httpx
 import pytest
 
 from router.tokens import max_tokens_of, render_prompt
-from tests.router.procs import start_echo_worker, start_gateway, start_scheduler
+from tests.router.procs import gateway_over_an_echo_worker
 
 
 @pytest.fixture(scope="module", params=["scheduled", "static"])
 def gateway(request):
-    worker, worker_url = start_echo_worker()
-    procs = [worker]
-    try:
-        if request.param == "scheduled":
-            scheduler, scheduler_url = start_scheduler([worker_url], "--scrape-interval-ms", "100")
-            procs.append(scheduler)
-            gw, url = start_gateway("--scheduler", scheduler_url)
-        else:
-            gw, url = start_gateway("--workers", worker_url)
-        procs.append(gw)
+    with gateway_over_an_echo_worker(request.param) as (url, gw):
         yield url, gw
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _events(gateway_url: str, path: str, body: dict) -> list[str]:
