@@ -196,7 +196,7 @@ class StreamForwarding:
         except BaseException:
             watch.close()
             raise
-        complete = False
+        complete = delivered = False
         resp: web.StreamResponse | None = None
         tap: StreamTap | None = None
         try:
@@ -260,9 +260,16 @@ class StreamForwarding:
                 self._release(route, rec, ok=True)
                 if route.fallback:
                     self.sched.fallback.mark_ok(route.url)
+            # Every event is out ([DONE] or the error event): a client that closes now, before
+            # the chunked terminator, left nothing unread, and the answer is not a 499.
+            delivered = True
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError) as exc:
+            if delivered:
+                if isinstance(exc, asyncio.CancelledError):
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                return resp
             # The client went away mid-stream (a write failed, or aiohttp cancelled the handler
             # when the connection dropped): closing `up` below aborts the worker's request.
             # Either way 499, though the 200 was sent: the request counter and the access log
