@@ -132,11 +132,13 @@ def model_request(request: web.Request, path: str, raw: bytes) -> ModelRequest |
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
     model = body.get("model", request.query.get("model"))
+    if model == "":
+        model = None  # names no model, as vLLM reads it
     if model is None and path not in MODEL_ENDPOINTS:
         return None
     if not raw and request.method == "POST":
         return error_response(400, "request body is required")
-    if model is None or model == "":
+    if model is None:
         return ModelRequest(raw, body, None)
     if not is_name(model):
         return error_response(400, "'model' must be a non-empty string", param="model")

@@ -9,13 +9,23 @@ import json
 import aiohttp
 import httpx
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from router.default_model import NoDefaultModel, default_model
+from router.request_checks import model_request
 from tests.router.procs import sim_stack, start_gateway, start_sim_worker
 
 
 def test_the_one_model_served_is_the_default():
     assert default_model(["m"]) == "m"
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "x"}', b'{"model": "", "prompt": "x"}'])
+def test_no_model_on_a_path_that_is_no_endpoint_is_a_wrong_path(body):
+    request = make_mocked_request("POST", "/v1/nothing", headers={"Content-Type": "application/json"})
+    assert model_request(request, "/v1/nothing", body) is None  # the caller answers 404
+    request = make_mocked_request("POST", "/v1/completions", headers={"Content-Type": "application/json"})
+    assert model_request(request, "/v1/completions", body).model is None  # the pool's model
 
 
 @pytest.mark.parametrize(("served", "named"), [([], "no worker"), (["a", "b"], "'a', 'b'"),
