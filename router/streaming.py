@@ -299,10 +299,10 @@ class StreamForwarding:
             return resp if resp is not None else web.Response(status=499)
         finally:
             watch.close()
-            if complete:
+            if complete and up.content.is_eof():
                 up.release()
             else:
-                up.close()
+                up.close()  # (a client gone at [DONE] before the worker's end: unread, not kept)
 
     async def _whole_in_stream(self, up: aiohttp.ClientResponse, route: Route, rec: RequestRecord,
                                path: str, strip_usage: bool) -> web.Response:
@@ -359,6 +359,12 @@ class StreamForwarding:
                 except asyncio.CancelledError:
                     if watch.timed_out():
                         return "idle_timeout"
+                    if b"data: [DONE]" in tap.last:
+                        # The client has the whole answer ([DONE] is written: this read comes
+                        # after) and left before the worker's own end: a finished stream, not a
+                        # 499 (JavaScript clients commonly abort at [DONE]).
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                        return None
                     raise
                 # Writing to the client is not waiting for the worker: a client that reads
                 # slowly holds the stream back (TCP backpressure), and is no silence of the
