@@ -27,21 +27,26 @@ def endpoint_redirect(request: web.Request, path: str) -> web.Response | None:
     request for an unknown path (a stream's usage not asked for, no model not the pool's)."""
     if len(path) < 2 or not path.endswith("/") or path.rstrip("/") not in MODEL_ENDPOINTS:
         return None
-    return _redirect(request, request.path.rstrip("/"))
+    return _redirect(request)
 
 
-def _redirect(request: web.Request, target: str) -> web.Response:
-    location = target + (f"?{request.query_string}" if request.query_string else "")
-    return web.Response(status=307, headers={"Location": location})
+def _redirect(request: web.Request) -> web.Response | None:
+    """The 307 to the path as the client spelt it (percent-encoded: a decoded one put raw
+    non-ASCII or a newline in the Location header, and the answer was lost), less its trailing
+    slashes; None where the slash was itself encoded (%2F: the same URL again)."""
+    raw = request.rel_url.raw_path
+    target = raw.rstrip("/")
+    if not target or target == raw:
+        return None
+    query = request.rel_url.raw_query_string
+    return web.Response(status=307, headers={"Location": target + (f"?{query}" if query else "")})
 
 
 async def unrouted(request: web.Request) -> web.StreamResponse:
     """The redirect to the path without its trailing slash, where the gateway serves that; else
     the 404 or 405 of errors.no_route."""
-    target = await _slashless_target(request)
-    if target is None:
-        return await no_route(request)
-    return _redirect(request, target)
+    redirect = _redirect(request) if await _slashless_target(request) is not None else None
+    return redirect if redirect is not None else await no_route(request)
 
 
 async def _slashless_target(request: web.Request) -> str | None:

@@ -61,3 +61,19 @@ def test_a_path_the_gateway_does_not_serve_without_the_slash_is_still_a_404(gate
 def test_the_tokenizer_paths_are_redirected_too(gateway):
     r = httpx.post(gateway + "/tokenize/", json={"model": "m", "prompt": "hi"}, timeout=30)
     assert r.status_code == 307 and r.headers["location"] == "/tokenize"
+
+
+@pytest.mark.parametrize(("path", "location"), [
+    ("/v1/models/%C3%BC/", "/v1/models/%C3%BC"),  # non-ASCII: as the client encoded it
+    ("/v1/models/a%0Ab/", "/v1/models/a%0Ab"),  # a newline: encoded, no header injection
+])
+def test_the_location_is_the_path_as_the_client_encoded_it(gateway, path, location):
+    """The decoded path put raw UTF-8, or a newline, in the Location header: aiohttp refused
+    the newline and the client got no answer at all."""
+    r = httpx.get(gateway + path, timeout=30)
+    assert r.status_code == 307 and r.headers["location"] == location, r.text
+
+
+def test_an_encoded_trailing_slash_is_no_redirect_to_the_same_url(gateway):
+    r = httpx.get(gateway + "/v1/models/a%2F", timeout=30)
+    assert r.status_code == 404, (r.status_code, r.headers.get("location"))
